@@ -1,0 +1,153 @@
+"""The metric catalogue: every metric the agent exports, in one place.
+
+Collectors, dashboards, alert rules, docs and tests all read this module, so a
+name is spelled once.  Names used by the seed articles are kept verbatim
+(`model_loading_phase_duration_seconds`, `warmup_cost_ratio`,
+`gpu_fragmentation_rate`, `model_loading_failures_total`) so their alert
+expressions work as written; everything else carries the `warmup_` prefix.
+
+`source` says where a value comes from:
+  - "agent":  direct instrumentation by the agent while it works;
+  - "scrape": read at scrape time (NVML, /proc, the allocator, engine /metrics);
+  - "static": set once at start (build info).
+`requires` names a condition without which the metric is legitimately absent
+("gpu": only with an NVIDIA GPU visible; "breaker" etc. as features land).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Buckets for first-token latency: 5 ms .. 30 s.  The readiness thresholds of the
+# seed (0.85 s and 2.1 s) and the SOTA line (0.38 s) fall on bucket edges so that
+# `histogram_quantile` and alert expressions compare against exact edges.
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.38, 0.5, 0.85, 1.0,
+                       2.1, 2.5, 5.0, 10.0, 30.0)
+# Buckets for stage durations: 10 ms .. 30 min (a 70B model loads for minutes).
+STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                 300.0, 600.0, 1800.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str            # full exposition name (counters include _total)
+    type: str            # gauge | counter | histogram | info
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    unit: str = ""       # Grafana unit for dashboards ("s", "bytes", "percentunit", "short")
+    source: str = "agent"
+    requires: str | None = None
+    doc: str = ""        # longer explanation for docs/metrics.md
+    seed_name: bool = False  # name kept verbatim from the seed articles
+
+    @property
+    def family(self) -> str:
+        """Name as prometheus_client registers it (without _total / _info)."""
+        if self.type == "counter" and self.name.endswith("_total"):
+            return self.name[: -len("_total")]
+        if self.type == "info" and self.name.endswith("_info"):
+            return self.name[: -len("_info")]
+        return self.name
+
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # --- identity -----------------------------------------------------------
+    MetricSpec("warmup_build_info", "info",
+               "Agent build and runtime facts; value is always 1.",
+               labels=("version", "python", "torch", "engine"), source="static", unit="short"),
+    # --- state machine ----------------------------------------------------------
+    MetricSpec("warmup_state", "gauge",
+               "1 for the state the agent is in now, 0 for every other state.",
+               labels=("state",), unit="short",
+               doc="States: INIT, PRELOAD, PRIME, SERVING, DEGRADED, DRAINING, FAILED."),
+    MetricSpec("warmup_state_transitions_total", "counter",
+               "State transitions applied, by source and target state.",
+               labels=("from", "to"), unit="short"),
+    MetricSpec("warmup_illegal_transitions_total", "counter",
+               "State transitions rejected because the transition table forbids them.",
+               labels=("from", "to"), unit="short"),
+    MetricSpec("warmup_state_deadline_exceeded_total", "counter",
+               "States left because their deadline passed, by state.",
+               labels=("state",), unit="short"),
+    MetricSpec("warmup_time_to_ready_seconds", "gauge",
+               "Seconds from agent start to SERVING in the latest warmup (absent until SERVING).",
+               unit="s"),
+    # --- stages -------------------------------------------------------------------
+    MetricSpec("model_loading_phase_duration_seconds", "gauge",
+               "Duration of each warmup stage in the latest run, in seconds.",
+               labels=("phase",), unit="s", seed_name=True,
+               doc="phase is reserve, prewarm, solidify or ready (stages 1-4). Seed 003 alerts on phase1 > 0.5 s."),
+    MetricSpec("warmup_stage_duration_seconds", "histogram",
+               "Distribution of warmup stage durations across runs, in seconds.",
+               labels=("stage",), buckets=STAGE_BUCKETS, unit="s"),
+    MetricSpec("model_loading_failures_total", "counter",
+               "Warmup failures by named reason (config, integrity, memory, deadline, validation...).",
+               labels=("reason",), unit="short", seed_name=True),
+    MetricSpec("warmup_cost_ratio", "gauge",
+               "Engine seconds spent on warmup work (synthetic traffic, solidify, probes) divided by seconds since the agent started.",
+               unit="percentunit", seed_name=True,
+               doc="Seed 003 alerts above 0.15. It falls as the pod serves longer."),
+    MetricSpec("warmup_engine_seconds_total", "counter",
+               "Seconds the engine was busy on agent-generated work, by kind (warmup, solidify, probe).",
+               labels=("kind",), unit="s"),
+    # --- traffic ------------------------------------------------------------------
+    MetricSpec("warmup_requests_total", "counter",
+               "Synthetic requests the agent sent to the engine, by kind (warmup, probe).",
+               labels=("kind",), unit="short"),
+    MetricSpec("warmup_first_token_latency_seconds", "histogram",
+               "Time to first token of requests the agent measured, by kind (warmup, probe).",
+               labels=("kind",), buckets=FIRST_TOKEN_BUCKETS, unit="s"),
+    MetricSpec("warmup_first_token_window_seconds", "gauge",
+               "Exact quantile of time to first token over the readiness sliding window (probes).",
+               labels=("quantile",), unit="s",
+               doc="quantile is 0.5, 0.9 or 0.99; exact over the window (nearest-rank), no sketch error."),
+    MetricSpec("warmup_readiness_threshold_seconds", "gauge",
+               "Readiness thresholds on time to first token: quantile 0.5 (liveness) and 0.9 (tail).",
+               labels=("quantile",), unit="s"),
+    MetricSpec("warmup_first_request_tax_ratio", "gauge",
+               "Time to first token of the first probe after warmup divided by the steady (median) probe time; 1.0 means no cold-start tax.",
+               unit="short"),
+    # --- process ------------------------------------------------------------------
+    MetricSpec("warmup_memory_jitter_ratio", "gauge",
+               "Resident-memory jitter of the agent process: (max RSS - min RSS) / mean RSS over the sampling window.",
+               unit="percentunit", source="agent",
+               doc="Seed 000 §2.3 (ΔRSS / mean RSS); SOTA line 0.023. Sampled every 100 ms over the last 60 s."),
+    MetricSpec("warmup_process_resident_memory_bytes", "gauge",
+               "Resident memory of the agent process (engine included when in-process), read at scrape time.",
+               unit="bytes", source="scrape"),
+    # --- GPU (NVML / allocator), absent without a GPU --------------------------------
+    MetricSpec("warmup_gpu_memory_used_bytes", "gauge",
+               "GPU memory in use per device, from NVML.",
+               labels=("gpu", "uuid"), unit="bytes", source="scrape", requires="gpu"),
+    MetricSpec("warmup_gpu_memory_total_bytes", "gauge",
+               "GPU memory size per device, from NVML.",
+               labels=("gpu", "uuid"), unit="bytes", source="scrape", requires="gpu"),
+    MetricSpec("warmup_gpu_utilization_ratio", "gauge",
+               "GPU compute utilisation per device (0..1) over NVML's last sample period.",
+               labels=("gpu", "uuid"), unit="percentunit", source="scrape", requires="gpu"),
+    MetricSpec("gpu_fragmentation_rate", "gauge",
+               "Fraction of memory reserved by the PyTorch caching allocator that is not allocated: (reserved - allocated) / reserved, per device.",
+               labels=("gpu",), unit="percentunit", source="scrape", requires="gpu", seed_name=True,
+               doc="From torch.cuda.memory_stats of this process. Seed 003 alerts above 0.3."),
+)
+
+# Features add their metrics in a module of their own (exporter/catalogue_<feature>.py
+# with a SPECS tuple); list each here once.
+_FEATURE_MODULES: tuple[str, ...] = ()
+
+
+def _feature_specs() -> tuple[MetricSpec, ...]:
+    import importlib
+    out: tuple[MetricSpec, ...] = ()
+    for mod in _FEATURE_MODULES:
+        out += importlib.import_module(f"exporter.{mod}").SPECS
+    return out
+
+
+CATALOGUE = CATALOGUE + _feature_specs()
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
+assert len(BY_NAME) == len(CATALOGUE), "duplicate metric name in catalogue"
+
+
+def spec(name: str) -> MetricSpec:
+    return BY_NAME[name]

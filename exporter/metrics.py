@@ -1,0 +1,41 @@
+"""The agent's own metrics (direct instrumentation), built from the catalogue.
+
+`AgentMetrics` owns a registry (a fresh one per agent, so tests never share
+state) and creates one prometheus_client object per catalogue entry whose
+source is "agent" or "static".  Values read at scrape time (NVML, allocator,
+process) come from collectors in exporter/collectors.py registered on the same
+registry.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from exporter.catalogue import CATALOGUE, MetricSpec
+
+_TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram, "info": Info}
+
+
+class AgentMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._metrics: dict[str, object] = {}
+        for spec in CATALOGUE:
+            if spec.source == "scrape":
+                continue
+            self._metrics[spec.name] = self._create(spec)
+
+    def _create(self, spec: MetricSpec):
+        kwargs = dict(name=spec.family, documentation=spec.help, labelnames=spec.labels,
+                      registry=self.registry)
+        if spec.type == "histogram":
+            kwargs["buckets"] = spec.buckets
+        if spec.type == "info":
+            kwargs.pop("labelnames")
+        return _TYPES[spec.type](**kwargs)
+
+    def get(self, name: str):
+        """The prometheus_client object for a catalogue name (e.g. "warmup_requests_total")."""
+        return self._metrics[name]
+
+    def __getitem__(self, name: str):
+        return self._metrics[name]

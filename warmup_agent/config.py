@@ -1,0 +1,323 @@
+"""Configuration: one YAML file, `WARMUP_AGENT_*` environment overrides, CLI flags.
+
+Precedence: built-in defaults < YAML file < environment < command-line flags.
+Every key is declared once in `KEYS` (type, default, check, doc); the YAML
+reference in docs/config.md and `warmup-agent config-reference` are generated
+from it.  A bad value raises `ConfigError`, whose message is one line naming
+the file, the key, the value and what was expected.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import yaml
+
+
+class ConfigError(Exception):
+    """A user mistake in configuration.  `str(e)` is the one line to show."""
+
+    reason = "invalid_config"
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Key:
+    path: str                      # dotted key, e.g. "readiness.p50_threshold_seconds"
+    kind: str                      # str | int | float | bool | int_list | str_or_null
+    default: Any
+    doc: str
+    check: Callable[[Any], bool] | None = None
+    expected: str = ""             # what the check wants, for the error line
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def env(self) -> str:
+        return "WARMUP_AGENT_" + self.path.upper().replace(".", "_")
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+def _positive_list(v) -> bool:
+    return len(v) > 0 and all(x > 0 for x in v)
+
+
+def _listen(v) -> bool:
+    host, _, port = v.rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+
+
+def _default_data_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "warmup-agent")
+
+
+KEYS: tuple[Key, ...] = (
+    Key("engine", "str", "torch", "Engine adapter: torch (in-process transformers), vllm (in-process vLLM) or openai (an OpenAI-compatible server).",
+        choices=("torch", "vllm", "openai")),
+    Key("data_dir", "str", None, "Directory for the embedded model, caches and records. Default: $XDG_CACHE_HOME/warmup-agent or ~/.cache/warmup-agent."),
+    Key("model.path", "str_or_null", None, "Hugging Face-layout model directory (config.json, tokenizer, *.safetensors). Empty: the embedded default, a small Llama with random weights created once under data_dir."),
+    Key("model.dtype", "str", "auto", "Weight dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16.",
+        choices=("auto", "float32", "bfloat16", "float16")),
+    Key("model.device", "str", "auto", "Device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.",
+        check=lambda v: v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()),
+        expected="auto, cpu, cuda or cuda:N"),
+    Key("exporter.listen", "str", "127.0.0.1:9400", "HOST:PORT of the exporter (/metrics, /healthz, /readyz, /startupz). Use 0.0.0.0:9400 in a pod.",
+        check=_listen, expected="HOST:PORT with a port in 1..65535"),
+    Key("exporter.tls_cert_file", "str_or_null", None, "PEM certificate; with tls_key_file, serve HTTPS."),
+    Key("exporter.tls_key_file", "str_or_null", None, "PEM private key for tls_cert_file."),
+    Key("exporter.basic_auth_username", "str_or_null", None, "If set, every endpoint but /healthz, /readyz and /startupz requires HTTP basic auth."),
+    Key("exporter.basic_auth_password_file", "str_or_null", None, "File holding the basic-auth password (kept out of the config and the environment)."),
+    Key("reserve.pin_cpus", "bool", True, "Pin the process to the CPUs local to its GPU (intersected with the allowed cpuset)."),
+    Key("prewarm.prompt_lengths", "int_list", [16, 32, 64, 128], "Prompt lengths (tokens) of the synthetic warmup grid; cover what real traffic sends.",
+        check=_positive_list, expected="a non-empty list of integers > 0"),
+    Key("prewarm.batch_sizes", "int_list", [1, 2, 4], "Batch sizes of the synthetic warmup grid.",
+        check=_positive_list, expected="a non-empty list of integers > 0"),
+    Key("prewarm.requests_per_shape", "int", 1, "Warmup requests per (prompt length, batch size) shape.",
+        check=_positive, expected="an integer > 0"),
+    Key("prewarm.max_new_tokens", "int", 2, "Tokens generated per warmup request (>= 2 also warms the decode step).",
+        check=_positive, expected="an integer > 0"),
+    Key("solidify.mode", "str", "auto", "auto (best the engine supports), none, replay (run the warmed shapes once more), compile (torch.compile) or cuda_graphs.",
+        choices=("auto", "none", "replay", "compile", "cuda_graphs")),
+    Key("readiness.p50_threshold_seconds", "float", 0.85, "Ready only when the window's P50 time to first token is at or under this (seed: 850 ms).",
+        check=_positive, expected="a number > 0"),
+    Key("readiness.p90_threshold_seconds", "float", 2.1, "Ready only when the window's P90 time to first token is at or under this (seed: 2100 ms).",
+        check=_positive, expected="a number > 0"),
+    Key("readiness.min_probes", "int", 10, "Probes needed in the window before readiness is decided.",
+        check=_positive, expected="an integer > 0"),
+    Key("readiness.window_size", "int", 100, "Sliding-window length in probes (quantiles are exact over it).",
+        check=_positive, expected="an integer > 0"),
+    Key("readiness.max_probes", "int", 200, "Give up (reason readiness_thresholds_not_met) after this many probes.",
+        check=_positive, expected="an integer > 0"),
+    Key("readiness.probe_prompt_length", "int", 16, "Prompt length (tokens) of a readiness probe.",
+        check=_positive, expected="an integer > 0"),
+    Key("readiness.probe_interval_seconds", "float", 0.0, "Pause between probes while gating readiness.",
+        check=_non_negative, expected="a number >= 0"),
+    Key("readiness.watch_interval_seconds", "float", 5.0, "After SERVING, one probe every this many seconds keeps the window fresh (0: no probes after SERVING).",
+        check=_non_negative, expected="a number >= 0"),
+    Key("deadlines.init_seconds", "float", 60.0, "Deadline of INIT (reserve). 0 disables.",
+        check=_non_negative, expected="a number >= 0"),
+    Key("deadlines.preload_seconds", "float", 30.0, "Deadline of PRELOAD (weights, tokenizer, warmup traffic); seed default 30 s. 0 disables.",
+        check=_non_negative, expected="a number >= 0"),
+    Key("deadlines.prime_seconds", "float", 300.0, "Deadline of PRIME (solidify and readiness gate). 0 disables.",
+        check=_non_negative, expected="a number >= 0"),
+    Key("log.level", "str", "info", "Log level.", choices=("debug", "info", "warning", "error")),
+    Key("log.format", "str", "text", "text, or json (one object per line).", choices=("text", "json")),
+)
+
+BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
+BY_ENV: dict[str, Key] = {k.env: k for k in KEYS}
+assert len(BY_ENV) == len(KEYS), "two keys map to one environment variable"
+
+_TYPE_WORDS = {"str": "a string", "str_or_null": "a string or null", "int": "an integer",
+               "float": "a number", "bool": "true or false", "int_list": "a list of integers"}
+
+
+def _coerce(key: Key, value: Any, where: str) -> Any:
+    """Return value converted to key.kind or raise ConfigError naming where it came from."""
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{where}: key '{key.path}': got {value!r}; expected {expected}", key.path)
+
+    k = key.kind
+    if k == "str_or_null":
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise bad(_TYPE_WORDS[k])
+    elif k == "str":
+        if value is None and key.default is None:
+            return None
+        if not isinstance(value, str):
+            raise bad(_TYPE_WORDS[k] if not key.choices else "one of " + ", ".join(key.choices))
+    elif k == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad(key.expected or _TYPE_WORDS[k])
+    elif k == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(key.expected or _TYPE_WORDS[k])
+        value = float(value)
+    elif k == "bool":
+        if not isinstance(value, bool):
+            raise bad(_TYPE_WORDS[k])
+    elif k == "int_list":
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise bad(key.expected or _TYPE_WORDS[k])
+    if key.choices and value not in key.choices:
+        raise bad("one of " + ", ".join(key.choices))
+    if key.check and value is not None and not key.check(value):
+        raise bad(key.expected)
+    return value
+
+
+def _flatten(tree: dict, prefix: str, source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in tree.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, dict) and not any(k.path == path for k in KEYS):
+            if not any(k.path.startswith(path + ".") for k in KEYS):
+                raise _unknown(path, source)
+            out.update(_flatten(value, path + ".", source))
+        else:
+            out[path] = value
+    return out
+
+
+def _unknown(path: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(path, list(BY_PATH), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
+    return ConfigError(f"{source}: unknown key '{path}'{hint}", path)
+
+
+class Config:
+    """Validated configuration.  Read values with `cfg["readiness.min_probes"]`
+    or as attributes of sections: `cfg.readiness.min_probes`."""
+
+    def __init__(self, values: dict[str, Any], sources: dict[str, str]):
+        self._values = values
+        self.sources = sources    # key -> where its value came from (default, file, env, flag)
+
+    def __getitem__(self, path: str) -> Any:
+        return self._values[path]
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._values:
+            return self._values[name]
+        prefix = name + "."
+        section = {p[len(prefix):]: v for p, v in self._values.items() if p.startswith(prefix)}
+        if not section:
+            raise AttributeError(name)
+        return _Section(section)
+
+    def as_dict(self) -> dict[str, Any]:
+        tree: dict[str, Any] = {}
+        for path, value in self._values.items():
+            node = tree
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        return tree
+
+
+class _Section:
+    def __init__(self, values: dict[str, Any]):
+        self.__dict__.update(values)
+
+
+def load(path: str | None = None, env: dict[str, str] | None = None,
+         flags: dict[str, Any] | None = None) -> Config:
+    """Build a Config from defaults, a YAML file, the environment and flags.
+    Raises ConfigError (one line) on any problem."""
+    env = os.environ if env is None else env
+    values = {k.path: k.default for k in KEYS}
+    sources = {k.path: "default" for k in KEYS}
+
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+        try:
+            tree = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of keys at the top level, got {type(tree).__name__}")
+        for p, v in _flatten(tree, "", path).items():
+            if p not in BY_PATH:
+                raise _unknown(p, path)
+            values[p] = _coerce(BY_PATH[p], v, path)
+            sources[p] = "file"
+
+    for name, raw in env.items():
+        if not name.startswith("WARMUP_AGENT_"):
+            continue
+        key = BY_ENV.get(name)
+        if key is None:
+            close = difflib.get_close_matches(name, list(BY_ENV), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"environment: unknown variable {name}{hint}", name)
+        try:
+            parsed = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            parsed = raw
+        if key.kind in ("str", "str_or_null") and parsed is not None:
+            parsed = raw  # keep strings verbatim ("0123" stays a string)
+        values[key.path] = _coerce(key, parsed, f"environment {name}")
+        sources[key.path] = "env"
+
+    for p, v in (flags or {}).items():
+        if v is None:
+            continue
+        values[p] = _coerce(BY_PATH[p], v, f"command line ({p})")
+        sources[p] = "flag"
+
+    if values["data_dir"] is None:
+        values["data_dir"] = _default_data_dir()
+    _cross_checks(values, path or "configuration")
+    return Config(values, sources)
+
+
+def _cross_checks(v: dict[str, Any], where: str) -> None:
+    if v["readiness.p50_threshold_seconds"] > v["readiness.p90_threshold_seconds"]:
+        raise ConfigError(
+            f"{where}: key 'readiness.p50_threshold_seconds': got {v['readiness.p50_threshold_seconds']}; "
+            f"expected at most readiness.p90_threshold_seconds ({v['readiness.p90_threshold_seconds']})",
+            "readiness.p50_threshold_seconds")
+    if v["readiness.min_probes"] > v["readiness.window_size"]:
+        raise ConfigError(
+            f"{where}: key 'readiness.min_probes': got {v['readiness.min_probes']}; "
+            f"expected at most readiness.window_size ({v['readiness.window_size']})", "readiness.min_probes")
+    if v["readiness.min_probes"] > v["readiness.max_probes"]:
+        raise ConfigError(
+            f"{where}: key 'readiness.min_probes': got {v['readiness.min_probes']}; "
+            f"expected at most readiness.max_probes ({v['readiness.max_probes']})", "readiness.min_probes")
+    if bool(v["exporter.tls_cert_file"]) != bool(v["exporter.tls_key_file"]):
+        raise ConfigError(f"{where}: key 'exporter.tls_key_file': TLS needs both exporter.tls_cert_file and exporter.tls_key_file",
+                          "exporter.tls_key_file")
+    if bool(v["exporter.basic_auth_username"]) != bool(v["exporter.basic_auth_password_file"]):
+        raise ConfigError(f"{where}: key 'exporter.basic_auth_password_file': basic auth needs both a username and a password file",
+                          "exporter.basic_auth_password_file")
+
+
+def reference_yaml() -> str:
+    """The documented YAML reference with every key at its default."""
+    lines = ["# warmup-agent configuration: every key with its default.",
+             "# Each key can be overridden by the environment variable shown.", ""]
+    section = None
+    for k in KEYS:
+        parts = k.path.split(".")
+        if len(parts) == 2 and parts[0] != section:
+            section = parts[0]
+            lines += ["", f"{section}:"]
+        elif len(parts) == 1:
+            section = None
+        indent = "  " if len(parts) == 2 else ""
+        default = "null" if k.default is None else yaml.safe_dump(k.default, default_flow_style=True).strip()
+        if default.endswith("\n...") or default.endswith("..."):
+            default = default.replace("\n...", "").replace("...", "").strip()
+        lines.append(f"{indent}# {k.doc}")
+        lines.append(f"{indent}# env: {k.env}")
+        lines.append(f"{indent}{parts[-1]}: {default}")
+    return "\n".join(lines).strip() + "\n"

@@ -1,0 +1,291 @@
+"""Supervise a model server child process (e.g. vLLM's OpenAI-compatible server).
+
+One job: keep one server process alive and tell the agent when it comes and goes.
+
+- The child runs in a process group of its own (`start_new_session`), so stopping
+  it kills everything it spawned; on Linux it also gets PR_SET_PDEATHSIG=SIGKILL,
+  so it dies with the supervisor's monitor thread even if the agent is killed -9.
+- Its stdout and stderr go, line by line, into our log (logger
+  `warmup_agent.server`); the last lines are kept for error messages.
+- A crash after the server was healthy calls `on_server_exit(returncode)` at once
+  (the pipeline drops readiness and goes back to PRELOAD), then the server is
+  restarted after a capped exponential backoff and `on_server_ready()` is called
+  when its health endpoint answers again.
+- `stop()` sends SIGTERM to the group, waits `drain_seconds` for in-flight
+  requests to finish, then SIGKILLs whatever is left.
+
+Every Popen happens on the monitor thread: PR_SET_PDEATHSIG fires when the
+*thread* that forked the child ends, so forking from a short-lived stage thread
+would kill the server when that thread returns.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Callable
+
+from warmup_agent.engines.base import EngineError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGKILL the child when its parent thread dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux/glibc: the process group kill in stop() still applies
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already accepts connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class Supervisor:
+    """Start, watch, restart and stop one server process.
+
+    `health_url` must answer 200 once the server can take requests (vLLM: /health).
+    Times are seconds.  Callbacks run on the monitor thread; keep them short.
+    """
+
+    def __init__(self, command: list[str], health_url: str, *, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1", port: int | None = None,
+                 ready_timeout: float = 300.0, backoff_initial: float = 1.0, backoff_max: float = 30.0,
+                 drain_seconds: float = 10.0, max_restarts: int | None = None,
+                 on_server_exit: Callable[[int], None] | None = None,
+                 on_server_ready: Callable[[], None] | None = None,
+                 on_log_line: Callable[[str], None] | None = None,
+                 log: logging.Logger | None = None):
+        if not command:
+            raise EngineError("server_command_missing", "no server command given (put it after --)")
+        self.command = list(command)
+        self.health_url = health_url
+        self.env = env
+        self.host, self.port = host, port
+        self.ready_timeout = ready_timeout
+        self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
+        self.drain_seconds = drain_seconds
+        self.max_restarts = max_restarts
+        self.on_server_exit = on_server_exit
+        self.on_server_ready = on_server_ready
+        self.on_log_line = on_log_line
+        self.log = log or logging.getLogger("warmup_agent.supervisor")
+        self.server_log = logging.getLogger("warmup_agent.server")
+
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0                  # restarts after a crash (not the first start)
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=40)
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._first_ready = threading.Event()
+        self._first_error: EngineError | None = None
+        self._monitor: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
+
+    # -- public ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the server and block until it is healthy.  Raises EngineError with a
+        named reason: server_command_not_found, port_in_use, server_exited,
+        server_never_healthy.  On error nothing is left running."""
+        exe = self.command[0]
+        if shutil.which(exe) is None:
+            raise EngineError("server_command_not_found",
+                              f"server command not found: {exe!r} (first word after --; not on PATH and not an executable file)")
+        if self.port is not None and port_in_use(self.host, self.port):
+            raise EngineError("port_in_use",
+                              f"port {self.host}:{self.port} is already in use: another server listens there; "
+                              f"stop it or give the server another --port")
+        self._monitor = threading.Thread(target=self._run, name="server-supervisor", daemon=True)
+        self._monitor.start()
+        self._first_ready.wait()
+        if self._first_error is not None:
+            self._monitor.join()
+            raise self._first_error
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, wait up to drain_seconds, then SIGKILL.
+        Safe to call more than once and from any thread."""
+        self._stopping.set()
+        with self._lock:
+            proc = self.proc
+        if proc is not None:
+            self._terminate(proc, self.drain_seconds)
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=self.drain_seconds + 10)
+
+    # -- monitor thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = self.backoff_initial
+        first = True
+        while not self._stopping.is_set():
+            try:
+                proc = self._spawn()
+            except OSError as e:
+                err = EngineError("server_command_failed", f"cannot start server {self.command[0]!r}: {e.strerror or e}")
+                if first:
+                    self._fail_first(err)
+                    return
+                self.log.error(err.message)
+                proc = None
+            if proc is not None:
+                ok = self._wait_healthy(proc)
+                if ok:
+                    if first:
+                        first = False
+                        self._first_ready.set()
+                    else:
+                        self.log.info("server restarted and healthy (pid %d, restart %d)", proc.pid, self.restarts)
+                    healthy_since = time.monotonic()
+                    if self.on_server_ready:
+                        self.on_server_ready()
+                    rc = proc.wait()
+                    self._join_readers()
+                    if self._stopping.is_set():
+                        return
+                    # A server that stayed up for a while earns a fresh backoff.
+                    if time.monotonic() - healthy_since > 60:
+                        backoff = self.backoff_initial
+                    self.log.error("server exited with code %s; restarting in %.1f s (last log: %s)",
+                                   rc, backoff, self._last_line())
+                    if self.on_server_exit:
+                        self.on_server_exit(rc)
+                elif first:
+                    return  # _wait_healthy reported the reason through _fail_first
+                elif self._stopping.is_set():
+                    return
+            if self.max_restarts is not None and self.restarts >= self.max_restarts:
+                self.log.error("server restarted %d times; giving up", self.restarts)
+                return
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, self.backoff_max)
+            self.restarts += 1
+
+    def _spawn(self) -> subprocess.Popen:
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        with self._lock:
+            self.proc = proc
+        self.log.info("server started (pid %d): %s", proc.pid, " ".join(self.command))
+        reader = threading.Thread(target=self._pump, args=(proc,), name="server-log", daemon=True)
+        reader.start()
+        self._readers = [reader]
+        return proc
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
+            self.last_lines.append(line)
+            self.server_log.info("%s", line)
+            if self.on_log_line:
+                try:
+                    self.on_log_line(line)
+                except Exception:  # noqa: BLE001 - a listener bug must not stop log capture
+                    self.log.exception("log listener failed")
+        proc.stdout.close()
+
+    def _join_readers(self) -> None:
+        for t in self._readers:
+            t.join(timeout=5)
+
+    def _wait_healthy(self, proc: subprocess.Popen) -> bool:
+        deadline = time.monotonic() + self.ready_timeout
+        interval = 0.1
+        while True:
+            if self._stopping.is_set():
+                self._terminate(proc, 0)
+                if self._first_ready.is_set():
+                    return False
+                self._fail_first(EngineError("stopped", "stopped before the server became healthy"))
+                return False
+            rc = proc.poll()
+            if rc is not None:
+                self._join_readers()
+                reason, why = self._exit_reason()
+                err = EngineError(reason, f"server exited with code {rc} before it became healthy: {why}")
+                if not self._first_ready.is_set():
+                    self._fail_first(err)
+                else:
+                    self.log.error(err.message)
+                    if self.on_server_exit:
+                        self.on_server_exit(rc)
+                return False
+            if self.healthy():
+                return True
+            if time.monotonic() > deadline:
+                self._terminate(proc, 0)
+                err = EngineError("server_never_healthy",
+                                  f"server did not answer {self.health_url} with 200 within {self.ready_timeout:g} s "
+                                  f"(last log: {self._last_line()})")
+                if not self._first_ready.is_set():
+                    self._fail_first(err)
+                else:
+                    self.log.error(err.message)
+                return False
+            time.sleep(interval)
+            interval = min(interval * 1.5, 1.0)
+
+    def _exit_reason(self) -> tuple[str, str]:
+        text = "\n".join(self.last_lines)
+        if "Address already in use" in text or "address already in use" in text:
+            return "port_in_use", "its port is already in use"
+        return "server_exited", self._last_line()
+
+    def _last_line(self) -> str:
+        return self.last_lines[-1] if self.last_lines else "(no output)"
+
+    def _fail_first(self, err: EngineError) -> None:
+        self._first_error = err
+        self._first_ready.set()
+
+    def _terminate(self, proc: subprocess.Popen, grace: float) -> None:
+        """SIGTERM the whole process group, then SIGKILL it after `grace` seconds."""
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=grace if grace > 0 else 0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        # Children may outlive the leader: kill the group regardless.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if proc.poll() is None:
+            proc.wait()

@@ -83,9 +83,10 @@ class Engine(abc.ABC):
         `warmup=True` marks agent-generated traffic so that it never counts as user
         traffic (an HTTP engine sends `X-Warmup: true`)."""
 
-    def solidify(self, shapes: list[tuple[int, int]]) -> SolidifyReport:
+    def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
         """Freeze what can be frozen for the warmed (prompt_length, batch) shapes:
-        CUDA graphs / torch.compile where supported.  Default: nothing."""
+        CUDA graphs / torch.compile where supported (`mode` is solidify.mode).
+        Default: nothing."""
         return SolidifyReport(method="none")
 
     @abc.abstractmethod

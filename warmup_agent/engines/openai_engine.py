@@ -82,8 +82,10 @@ class OpenAIEngine(Engine):
 
     def __init__(self, cfg, server_command: list[str] | None = None, log: logging.Logger | None = None,
                  on_server_exit: Callable[[int], None] | None = None,
-                 on_server_ready: Callable[[], None] | None = None):
+                 on_server_ready: Callable[[], None] | None = None,
+                 base_env: dict[str, str] | None = None):
         self.cfg = cfg
+        self.base_env = base_env          # the server's environment before ours (default: os.environ)
         self.log = log or logging.getLogger("warmup_agent.engines.openai")
         self.command = fix_vllm_command(server_command) if server_command else None
         if self.command:
@@ -119,7 +121,7 @@ class OpenAIEngine(Engine):
         """The server's environment: ours plus the caches pointed at the agent's
         cache directories (solidify keeps them) and the vLLM CPU workarounds."""
         data = self.cfg["data_dir"]
-        env = dict(os.environ)
+        env = dict(os.environ if self.base_env is None else self.base_env)
         for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("TRITON_CACHE_DIR", "triton")):
             env.setdefault(var, os.path.join(data, "cache", sub))

@@ -1,0 +1,111 @@
+"""Collectors for values read at scrape time: process memory, NVML, the allocator.
+
+Like prometheus_client's ProcessCollector: dependencies injected through the
+constructor, fresh metric families on every collect(), and one failing section
+(an NVML call, a /proc read) never blanks the rest of the scrape.  Without a GPU
+the GPU families are simply absent.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import psutil
+from prometheus_client.core import GaugeMetricFamily
+
+from exporter.catalogue import spec
+
+log = logging.getLogger("exporter.collectors")
+
+
+def _family(name: str, labels=None) -> GaugeMetricFamily:
+    s = spec(name)
+    return GaugeMetricFamily(s.name, s.help, labels=list(s.labels) if labels is None else labels)
+
+
+class ProcessCollector:
+    def __init__(self, process: psutil.Process | None = None):
+        self._proc = process or psutil.Process()
+
+    def collect(self):
+        try:
+            fam = _family("warmup_process_resident_memory_bytes")
+            fam.add_metric([], float(self._proc.memory_info().rss))
+            yield fam
+        except Exception:  # noqa: BLE001 - a /proc read must not blank the scrape
+            log.debug("process memory read failed", exc_info=True)
+
+
+class NVMLCollector:
+    """Per-GPU memory and utilisation from NVML, labelled by index and UUID (the
+    UUID is stable across restarts; the index is what nvidia-smi shows)."""
+
+    def __init__(self, nvml=None):
+        self._nvml = nvml
+        self._ok = None
+
+    def _init(self) -> bool:
+        if self._ok is None:
+            try:
+                if self._nvml is None:
+                    import pynvml
+                    self._nvml = pynvml
+                self._nvml.nvmlInit()
+                self._ok = True
+            except Exception:  # noqa: BLE001 - no driver: a CPU host
+                self._ok = False
+        return self._ok
+
+    def collect(self):
+        if not self._init():
+            return
+        nv = self._nvml
+        used, total, util = (_family("warmup_gpu_memory_used_bytes"), _family("warmup_gpu_memory_total_bytes"),
+                             _family("warmup_gpu_utilization_ratio"))
+        try:
+            count = nv.nvmlDeviceGetCount()
+        except Exception:  # noqa: BLE001
+            return
+        for i in range(count):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                uuid = nv.nvmlDeviceGetUUID(h)
+                labels = [str(i), uuid.decode() if isinstance(uuid, bytes) else str(uuid)]
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                used.add_metric(labels, float(mem.used))
+                total.add_metric(labels, float(mem.total))
+                util.add_metric(labels, nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0)
+            except Exception:  # noqa: BLE001 - one GPU failing leaves the others
+                log.debug("NVML read of GPU %d failed", i, exc_info=True)
+        yield used
+        yield total
+        yield util
+
+
+class AllocatorCollector:
+    """gpu_fragmentation_rate from this process's PyTorch caching allocator:
+    (reserved - allocated) / reserved, per device it has touched.  Reads
+    torch only if the process already imported it and initialised CUDA."""
+
+    def collect(self):
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return
+        try:
+            if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+                return
+            fam = _family("gpu_fragmentation_rate")
+            for d in range(torch.cuda.device_count()):
+                stats = torch.cuda.memory_stats(d)
+                reserved = stats.get("reserved_bytes.all.current", 0)
+                allocated = stats.get("allocated_bytes.all.current", 0)
+                if reserved:
+                    fam.add_metric([str(d)], (reserved - allocated) / reserved)
+            yield fam
+        except Exception:  # noqa: BLE001
+            log.debug("allocator stats failed", exc_info=True)
+
+
+def register_default_collectors(registry) -> None:
+    for c in (ProcessCollector(), NVMLCollector(), AllocatorCollector()):
+        registry.register(c)

@@ -1,0 +1,3 @@
+from warmup_agent.cli import main
+
+raise SystemExit(main())

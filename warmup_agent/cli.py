@@ -1,0 +1,214 @@
+"""`warmup-agent` command line.
+
+Exit codes: 0 ok, 2 usage or configuration error, 3 model or validation failure.
+A user mistake gets one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from warmup_agent import __version__
+from warmup_agent.config import ConfigError
+
+EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
+
+DESCRIPTION = """\
+Cold-start warmup agent for LLM inference servers.
+
+`run` takes a model server through four stages -- reserve (host facts, CPU
+pinning, memory check), prewarm (tokenizer, weights, synthetic traffic over the
+prompt-length x batch grid), solidify (replay / compile the warmed shapes) and
+ready (probe time to first token until P50/P90 meet their thresholds) -- and
+only then reports SERVING on /readyz.  Metrics on /metrics, progress on
+/startupz.  With no --model it creates (once) and warms a small embedded Llama.
+"""
+
+EPILOG = """\
+examples:
+  warmup-agent run --once                      warm the embedded model, exit 0 at SERVING
+  warmup-agent run --model ./Qwen2-1.5B --listen 0.0.0.0:9400
+  warmup-agent run --config agent.yaml --record run.json
+  warmup-agent check-config agent.yaml
+  warmup-agent config-reference > agent.yaml   every key with its default
+
+exit codes: 0 ok, 2 usage or configuration error, 3 model or validation failure
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="warmup-agent", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"warmup-agent {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="warm a model server and serve readiness and metrics",
+                         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--config", metavar="FILE", help="YAML config file (see `config-reference`)")
+    run.add_argument("--model", metavar="DIR", help="Hugging Face-layout model directory (default: the embedded model)")
+    run.add_argument("--engine", choices=("torch", "vllm", "openai"), help="engine adapter (default: torch)")
+    run.add_argument("--listen", metavar="HOST:PORT", help="exporter address (default 127.0.0.1:9400)")
+    run.add_argument("--data-dir", metavar="DIR", help="where the embedded model and caches live")
+    run.add_argument("--once", action="store_true", help="exit 0 as soon as SERVING is reached (3 on failure)")
+    run.add_argument("--record", metavar="FILE", help="write the run (stages, probes, final state) as JSON")
+    run.add_argument("--no-progress", action="store_true", help="no live progress display")
+    run.add_argument("server_command", nargs=argparse.REMAINDER,
+                     help="for --engine openai: `-- <server command...>` to start and supervise")
+
+    chk = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)")
+    chk.add_argument("file", metavar="FILE")
+    sub.add_parser("config-reference", help="print every config key with its default and documentation")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        if args.command == "check-config":
+            return cmd_check_config(args)
+        if args.command == "config-reference":
+            from warmup_agent.config import reference_yaml
+            sys.stdout.write(reference_yaml())
+            return EXIT_OK
+        return cmd_run(args)
+    except ConfigError as e:
+        print(f"warmup-agent: config error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_check_config(args) -> int:
+    from warmup_agent import config
+    cfg = config.load(args.file)
+    overridden = sorted(k for k, v in cfg.sources.items() if v != "default")
+    print(f"{args.file}: valid ({len(overridden)} keys set: {', '.join(overridden) or 'none'})")
+    return EXIT_OK
+
+
+def _setup_logging(level: str, fmt: str, progress) -> None:
+    from warmup_agent.progress import JsonFormatter, ProgressAwareHandler
+    handler = ProgressAwareHandler(progress, sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _read_secret(path: str, key: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"key '{key}': cannot read {path}: {e.strerror}", key) from None
+
+
+def cmd_run(args) -> int:
+    from warmup_agent import config
+    server_command = [a for a in (args.server_command or []) if a != "--"] or None
+    cfg = config.load(args.config, flags={"model.path": args.model, "engine": args.engine,
+                                          "exporter.listen": args.listen, "data_dir": args.data_dir})
+    from warmup_agent.progress import Progress
+    progress = Progress(sys.stderr, enabled=not args.no_progress)
+    _setup_logging(cfg["log.level"], cfg["log.format"], progress)
+    log = logging.getLogger("warmup_agent")
+
+    if server_command and cfg["engine"] != "openai":
+        raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg['engine']})", "engine")
+
+    model_path = cfg["model.path"]
+    if model_path is None and cfg["engine"] == "torch":
+        from warmup_agent.embedded_model import embedded_model_dir, ensure_embedded_model
+        if not os.path.exists(os.path.join(embedded_model_dir(cfg["data_dir"]), ".complete")):
+            print(f"creating the embedded default model under {cfg['data_dir']} (once)...", file=sys.stderr)
+        model_path = ensure_embedded_model(cfg["data_dir"])
+
+    from exporter.collectors import register_default_collectors
+    from exporter.metrics import AgentMetrics
+    from exporter.server import ExporterServer
+    from warmup_agent.engines import EngineError, create
+    from warmup_agent.pipeline import Agent
+    from warmup_agent.states import State
+
+    metrics = AgentMetrics()
+    register_default_collectors(metrics.registry)
+    try:
+        engine = create(cfg, model_path, server_command=server_command)
+    except EngineError as e:
+        print(f"warmup-agent: {e.message}", file=sys.stderr)
+        return EXIT_FAILED
+    agent = Agent(cfg, engine, metrics=metrics, progress=progress)
+
+    host, _, port = cfg["exporter.listen"].rpartition(":")
+    auth = None
+    if cfg["exporter.basic_auth_username"]:
+        auth = (cfg["exporter.basic_auth_username"],
+                _read_secret(cfg["exporter.basic_auth_password_file"], "exporter.basic_auth_password_file"))
+    try:
+        server = ExporterServer(agent, metrics.registry, host.strip("[]"), int(port),
+                                tls_cert=cfg["exporter.tls_cert_file"], tls_key=cfg["exporter.tls_key_file"],
+                                basic_auth=auth).start()
+    except OSError as e:
+        raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg['exporter.listen']}: {e.strerror}",
+                          "exporter.listen") from None
+    log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg["engine"],
+             model_path, "https" if cfg["exporter.tls_cert_file"] else "http", host, server.port)
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("signal %d: draining", signum)
+        agent.sm.transition(State.DRAINING)
+        stop.set()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    try:
+        state = agent.run()
+        record = agent.record()
+        _write_record(args.record, record)
+        print(_summary(record))
+        if state == State.SERVING:
+            if args.once:
+                return EXIT_OK
+            log.info("SERVING: /readyz is 200; probing every %gs; SIGTERM drains and exits",
+                     cfg["readiness.watch_interval_seconds"])
+            agent.watch(cfg["readiness.watch_interval_seconds"])
+            stop.wait()
+            return EXIT_OK
+        if state == State.DRAINING:
+            return EXIT_OK
+        return EXIT_FAILED
+    finally:
+        agent.stop()
+        _write_record(args.record, agent.record())
+        server.stop()
+        engine.close()
+
+
+def _summary(record: dict) -> str:
+    from warmup_agent.progress import summary_table
+    return summary_table(record)
+
+
+def _write_record(path: str | None, record: dict) -> None:
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

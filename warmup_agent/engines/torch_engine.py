@@ -1,0 +1,268 @@
+"""The `torch` engine: an in-process transformers causal LM on CPU or CUDA.
+
+Loads any Hugging Face-layout model directory with safetensors weights.  Every
+integrity problem a model directory can have (empty or non-JSON config.json,
+missing or truncated shards, shapes that disagree with the config, a broken
+tokenizer) becomes an EngineError with a named reason and one line for the user.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+
+from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _quiet_transformers() -> None:
+    """Progress bars and advisory warnings from transformers would break our own
+    progress display and the one-line error policy."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def check_model_dir(path: str) -> dict:
+    """Cheap structural checks before any weight is read; returns config.json.
+
+    Catches the seed's "HF cache pollution" failures (empty or non-JSON config,
+    truncated shards) with a named reason instead of a deep library traceback."""
+    if not os.path.isdir(path):
+        raise EngineError("model_dir_missing", f"{path}: model directory does not exist")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise EngineError("model_dir_unreadable", f"{path}: model directory is not readable")
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise EngineError("config_missing", f"{cfg_path}: missing; expected a Hugging Face config.json") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise EngineError("config_invalid", f"{cfg_path}: cannot read: {e}") from None
+    if not text.strip():
+        raise EngineError("config_invalid", f"{cfg_path}: file is empty; expected a JSON object")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EngineError("config_invalid", f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise EngineError("config_invalid", f"{cfg_path}: expected a JSON object with a 'model_type' key")
+    shards = safetensors_files(path)
+    if not shards:
+        raise EngineError("weights_missing", f"{path}: no *.safetensors weight files")
+    for shard in shards:
+        check_safetensors_header(shard)
+    return config
+
+
+def safetensors_files(path: str) -> list[str]:
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def check_safetensors_header(shard: str) -> int:
+    """Verify a shard's header against its size; return the bytes of tensor data.
+
+    Format: 8-byte little-endian header length, a JSON header mapping each tensor
+    to dtype, shape and [begin, end) offsets into the data that follows."""
+    size = os.path.getsize(shard)
+    try:
+        with open(shard, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise EngineError("weights_corrupt", f"{shard}: truncated ({size} bytes; no safetensors header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8 or n > 100 * 1024 * 1024:
+                raise EngineError("weights_corrupt", f"{shard}: header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise EngineError("weights_corrupt", f"{shard}: unreadable safetensors header ({e})") from None
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, stop = meta["data_offsets"]
+        end = max(end, stop)
+    if 8 + n + end != size:
+        raise EngineError("weights_corrupt",
+                          f"{shard}: header promises {end} bytes of tensor data but the file holds {size - 8 - n} (truncated or padded shard)")
+    return end
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto"):
+        self.model_path = model_path
+        self._dtype_name = dtype
+        self._device_name = device
+        self.tokenizer = None
+        self.model = None
+        self.device = None
+        self.dtype = None
+        self._config: dict = {}
+        self._compiled = None
+
+    # -- loading -----------------------------------------------------------------------
+    def _resolve_device(self):
+        import torch
+        if self._device_name == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self._device_name)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError("cuda_unavailable", f"model.device is {self._device_name} but no CUDA device is visible")
+        return dev
+
+    def _resolve_dtype(self):
+        import torch
+        if self._dtype_name == "auto":
+            # bf16 on GPU; float32 on CPU, where bf16 matmuls are emulated and slow on AVX2.
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return getattr(torch, self._dtype_name)
+
+    def load_tokenizer(self) -> None:
+        self._config = check_model_dir(self.model_path)
+        _quiet_transformers()
+        from transformers import AutoTokenizer
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        except Exception as e:  # noqa: BLE001 - any library error here means broken tokenizer files
+            raise EngineError("tokenizer_invalid", f"{self.model_path}: cannot load the tokenizer: {_one_line(e)}") from None
+        # Warm the tokenizer: the first encode/decode builds its BPE caches.
+        sample = "The quick brown fox jumps over the lazy dog. " * 8
+        ids = self.tokenizer.encode(sample, add_special_tokens=False)
+        if not ids:
+            raise EngineError("tokenizer_invalid", f"{self.model_path}: the tokenizer encodes text to no tokens")
+        self.tokenizer.decode(ids)
+
+    def load_weights(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+        if not self._config:
+            self._config = check_model_dir(self.model_path)
+        _quiet_transformers()
+        self.device = self._resolve_device()
+        self.dtype = self._resolve_dtype()
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=self.dtype, output_loading_info=True, low_cpu_mem_usage=True)
+        except Exception as e:  # noqa: BLE001
+            msg = _one_line(e)
+            reason = "weights_shape_mismatch" if "size mismatch" in msg or "shape" in msg.lower() else "weights_invalid"
+            raise EngineError(reason, f"{self.model_path}: cannot load weights: {msg}") from None
+        missing = [k for k in info.get("missing_keys", []) if "rotary_emb" not in k]
+        if missing:
+            raise EngineError("weights_incomplete",
+                              f"{self.model_path}: {len(missing)} tensors missing from the checkpoint (first: {sorted(missing)[0]})")
+        if info.get("mismatched_keys"):
+            raise EngineError("weights_shape_mismatch",
+                              f"{self.model_path}: tensor shapes do not match config.json (first: {info['mismatched_keys'][0]})")
+        self.model = model.to(self.device).eval()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- facts -------------------------------------------------------------------------
+    def facts(self) -> EngineFacts:
+        c = self._config
+        params = sum(p.numel() for p in self.model.parameters()) if self.model is not None else None
+        dtype_name = str(self.dtype).replace("torch.", "") if self.dtype is not None else "unknown"
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) if self.model is not None else None
+        kv = None
+        heads = c.get("num_attention_heads")
+        if heads and c.get("num_hidden_layers") and c.get("hidden_size"):
+            head_dim = c.get("head_dim") or c["hidden_size"] // heads
+            kv_heads = c.get("num_key_value_heads") or heads
+            kv = 2 * c["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype_name, 4)
+        return EngineFacts(engine=self.name, model=self.model_path, device=str(self.device), dtype=dtype_name,
+                           parameter_count=params, weight_bytes=weight_bytes, kv_bytes_per_token=kv,
+                           max_context=c.get("max_position_embeddings"), vocab_size=c.get("vocab_size"))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- requests ----------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 1,
+                 warmup: bool = False) -> list[RequestResult]:
+        """Greedy decode of a batch.  Prompts of unequal length are left-padded.
+        Time to first token = prefill + first sampled token, synchronised with the device."""
+        import torch
+        model = self._compiled or self.model
+        longest = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, longest - len(p):] = 1
+        t0 = time.perf_counter()
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+            self._sync()
+            ttft = time.perf_counter() - t0
+            past = out.past_key_values
+            produced = 1
+            for _ in range(max_new_tokens - 1):
+                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+                out = model(input_ids=token, attention_mask=mask, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+                produced += 1
+            self._sync()
+        total = time.perf_counter() - t0
+        return [RequestResult(ttft, total, len(p), produced) for p in prompts]
+
+    # -- solidify ----------------------------------------------------------------------
+    def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
+        """Freeze the warmed shapes.  replay: run each shape once more so every
+        allocator bucket and oneDNN/cuBLAS plan is in place; compile: torch.compile
+        the model and run each shape (kernels land in the Inductor cache)."""
+        if mode == "auto":
+            mode = "replay"  # the GPU issue adds compile / CUDA graphs as the GPU default
+        if mode == "none":
+            return SolidifyReport(method="none")
+        t0 = time.perf_counter()
+        if mode in ("compile", "cuda_graphs"):
+            import torch
+            options = {"mode": "reduce-overhead"} if mode == "cuda_graphs" else {}
+            self._compiled = torch.compile(self.model, dynamic=False, **options)
+        sample = self.tokenize("warm " * 8) or [0]
+        for length, batch in shapes:
+            prompt = (sample * (length // len(sample) + 1))[:length]
+            self.generate([prompt] * batch, max_new_tokens=1, warmup=True)
+        return SolidifyReport(method="torch.compile" if mode == "compile" else mode, shapes=len(shapes),
+                              seconds=time.perf_counter() - t0)
+
+    # -- integrity ---------------------------------------------------------------------
+    def weight_fingerprint(self) -> str:
+        """SHA-256 over each tensor's name, shape, dtype and two float64 reductions
+        (sum and sum of squares), computed on the device: cheap for GB-sized
+        weights, and any changed, reshaped or swapped tensor changes it."""
+        import torch
+        h = hashlib.sha256()
+        with torch.inference_mode():
+            for name, t in self.model.state_dict().items():
+                d = t.detach().to(torch.float64)
+                h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{d.sum().item():.17g}|{(d * d).sum().item():.17g}\n".encode())
+        return h.hexdigest()
+
+    def close(self) -> None:
+        self.model = None
+        self._compiled = None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]

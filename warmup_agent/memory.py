@@ -1,0 +1,60 @@
+"""Resident-memory jitter of the agent process (seed 000 §2.3: ΔRSS / mean RSS).
+
+A daemon thread reads this process's RSS every `interval` seconds (psutil reads
+/proc/self/statm) and keeps the samples of the last `window` seconds; the ratio
+is (max - min) / mean over those samples.  The seed's SOTA line is 0.023.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import psutil
+
+
+def jitter_ratio(samples: list[int]) -> float:
+    if not samples:
+        return 0.0
+    mean = sum(samples) / len(samples)
+    return (max(samples) - min(samples)) / mean if mean else 0.0
+
+
+class MemorySampler:
+    def __init__(self, interval: float = 0.1, window: float = 60.0, clock=time.monotonic):
+        self.interval, self.window, self._clock = interval, window, clock
+        self._samples: deque[tuple[float, int]] = deque()
+        self._proc = psutil.Process()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> int:
+        rss = self._proc.memory_info().rss
+        now = self._clock()
+        with self._lock:
+            self._samples.append((now, rss))
+            while self._samples and self._samples[0][0] < now - self.window:
+                self._samples.popleft()
+        return rss
+
+    def samples(self) -> list[int]:
+        with self._lock:
+            return [rss for _, rss in self._samples]
+
+    def ratio(self) -> float:
+        return jitter_ratio(self.samples())
+
+    def start(self) -> None:
+        self.sample()
+
+        def loop():
+            while not self._stop.wait(self.interval):
+                self.sample()
+        self._thread = threading.Thread(target=loop, name="memory-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)

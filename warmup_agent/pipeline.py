@@ -1,0 +1,279 @@
+"""The warmup pipeline: reserve, prewarm, solidify, ready.
+
+`Agent.run()` reads as the four stages.  Each stage is timed on one clock with
+contiguous boundaries (a stage starts where the previous one ended), so the
+stage durations add up exactly to the time from start to SERVING; each is
+reported to the state machine, the metrics, the `[COLDSTART]` log and the
+progress display.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+from exporter.metrics import AgentMetrics
+from warmup_agent import __version__
+from warmup_agent.engines.base import Engine, EngineError
+from warmup_agent.memory import MemorySampler
+from warmup_agent.progress import Progress, coldstart
+from warmup_agent.readiness.window import SlidingWindow
+from warmup_agent.stages import prewarm, ready, reserve, solidify
+from warmup_agent.states import State, StateMachine
+
+log = logging.getLogger("warmup_agent.pipeline")
+
+STAGES = ("reserve", "prewarm", "solidify", "ready")
+
+
+class AgentFailure(Exception):
+    """The warmup failed with a named reason; the state machine is FAILED."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+@dataclass
+class StageTiming:
+    name: str
+    phase: int
+    start: float                 # seconds since agent start
+    end: float | None = None
+    status: str = "running"      # running | ok | failed
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+
+class Agent:
+    def __init__(self, cfg, engine: Engine, metrics: AgentMetrics | None = None,
+                 progress: Progress | None = None, clock=time.perf_counter):
+        self.cfg = cfg
+        self.engine = engine
+        self.metrics = metrics or AgentMetrics()
+        self.progress = progress or Progress(enabled=False)
+        self.clock = clock
+        self.sm = StateMachine(self.metrics, clock=clock, deadlines={
+            State.INIT: cfg["deadlines.init_seconds"],
+            State.PRELOAD: cfg["deadlines.preload_seconds"],
+            State.PRIME: cfg["deadlines.prime_seconds"],
+        })
+        self.window = SlidingWindow(cfg["readiness.window_size"])
+        self.memory = MemorySampler()
+        self.stages: list[StageTiming] = []
+        self.started = clock()        # agent start: the zero of every timestamp we record
+        self._boundary = self.started
+        self.serving_at: float | None = None
+        self.probes: list[float] = []
+        self.first_request_seconds: float | None = None
+        self.warmup_requests = 0
+        self.host_facts: dict = {}
+        self.engine_facts: dict = {}
+        self.prompts = None           # traffic.PromptFactory, made once the tokenizer is loaded
+        self._engine_lock = threading.Lock()
+        self._watch_stop = threading.Event()
+        self._init_metrics()
+
+    # -- the pipeline ----------------------------------------------------------------------
+    def run(self) -> State:
+        """Run the four stages; return the final state (SERVING or FAILED)."""
+        self.sm.start_watchdog()
+        self.memory.start()
+        try:
+            self.reserve()
+            self.prewarm()
+            self.solidify()
+            self.ready()
+        except AgentFailure as e:
+            if self.sm.state == State.DRAINING:
+                log.info("warmup stopped: draining")
+            else:
+                log.error("warmup failed: %s: %s", e.reason, e.message)
+        finally:
+            self.sm.stop_watchdog()
+        return self.sm.state
+
+    def reserve(self) -> None:
+        with self._stage("reserve", 1):
+            reserve.run(self)
+
+    def prewarm(self) -> None:
+        with self._stage("prewarm", 2):
+            prewarm.run(self)
+
+    def solidify(self) -> None:
+        with self._stage("solidify", 3):
+            solidify.run(self)
+
+    def ready(self) -> None:
+        with self._stage("ready", 4):
+            ready.run(self)
+            if self.sm.state == State.SERVING:
+                self.serving_at = self.clock()
+                self.metrics["warmup_time_to_ready_seconds"].set(self.serving_at - self.started)
+
+    # -- helpers the stages use --------------------------------------------------------------
+    @contextlib.contextmanager
+    def _stage(self, name: str, phase: int):
+        timing = StageTiming(name, phase, start=self._boundary - self.started)
+        self.stages.append(timing)
+        self.progress.stage_started(phase, len(STAGES), name)
+        coldstart("started", name, phase, state=self.sm.state.name)
+        try:
+            self.checkpoint()
+            yield timing
+            self.checkpoint()
+            timing.status = "ok"
+        except EngineError as e:
+            timing.status = "failed"
+            self.sm.fail(e.reason, e.message)
+            raise AgentFailure(e.reason, e.message) from None
+        except AgentFailure:
+            timing.status = "failed"
+            raise
+        finally:
+            end = self.clock()
+            timing.end = end - self.started
+            self._boundary = end
+            self.metrics["model_loading_phase_duration_seconds"].labels(phase=name).set(timing.duration)
+            self.metrics["warmup_stage_duration_seconds"].labels(stage=name).observe(timing.duration)
+            self.progress.stage_finished(name, timing.duration, ok=timing.status == "ok")
+            coldstart("completed" if timing.status == "ok" else "failed", name, phase,
+                      duration=round(timing.duration, 6), state=self.sm.state.name)
+
+    def checkpoint(self) -> None:
+        """Raise AgentFailure if the machine failed (a deadline, say) or started
+        draining (a signal) while a stage was working."""
+        if self.sm.state == State.FAILED:
+            raise AgentFailure(self.sm.failure_reason or "failed", self.sm.failure_message or "")
+        if self.sm.state == State.DRAINING:
+            raise AgentFailure("draining", "stopped by a signal")
+
+    def fail(self, reason: str, message: str) -> None:
+        self.sm.fail(reason, message)
+        raise AgentFailure(reason, message)
+
+    def move(self, to: State) -> None:
+        if not self.sm.transition(to):
+            self.checkpoint()
+            raise AgentFailure("illegal_transition", f"{self.sm.state.name} -> {to.name} is not allowed")
+
+    def send(self, prompts: list[list[int]], kind: str, max_new_tokens: int = 1) -> float:
+        """Send one batch to the engine as agent traffic; return its time to first token.
+        Counted in warmup_requests_total{kind} and the engine-seconds behind warmup_cost_ratio."""
+        with self._engine_lock:
+            t0 = time.perf_counter()
+            results = self.engine.generate(prompts, max_new_tokens=max_new_tokens, warmup=True)
+            busy = time.perf_counter() - t0
+        ttft = max(r.first_token_seconds for r in results)
+        self.metrics["warmup_requests_total"].labels(kind=kind).inc(len(prompts))
+        self.metrics["warmup_first_token_latency_seconds"].labels(kind=kind).observe(ttft)
+        self.metrics["warmup_engine_seconds_total"].labels(kind=kind).inc(busy)
+        if kind == "warmup":
+            self.warmup_requests += len(prompts)
+        return ttft
+
+    def record_probe(self, ttft: float) -> None:
+        self.probes.append(ttft)
+        self.window.add(ttft)
+        for q, v in self.window.quantiles().items():
+            self.metrics["warmup_first_token_window_seconds"].labels(quantile=str(q)).set(v)
+
+    # -- after SERVING -----------------------------------------------------------------------
+    def watch(self, interval: float) -> None:
+        """Keep probing after SERVING so the window (and its gauges) stays current."""
+        if interval <= 0:
+            return
+
+        def loop():
+            while not self._watch_stop.wait(interval):
+                if self.sm.state != State.SERVING:
+                    continue
+                try:
+                    self.record_probe(self.send([self.prompts.prompt(self.cfg["readiness.probe_prompt_length"])], "probe"))
+                except Exception:  # noqa: BLE001 - a failed probe must not end the agent
+                    log.exception("probe after SERVING failed")
+        threading.Thread(target=loop, name="readiness-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._watch_stop.set()
+        self.memory.stop()
+        self.sm.stop_watchdog()
+
+    # -- reporting ---------------------------------------------------------------------------
+    def _init_metrics(self) -> None:
+        import sys
+        torch_version = _module_version("torch")
+        self.metrics["warmup_build_info"].info({
+            "version": __version__, "python": platform.python_version(), "torch": torch_version,
+            "engine": self.cfg["engine"]})
+        for q, key in ((0.5, "readiness.p50_threshold_seconds"), (0.9, "readiness.p90_threshold_seconds")):
+            self.metrics["warmup_readiness_threshold_seconds"].labels(quantile=str(q)).set(self.cfg[key])
+        self.metrics["warmup_memory_jitter_ratio"].set_function(self.memory.ratio)
+        self.metrics["warmup_cost_ratio"].set_function(self.cost_ratio)
+
+    def cost_ratio(self) -> float:
+        busy = sum(s.value for m in self.metrics["warmup_engine_seconds_total"].collect()
+                   for s in m.samples if s.name.endswith("_total"))
+        up = self.clock() - self.started
+        return busy / up if up > 0 else 0.0
+
+    def status(self) -> dict:
+        """What /startupz shows: state, current stage, elapsed and per-stage durations."""
+        now = self.clock()
+        current = next((s.name for s in reversed(self.stages) if s.status == "running"), None)
+        remaining = self.sm.deadline_remaining()
+        return {
+            "state": self.sm.state.name,
+            "stage": current,
+            "elapsed_seconds": now - self.started,
+            "deadline_remaining_seconds": None if remaining is None else max(0.0, remaining),
+            "stages": {s.name: {"phase": s.phase, "status": s.status, "start_seconds": s.start,
+                                "duration_seconds": s.duration} for s in self.stages},
+            "time_to_ready_seconds": None if self.serving_at is None else self.serving_at - self.started,
+            "first_token_window_seconds": {str(q): v for q, v in self.window.quantiles().items()},
+            "probes": len(self.probes),
+            "failure_reason": self.sm.failure_reason,
+            "failure_message": self.sm.failure_message,
+        }
+
+    def record(self) -> dict:
+        """The run as JSON (`--record`): stages with start/end, probes, final state."""
+        steady = statistics.median(self.probes[1:]) if len(self.probes) > 1 else None
+        return {
+            "version": __version__,
+            "engine": self.cfg["engine"],
+            "model": getattr(self.engine, "model_path", None),
+            "host": self.host_facts,
+            "engine_facts": self.engine_facts,
+            "started_unix": time.time() - (self.clock() - self.started),
+            "stages": [{"name": s.name, "phase": s.phase, "start_seconds": s.start, "end_seconds": s.end,
+                        "duration_seconds": s.duration, "status": s.status, **s.detail} for s in self.stages],
+            "time_to_ready_seconds": None if self.serving_at is None else self.serving_at - self.started,
+            "warmup_requests": self.warmup_requests,
+            "probes_seconds": list(self.probes),
+            "probe_count": len(self.probes),
+            "first_request_seconds": self.first_request_seconds,
+            "steady_first_token_seconds": steady,
+            "first_request_tax_ratio": (self.first_request_seconds / steady) if steady and self.first_request_seconds else None,
+            "final_state": self.sm.state.name,
+            "failure_reason": self.sm.failure_reason,
+            "failure_message": self.sm.failure_message,
+            "transitions": [{"state": s.name, "at_seconds": t - self.started} for s, t in self.sm.history],
+        }
+
+
+def _module_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return "none"

@@ -1,0 +1,134 @@
+"""What a person watching `warmup-agent run` sees: a live stage display on a
+terminal (plain lines otherwise), `[COLDSTART]` log lines per phase (seed 003),
+and the summary table at the end."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+coldstart_log = logging.getLogger("warmup_agent.coldstart")
+
+
+def coldstart(event: str, stage: str, phase: int, **fields) -> None:
+    """One structured `[COLDSTART]` line; fields also go to JSON logs as keys."""
+    text = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
+    coldstart_log.info(f"[COLDSTART] phase{phase} {stage} {event}" + (f" {text}" if text else ""),
+                       extra={"phase": phase, "stage": stage, "event": event, **fields})
+
+
+def _fmt(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+class Progress:
+    """Stage progress.  On a TTY one line is redrawn in place (at most 10 times a
+    second); elsewhere a plain line is printed at each stage start, at each
+    quarter of its steps and at its end."""
+
+    def __init__(self, stream=None, tty: bool | None = None, enabled: bool = True):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.enabled = enabled
+        self._line = ""
+        self._last_draw = 0.0
+        self._stage = ""
+        self._stage_start = 0.0
+        self._last_quarter = -1
+
+    def _write(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(text)
+            self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty and self._line:
+            self._write("\r\033[K")
+
+    def redraw(self) -> None:
+        if self.tty and self._line:
+            self._write(self._line)
+
+    def stage_started(self, index: int, total: int, name: str) -> None:
+        self._stage = f"[{index}/{total}] {name}"
+        self._stage_start = time.monotonic()
+        self._last_quarter = -1
+        if self.tty:
+            self._set_line(f"{self._stage} ...")
+        else:
+            self._write(f"{self._stage} started\n")
+
+    def step(self, done: int, total: int, detail: str = "") -> None:
+        elapsed = time.monotonic() - self._stage_start
+        if self.tty:
+            now = time.monotonic()
+            if now - self._last_draw < 0.1 and done < total:
+                return
+            self._last_draw = now
+            width = 20
+            filled = int(width * done / max(total, 1))
+            bar = "#" * filled + "-" * (width - filled)
+            self._set_line(f"{self._stage} [{bar}] {done}/{total} {detail} {elapsed:.1f}s")
+        else:
+            quarter = int(4 * done / max(total, 1))
+            if quarter > self._last_quarter and quarter < 4:
+                self._last_quarter = quarter
+                self._write(f"{self._stage} {done}/{total} {detail}\n")
+
+    def stage_finished(self, name: str, seconds: float, ok: bool = True) -> None:
+        mark = "done" if ok else "FAILED"
+        if self.tty:
+            self.clear()
+            self._line = ""
+        self._write(f"{self._stage} {mark} in {seconds:.3f}s\n")
+
+    def _set_line(self, text: str) -> None:
+        self.clear()
+        self._line = text
+        self._write(text)
+
+
+class ProgressAwareHandler(logging.StreamHandler):
+    """A log handler that lifts the live progress line out of the way of each log
+    record and puts it back afterwards."""
+
+    def __init__(self, progress: Progress, stream=None):
+        super().__init__(stream or progress.stream)
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress.clear()
+        super().emit(record)
+        self.progress.redraw()
+
+
+class JsonFormatter(logging.Formatter):
+    _STD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name,
+               "message": record.getMessage()}
+        out.update({k: v for k, v in vars(record).items() if k not in self._STD})
+        return json.dumps(out, default=str)
+
+
+def summary_table(record: dict) -> str:
+    """The end-of-run table: each stage's time, then first-request against steady time."""
+    rows = [("stage", "phase", "seconds", "status")]
+    for s in record["stages"]:
+        rows.append((s["name"], str(s["phase"]), f"{s['duration_seconds']:.3f}", s["status"]))
+    total = sum(s["duration_seconds"] for s in record["stages"])
+    rows.append(("total", "", f"{total:.3f}", record["final_state"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    first, steady = record.get("first_request_seconds"), record.get("steady_first_token_seconds")
+    if first is not None and steady:
+        lines.append("")
+        lines.append(f"first request after warmup: {first * 1000:.1f} ms time to first token; "
+                     f"steady: {steady * 1000:.1f} ms (median of {record['probe_count'] - 1} probes); "
+                     f"first-request tax {first / steady:.2f}x")
+    if record.get("failure_reason"):
+        lines.append(f"failed: {record['failure_reason']}: {record.get('failure_message', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The four warmup stages.  Each module has one `run(agent)`; the pipeline times it."""

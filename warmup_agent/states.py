@@ -1,0 +1,178 @@
+"""The warmup state machine (seed 000 §3.3).
+
+    INIT -> PRELOAD -> PRIME -> SERVING,  plus DEGRADED, DRAINING, FAILED.
+
+States are an ordered enum: the order is the order of a normal warmup, and the
+states from DRAINING on are terminal for the pod (no way back to serving).
+`TRANSITIONS` is the one table of legal moves; anything else is rejected,
+logged and counted with `from`/`to` labels, and never applied.
+
+The seed names seven illegal jumps among the four warmup states; with the table
+below they are exactly: INIT->PRIME, INIT->SERVING, PRELOAD->INIT,
+PRELOAD->SERVING, PRIME->INIT, SERVING->INIT, SERVING->PRIME.  (PRIME->PRELOAD
+and SERVING->PRELOAD are legal: an engine restart reloads the model.)
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("warmup_agent.states")
+
+
+class State(enum.IntEnum):
+    INIT = 0
+    PRELOAD = 1
+    PRIME = 2
+    SERVING = 3
+    DEGRADED = 4      # fallback active, main path frozen (breaker open)
+    DRAINING = 5      # terminal marker: from here on the pod only winds down
+    FAILED = 6
+
+    @property
+    def terminal(self) -> bool:
+        return self >= State.DRAINING
+
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.INIT: frozenset({State.PRELOAD, State.FAILED, State.DRAINING}),
+    State.PRELOAD: frozenset({State.PRIME, State.FAILED, State.DRAINING}),
+    State.PRIME: frozenset({State.SERVING, State.PRELOAD, State.FAILED, State.DRAINING}),
+    State.SERVING: frozenset({State.DEGRADED, State.PRELOAD, State.DRAINING, State.FAILED}),
+    State.DEGRADED: frozenset({State.SERVING, State.PRELOAD, State.DRAINING, State.FAILED}),
+    State.DRAINING: frozenset(),
+    State.FAILED: frozenset(),
+}
+
+# The seed's seven illegal jumps (see module docstring); tests assert each is rejected.
+SEED_ILLEGAL = (
+    (State.INIT, State.PRIME), (State.INIT, State.SERVING), (State.PRELOAD, State.INIT),
+    (State.PRELOAD, State.SERVING), (State.PRIME, State.INIT), (State.SERVING, State.INIT),
+    (State.SERVING, State.PRIME),
+)
+
+
+class StateMachine:
+    """Holds the current state, applies legal transitions, enforces deadlines.
+
+    `deadlines` maps a state to the seconds the agent may stay in it (0 or
+    missing: no deadline).  `check_deadline()` fails the machine with reason
+    "<state>_deadline_exceeded" once the time is up; `start_watchdog()` calls it
+    from a daemon thread so a stuck stage cannot hold the pod forever.
+    """
+
+    def __init__(self, metrics=None, deadlines: dict[State, float] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._metrics = metrics
+        self._deadlines = {s: d for s, d in (deadlines or {}).items() if d and d > 0}
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.state = State.INIT
+        self.entered_at = clock()
+        self.history: list[tuple[State, float]] = [(State.INIT, self.entered_at)]
+        self.failure_reason: str | None = None
+        self.failure_message: str | None = None
+        self.fingerprint: str | None = None   # weight fingerprint taken at PRELOAD
+        self._listeners: list[Callable[[State, State], None]] = []
+        self._watchdog: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._publish()
+
+    # -- observers -------------------------------------------------------------------
+    def on_change(self, fn: Callable[[State, State], None]) -> None:
+        self._listeners.append(fn)
+
+    def _publish(self) -> None:
+        if self._metrics is None:
+            return
+        gauge = self._metrics.get("warmup_state")
+        for s in State:
+            gauge.labels(state=s.name).set(1 if s == self.state else 0)
+
+    # -- transitions -----------------------------------------------------------------
+    def can(self, to: State) -> bool:
+        return to in TRANSITIONS[self.state]
+
+    def transition(self, to: State) -> bool:
+        """Apply `to` if the table allows it; otherwise reject, log and count it.
+        Returns whether it was applied."""
+        with self._lock:
+            frm = self.state
+            if to not in TRANSITIONS[frm]:
+                log.warning("illegal state transition %s -> %s rejected", frm.name, to.name)
+                if self._metrics is not None:
+                    self._metrics.get("warmup_illegal_transitions_total").labels(
+                        **{"from": frm.name, "to": to.name}).inc()
+                return False
+            self.state = to
+            self.entered_at = self._clock()
+            self.history.append((to, self.entered_at))
+            if self._metrics is not None:
+                self._metrics.get("warmup_state_transitions_total").labels(
+                    **{"from": frm.name, "to": to.name}).inc()
+            self._publish()
+        log.info("state %s -> %s", frm.name, to.name)
+        for fn in self._listeners:
+            fn(frm, to)
+        return True
+
+    def fail(self, reason: str, message: str = "") -> None:
+        """Move to FAILED with a named reason (counted in model_loading_failures_total).
+        The first failure wins; later calls only log."""
+        with self._lock:
+            if self.state == State.FAILED:
+                return
+            self.failure_reason = reason
+            self.failure_message = message or reason
+            if self._metrics is not None:
+                self._metrics.get("model_loading_failures_total").labels(reason=reason).inc()
+            self.transition(State.FAILED)
+
+    def record_fingerprint(self, fingerprint: str) -> None:
+        """Taken at PRELOAD, once the weights are loaded."""
+        self.fingerprint = fingerprint
+
+    def serve(self, fingerprint_now: str) -> bool:
+        """PRIME -> SERVING, only if the weights still match the PRELOAD fingerprint."""
+        with self._lock:
+            if self.fingerprint is not None and fingerprint_now != self.fingerprint:
+                self.fail("weight_fingerprint_mismatch",
+                          f"weights changed between PRELOAD and SERVING (fingerprint {self.fingerprint[:12]} -> {fingerprint_now[:12]})")
+                return False
+            return self.transition(State.SERVING)
+
+    # -- deadlines ---------------------------------------------------------------------
+    def deadline_remaining(self) -> float | None:
+        """Seconds left in the current state, or None without a deadline."""
+        limit = self._deadlines.get(self.state)
+        if limit is None:
+            return None
+        return limit - (self._clock() - self.entered_at)
+
+    def check_deadline(self) -> str | None:
+        """Fail the machine if the current state's deadline has passed; return the reason."""
+        with self._lock:
+            remaining = self.deadline_remaining()
+            if remaining is None or remaining > 0 or self.state.terminal:
+                return None
+            state = self.state
+            reason = f"{state.name.lower()}_deadline_exceeded"
+            if self._metrics is not None:
+                self._metrics.get("warmup_state_deadline_exceeded_total").labels(state=state.name).inc()
+            self.fail(reason, f"{state.name} took longer than its deadline of {self._deadlines[state]:g} s")
+            return reason
+
+    def start_watchdog(self, interval: float = 0.05) -> None:
+        def loop():
+            while not self._stop.wait(interval):
+                self.check_deadline()
+        self._watchdog = threading.Thread(target=loop, name="state-deadline-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def stop_watchdog(self) -> None:
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=1)

@@ -167,6 +167,7 @@ class Supervisor:
                     if self.on_server_ready:
                         self.on_server_ready()
                     rc = proc.wait()
+                    self._kill_group(proc)   # what the dead server spawned must not outlive it
                     self._join_readers()
                     if self._stopping.is_set():
                         return
@@ -233,6 +234,7 @@ class Supervisor:
                 return False
             rc = proc.poll()
             if rc is not None:
+                self._kill_group(proc)
                 self._join_readers()
                 reason, why = self._exit_reason()
                 err = EngineError(reason, f"server exited with code {rc} before it became healthy: {why}")
@@ -283,9 +285,13 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
         # Children may outlive the leader: kill the group regardless.
+        self._kill_group(proc)
+        if proc.poll() is None:
+            proc.wait()
+
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen) -> None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        if proc.poll() is None:
-            proc.wait()

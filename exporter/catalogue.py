@@ -133,7 +133,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
 
 # Features add their metrics in a module of their own (exporter/catalogue_<feature>.py
 # with a SPECS tuple); list each here once.
-_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine",)
+_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine", "catalogue_cache")
 
 
 def _feature_specs() -> tuple[MetricSpec, ...]:

@@ -141,6 +141,28 @@ KEYS: tuple[Key, ...] = (
         expected="NAME=PATH pairs separated by commas"),
     Key("lora.max_rank", "int", 16, "In-process vllm engine: largest LoRA rank to support.",
         check=_positive, expected="an integer > 0"),
+    # --- kernel_cache (warmup_agent/kernel_cache) -------------------------------------
+    Key("kernel_cache.dir", "str_or_null", None, "Local tier of the kernel cache: one directory per kind (inductor, triton, vllm) under <dir>/<namespace>/. Default: <data_dir>/kernel-cache."),
+    Key("kernel_cache.max_local_bytes", "int", 10 << 30, "Size bound of the local tier in bytes; least recently used files are evicted beyond it.",
+        check=_positive, expected="an integer > 0 (bytes)"),
+    Key("kernel_cache.redis_url", "str_or_null", None, "Redis of the shared tier, e.g. redis://redis.cache:6379/0. Empty: local tier only.",
+        check=lambda v: v.startswith(("redis://", "rediss://", "unix://")), expected="a URL starting with redis://, rediss:// or unix://"),
+    Key("kernel_cache.secret_file", "str_or_null", None, "File holding the HMAC-SHA256 key (>= 16 bytes) that signs shared entries (the Helm chart mounts it from a Secret). Without a key the shared tier is off."),
+    Key("kernel_cache.secret", "str_or_null", None, "The HMAC key itself, for development; prefer secret_file (which wins when both are set)."),
+    Key("kernel_cache.key_prefix", "str", "warmup:kc", "Prefix of every Redis key of the cache (separate deployments sharing one Redis).",
+        check=lambda v: bool(v) and not any(c.isspace() for c in v), expected="a non-empty string without spaces"),
+    Key("kernel_cache.ttl_seconds", "int", 7 * 24 * 3600, "Lifetime of shared entries in seconds, refreshed when published or restored; unused namespaces (old versions) expire.",
+        check=_positive, expected="an integer > 0 (seconds)"),
+    Key("kernel_cache.max_entry_bytes", "int", 64 << 20, "Largest artifact file published to the shared tier, in bytes; larger ones stay local.",
+        check=_positive, expected="an integer > 0 (bytes)"),
+    Key("kernel_cache.socket_timeout_seconds", "float", 1.0, "Redis connect and read timeout; a slower Redis counts as unavailable (local tier only).",
+        check=_positive, expected="a number > 0"),
+    Key("kernel_cache.retry_interval_seconds", "float", 30.0, "After a Redis failure, skip the shared tier for this long before trying again.",
+        check=_non_negative, expected="a number >= 0"),
+    Key("kernel_cache.lock_ttl_seconds", "float", 600.0, "Expiry of the fleet-wide compile lock; longer than one compile, so a crashed winner frees it.",
+        check=_positive, expected="a number > 0"),
+    Key("kernel_cache.lock_wait_seconds", "float", 300.0, "How long a pod that lost the compile race waits for the winner's publish before compiling itself.",
+        check=_non_negative, expected="a number >= 0"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

@@ -132,6 +132,8 @@ def test_unit_tests_bite_when_thresholds_move(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / generate.RULES_FILE).write_text(generate.render(generate.Thresholds(mutated, "mutated")))
     for g in load_rules()["groups"]:
+        if g["name"] == "warmup-agent.kernel-cache":
+            continue  # its threshold is "any rejection" (> 0): nothing to scale
         dst = tmp_path / "tests" / os.path.basename(test_file(g["name"]))
         shutil.copy(test_file(g["name"]), dst)
         r = run_promtool("test", "rules", str(dst))

@@ -1,0 +1,423 @@
+"""Generate the Grafana dashboards from the metric catalogue.
+
+    .venv/bin/python -m dashboards.generate            # writes dashboards/*.json
+    .venv/bin/python -m dashboards.generate --out DIR  # writes DIR/*.json
+
+Every metric a panel reads goes through `m()`, which looks it up in
+exporter/catalogue.py and stops generation with one line if it is missing, so a
+renamed metric cannot leave a silently empty panel.  The kernel-cache dashboard
+is generated once the kernel-cache specs are in the catalogue.  Threshold lines
+come from alerts/thresholds.yaml so a panel and its alert agree.
+
+The committed JSON must equal a fresh generation (tests/test_dashboards.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from alerts.generate import load_thresholds
+from exporter.catalogue import BY_NAME
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DS = {"type": "prometheus", "uid": "${datasource}"}
+# Chained label variables.  namespace/pod/node/model are target labels that the
+# ServiceMonitor adds (see helm/); outside Kubernetes they are absent and the
+# "All" value `.*` still matches.
+SEL = 'namespace=~"$namespace", pod=~"$pod", model=~"$model"'
+RATE = "$__rate_interval"
+STATES = ("INIT", "PRELOAD", "PRIME", "SERVING", "DEGRADED", "DRAINING", "FAILED")
+STATE_COLOURS = ("blue", "purple", "orange", "green", "yellow", "dark-blue", "red")
+
+
+class MissingMetric(Exception):
+    pass
+
+
+def m(name: str, matchers: str = "") -> str:
+    """`name{<dashboard selector>, matchers}` after checking the catalogue has the name."""
+    base = name
+    for suffix in ("_bucket", "_sum", "_count"):
+        if name.endswith(suffix) and name[: -len(suffix)] in BY_NAME:
+            base = name[: -len(suffix)]
+    if base not in BY_NAME or (base != name and BY_NAME[base].type != "histogram"):
+        raise MissingMetric(f"dashboard names metric '{name}', which is not in exporter/catalogue.py")
+    return f"{name}{{{SEL}{', ' + matchers if matchers else ''}}}"
+
+
+def lbl(name: str, value: str, op: str = "=") -> str:
+    return f'{name}{op}"{value}"'
+
+
+def target(expr: str, legend: str = "", ref: str = "A", fmt: str = "time_series", interval: str = "") -> dict:
+    t = {"refId": ref, "datasource": DS, "expr": expr, "legendFormat": legend or "__auto",
+         "range": True, "format": fmt}
+    if interval:
+        t["interval"] = interval
+    return t
+
+
+def _thresholds(*steps) -> dict:
+    """steps: (value, colour) pairs after the base green."""
+    return {"mode": "absolute", "steps": [{"color": "green", "value": None}] +
+            [{"color": c, "value": v} for v, c in steps]}
+
+
+def panel(kind: str, title: str, description: str, unit: str, targets: list, w: int = 12, h: int = 8,
+          options: dict | None = None, defaults: dict | None = None, overrides: list | None = None) -> dict:
+    for i, t in enumerate(targets):
+        t["refId"] = chr(ord("A") + i)
+    return {
+        "type": kind, "title": title, "description": description, "datasource": DS,
+        "gridPos": {"w": w, "h": h},
+        "fieldConfig": {"defaults": {"unit": unit, **(defaults or {})}, "overrides": overrides or []},
+        "options": options or {},
+        "targets": targets,
+    }
+
+
+def timeseries(title, description, unit, targets, stack=False, bars=False, thresholds=None, **kw):
+    custom = {"drawStyle": "bars" if bars else "line", "fillOpacity": 60 if (stack or bars) else 10,
+              "stacking": {"mode": "normal" if stack else "none", "group": "A"}, "showPoints": "never",
+              "lineWidth": 1}
+    defaults = {"custom": custom}
+    if thresholds:
+        custom["thresholdsStyle"] = {"mode": "dashed"}
+        defaults["thresholds"] = thresholds
+    return panel("timeseries", title, description, unit, targets, defaults=defaults,
+                 options={"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True},
+                          "tooltip": {"mode": "multi", "sort": "desc"}}, **kw)
+
+
+def stat(title, description, unit, targets, thresholds=None, decimals=None, **kw):
+    defaults = {"thresholds": thresholds or _thresholds()}
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    return panel("stat", title, description, unit, targets, defaults=defaults,
+                 options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                          "colorMode": "background", "graphMode": "area", "textMode": "value_and_name"},
+                 **kw)
+
+
+def state_timeline(title, description, targets, mappings, **kw):
+    return panel("state-timeline", title, description, "none", targets,
+                 defaults={"mappings": mappings, "color": {"mode": "thresholds"}, "thresholds": _thresholds()},
+                 options={"showValue": "auto", "mergeValues": True, "rowHeight": 0.8,
+                          "legend": {"showLegend": True, "displayMode": "list", "placement": "bottom"}},
+                 **kw)
+
+
+def heatmap(title, description, unit, targets, **kw):
+    return panel("heatmap", title, description, unit, targets,
+                 options={"calculate": False, "cellGap": 1, "yAxis": {"axisPlacement": "left", "unit": unit},
+                          "rowsFrame": {"layout": "auto"}, "color": {"mode": "scheme", "scheme": "Oranges",
+                                                                       "exponent": 0.5, "steps": 64},
+                          "tooltip": {"show": True, "yHistogram": False}, "legend": {"show": True},
+                          "cellValues": {"unit": unit}},
+                 **kw)
+
+
+def _value_mappings(names_colours) -> list:
+    return [{"type": "value", "options": {str(i): {"text": n, "color": c, "index": i - 1}
+                                          for i, (n, c) in enumerate(names_colours, start=1)}}]
+
+
+def _variables() -> list:
+    def query_var(name, label, query):
+        return {"name": name, "label": label, "type": "query", "datasource": DS,
+                "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+                "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 1}
+    info = "warmup_build_info"
+    assert info in BY_NAME
+    return [
+        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+         "current": {}, "hide": 0, "refresh": 1},
+        query_var("namespace", "Namespace", f"label_values({info}, namespace)"),
+        query_var("pod", "Pod", f'label_values({info}{{namespace=~"$namespace"}}, pod)'),
+        query_var("model", "Model", f'label_values({info}{{namespace=~"$namespace", pod=~"$pod"}}, model)'),
+    ]
+
+
+def _layout(panels: list) -> list:
+    """Ids in order; panels flow left to right, 24 columns wide."""
+    x = y = row_h = 0
+    for i, p in enumerate(panels, start=1):
+        w, h = p["gridPos"]["w"], p["gridPos"]["h"]
+        if x + w > 24:
+            x, y, row_h = 0, y + row_h, 0
+        p["id"] = i
+        p["gridPos"] = {"h": h, "w": w, "x": x, "y": y}
+        x += w
+        row_h = max(row_h, h)
+    return panels
+
+
+def dashboard(uid: str, title: str, description: str, panels: list) -> dict:
+    return {
+        "uid": uid, "title": title, "description": description,
+        "tags": ["warmup-agent"], "timezone": "browser", "editable": True,
+        "schemaVersion": 39, "version": 1, "refresh": "30s", "graphTooltip": 1,
+        "time": {"from": "now-6h", "to": "now"},
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": _variables()},
+        "panels": _layout(panels),
+    }
+
+
+# --- the dashboards --------------------------------------------------------------------
+
+def cold_start_overview(th) -> dict:
+    state_code = " or ".join(f'{m("warmup_state", lbl("state", s))} * {i}'
+                             for i, s in enumerate(STATES, start=1))
+    slo = th.get("first_token_slo.max_seconds", "number")
+    tax = th.get("first_request_tax.max_ratio", "number")
+    panels = [
+        state_timeline(
+            "State per pod",
+            "The agent's state machine per pod (warmup_state): INIT -> PRELOAD -> PRIME -> SERVING, "
+            "DEGRADED while the fallback serves, DRAINING, FAILED (terminal). A pod is in the Service only while SERVING.",
+            [target(f"sum by (namespace, pod) ({state_code})", "{{namespace}}/{{pod}}")],
+            _value_mappings(zip(STATES, STATE_COLOURS)), w=24, h=7),
+        timeseries(
+            "Stage durations (latest warmup)",
+            "Seconds each warmup stage took in the latest warmup (model_loading_phase_duration_seconds), stacked: "
+            "reserve (seed phase 1, budget 0.5 s), prewarm, solidify, ready. Averaged over the selected pods; pick one pod to see its own.",
+            "s", [target(f"avg by (phase) ({m('model_loading_phase_duration_seconds')})", "{{phase}}")],
+            stack=True, bars=True,
+            thresholds=_thresholds((th.get("phase_budget_seconds.reserve", "number"), "red"))),
+        stat("Time to ready",
+             "Seconds from agent start to SERVING in each pod's latest warmup (warmup_time_to_ready_seconds).",
+             "s", [target(f"max by (namespace, pod) ({m('warmup_time_to_ready_seconds')})", "{{pod}}")],
+             decimals=2),
+        heatmap(
+            "Time to ready by node and hour",
+            "Cold-start time heatmap (seed 003 §3): one row per node, one cell per hour, colour = the longest time to "
+            "ready of a pod on that node in that hour (max_over_time of warmup_time_to_ready_seconds). "
+            "Slow nodes show as a dark row, slow hours of the day as a dark column.",
+            "s", [target(f"max by (node) (max_over_time({m('warmup_time_to_ready_seconds')}[1h]))", "{{node}}",
+                         interval="1h")]),
+        heatmap(
+            "Stage duration distribution",
+            "Distribution of warmup stage durations across all warmups in the time range "
+            "(warmup_stage_duration_seconds histogram buckets, increase per interval).",
+            "s", [target(f"sum by (le) (increase({m('warmup_stage_duration_seconds_bucket')}[{RATE}]))",
+                         "{{le}}", fmt="heatmap")]),
+        stat("First-request tax",
+             "Time to first token of the first probe after warmup divided by the steady (median) probe "
+             f"(warmup_first_request_tax_ratio). 1.0 = no cold-start tax; the alert fires above {tax:g}.",
+             "none", [target(f"max by (namespace, pod) ({m('warmup_first_request_tax_ratio')})", "{{pod}}")],
+             thresholds=_thresholds((tax * 0.75, "yellow"), (tax, "red")), decimals=2),
+        timeseries(
+            "Time to first token vs readiness thresholds",
+            "Exact P50/P90/P99 of probe time to first token over the readiness sliding window "
+            "(warmup_first_token_window_seconds), the P50/P90 readiness thresholds (warmup_readiness_threshold_seconds, "
+            f"seed 0.85 s / 2.1 s), and P99 from the probe histogram. Dashed line: the {slo:g} s SLO. Worst selected pod.",
+            "s", [
+                target(f"max by (quantile) ({m('warmup_first_token_window_seconds')})", "window P{{quantile}}"),
+                target(f"max by (quantile) ({m('warmup_readiness_threshold_seconds')})", "threshold P{{quantile}}"),
+                target("histogram_quantile(0.99, sum by (le) (rate("
+                       f"{m('warmup_first_token_latency_seconds_bucket', lbl('kind', 'probe'))}[{RATE}])))",
+                       "probe histogram P99"),
+            ], thresholds=_thresholds((slo, "red")),
+            overrides=[{"matcher": {"id": "byRegexp", "options": "threshold.*"},
+                        "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]}]),
+        timeseries(
+            "Synthetic requests",
+            "Requests the agent sent to the engine per second, by kind: warmup (the shape grid) and probe "
+            "(readiness and the watch after SERVING) (warmup_requests_total). Never user traffic.",
+            "reqps", [target(f"sum by (kind) (rate({m('warmup_requests_total')}[{RATE}]))", "{{kind}}")]),
+        timeseries(
+            "State transitions",
+            "Transitions applied (warmup_state_transitions_total) and rejected by the transition table "
+            "(warmup_illegal_transitions_total, a bug) per interval, by from -> to.",
+            "short", [
+                target(f"sum by (from, to) (increase({m('warmup_state_transitions_total')}[{RATE}]))", "{{from}} -> {{to}}"),
+                target(f"sum by (from, to) (increase({m('warmup_illegal_transitions_total')}[{RATE}]))",
+                       "illegal {{from}} -> {{to}}"),
+            ], bars=True),
+        timeseries(
+            "Cold-start failures and deadlines",
+            "Model loading failures in the last hour by reason (model_loading_failures_total; seed 003 ColdStartDegradation "
+            "fires above 5 for 10 minutes) and states left because their deadline passed (warmup_state_deadline_exceeded_total).",
+            "short", [
+                target(f"sum by (reason) (increase({m('model_loading_failures_total')}[1h]))", "{{reason}}"),
+                target(f"sum by (state) (increase({m('warmup_state_deadline_exceeded_total')}[1h]))", "deadline {{state}}"),
+            ], thresholds=_thresholds((th.get("cold_start_degradation.failures_per_hour", "number"), "red"))),
+    ]
+    if "warmup_breaker_state" in BY_NAME:
+        breaker_states = ("closed", "half_open", "open")
+        code = " or ".join(f'{m("warmup_breaker_state", lbl("state", s))} * {i}'
+                           for i, s in enumerate(breaker_states, start=1))
+        panels.append(state_timeline(
+            "Breaker state", "The latency breaker per pod (warmup_breaker_state): closed, half-open, open "
+            "(P90 over threshold on 3 probes in a row; the fallback serves while open).",
+            [target(f"sum by (namespace, pod) ({code})", "{{namespace}}/{{pod}}")],
+            _value_mappings(zip(breaker_states, ("green", "yellow", "red"))), w=24, h=6))
+    return dashboard("warmup-cold-start", "Warmup agent / Cold start overview",
+                     "Where each pod is in its warmup, how long stages take, and whether the first request is as fast as the thousandth.",
+                     panels)
+
+
+def warmup_economics(th) -> dict:
+    cost = th.get("warmup_cost_ratio.max", "number")
+    frag = th.get("gpu_fragmentation.max", "number")
+    panels = [
+        timeseries(
+            "Warmup cost ratio",
+            "Engine seconds spent on warmup work (synthetic traffic, solidify, probes) divided by seconds since the agent "
+            f"started (warmup_cost_ratio), per pod. Seed 003 alerts above {cost:g}; it falls as a pod serves longer.",
+            "percentunit", [target(m("warmup_cost_ratio"), "{{namespace}}/{{pod}}")],
+            thresholds=_thresholds((cost, "red"))),
+        timeseries(
+            "Warmup benefit curve",
+            "Seed 003 §3: what warmup costs against what it avoids, per hour over the selected pods. "
+            "Engine seconds spent on warmup and solidify (warmup_engine_seconds_total; GPU-seconds on a GPU), "
+            "cold-start failures (model_loading_failures_total) and pods whose first request still paid a tax "
+            f"above {th.get('first_request_tax.max_ratio', 'number'):g}x (warmup_first_request_tax_ratio). "
+            "More warmup seconds should buy fewer failures and slow first requests.",
+            "short", [
+                target(f'sum(increase({m("warmup_engine_seconds_total", lbl("kind", "warmup|solidify", "=~"))}[1h]))',
+                       "warmup engine seconds / h"),
+                target(f"sum(increase({m('model_loading_failures_total')}[1h]))", "cold-start failures / h"),
+                target(f"count({m('warmup_first_request_tax_ratio')} > {th.get('first_request_tax.max_ratio', 'number'):g})",
+                       "pods with a slow first request"),
+            ],
+            overrides=[{"matcher": {"id": "byName", "options": "warmup engine seconds / h"},
+                        "properties": [{"id": "unit", "value": "s"},
+                                       {"id": "custom.axisPlacement", "value": "right"}]}]),
+        timeseries(
+            "Engine time on agent work",
+            "Seconds per hour the engine was busy on agent-generated work, by kind (warmup, solidify, probe) "
+            "(warmup_engine_seconds_total).",
+            "s", [target(f"sum by (kind) (increase({m('warmup_engine_seconds_total')}[1h]))", "{{kind}}")], stack=True),
+        timeseries(
+            "GPU memory fragmentation trend",
+            "(reserved - allocated) / reserved of the PyTorch caching allocator, per GPU (gpu_fragmentation_rate). "
+            f"Seed 003 saw 12 % rise to 43 % over 30 days and alerts above {frag:g}. GPU only.",
+            "percentunit", [target(m("gpu_fragmentation_rate"), "{{pod}} GPU {{gpu}}")],
+            thresholds=_thresholds((frag, "red"))),
+        timeseries(
+            "Memory jitter",
+            "(max RSS - min RSS) / mean RSS of the agent process over the last 60 s, sampled every 100 ms "
+            "(warmup_memory_jitter_ratio; seed 000's SOTA line is 0.023).",
+            "percentunit", [target(m("warmup_memory_jitter_ratio"), "{{namespace}}/{{pod}}")],
+            thresholds=_thresholds((0.023, "yellow"))),
+        timeseries(
+            "GPU utilisation ramp slope",
+            "Rate of change of GPU utilisation (deriv over 5 m of warmup_gpu_utilization_ratio, per second): "
+            "a warm pod ramps to load quickly; a slow positive slope after SERVING means it is still warming. GPU only.",
+            "percentunit", [target(f"deriv({m('warmup_gpu_utilization_ratio')}[5m])", "{{pod}} GPU {{gpu}}")]),
+        timeseries(
+            "GPU utilisation",
+            "GPU compute utilisation per device over NVML's last sample period (warmup_gpu_utilization_ratio). GPU only.",
+            "percentunit", [target(m("warmup_gpu_utilization_ratio"), "{{pod}} GPU {{gpu}}")]),
+        timeseries(
+            "GPU memory used",
+            "GPU memory in use per device as a fraction of its size, from NVML "
+            "(warmup_gpu_memory_used_bytes / warmup_gpu_memory_total_bytes). GPU only.",
+            "percentunit", [target(f"{m('warmup_gpu_memory_used_bytes')} / {m('warmup_gpu_memory_total_bytes')}",
+                                   "{{pod}} GPU {{gpu}}")]),
+        timeseries(
+            "Agent resident memory",
+            "Resident memory of the agent process, engine included when in-process (warmup_process_resident_memory_bytes).",
+            "bytes", [target(m("warmup_process_resident_memory_bytes"), "{{namespace}}/{{pod}}")]),
+    ]
+    return dashboard("warmup-economics", "Warmup agent / Warmup economics",
+                     "What warmup costs (engine time, memory) against what it buys (fewer failed and slow cold starts).",
+                     panels)
+
+
+KERNEL_CACHE_METRICS = ("warmup_kernel_cache_requests_total", "warmup_kernel_cache_bytes",
+                        "warmup_kernel_cache_lock_waits_total", "warmup_kernel_cache_lock_wait_seconds",
+                        "warmup_kernel_cache_publishes_total", "warmup_kernel_cache_degraded")
+
+
+def kernel_cache(th) -> dict:
+    req = "warmup_kernel_cache_requests_total"
+    panels = [
+        timeseries(
+            "Hit ratio by tier",
+            "Kernel-cache lookups that hit, as a fraction of all lookups, per tier (local directory, shared Redis) "
+            "(warmup_kernel_cache_requests_total). A new pod with a warm shared tier should hit almost always.",
+            "percentunit", [target(
+                f"sum by (tier) (increase({m(req, lbl('result', 'hit'))}[{RATE}])) / "
+                f"sum by (tier) (increase({m(req)}[{RATE}]))", "{{tier}}")]),
+        timeseries(
+            "Lookups by tier and result",
+            "Kernel-cache lookups per interval by tier and result: hit, miss, rejected (signature/digest check failed), "
+            "error (shared tier unreachable) (warmup_kernel_cache_requests_total).",
+            "short", [target(f"sum by (tier, result) (increase({m(req)}[{RATE}]))", "{{tier}} {{result}}")],
+            bars=True, stack=True),
+        timeseries(
+            "Rejections (possible tampering)",
+            "Shared-tier entries rejected by the signature, digest or path check per interval "
+            "(warmup_kernel_cache_requests_total{result=\"rejected\"}). Any value pages (WarmupAgentKernelCacheRejections).",
+            "short", [target(f"sum by (tier) (increase({m(req, lbl('result', 'rejected'))}[{RATE}]))", "{{tier}}")],
+            thresholds=_thresholds((1, "red"))),
+        timeseries(
+            "Compile lock waits",
+            "Times this agent waited for another pod's compile of the same key (warmup_kernel_cache_lock_waits_total) "
+            "and the P90 wait (warmup_kernel_cache_lock_wait_seconds).",
+            "short", [
+                target(f"sum(increase({m('warmup_kernel_cache_lock_waits_total')}[{RATE}]))", "waits"),
+                target("histogram_quantile(0.9, sum by (le) (rate("
+                       f"{m('warmup_kernel_cache_lock_wait_seconds_bucket')}[{RATE}])))", "P90 wait"),
+            ],
+            overrides=[{"matcher": {"id": "byName", "options": "P90 wait"},
+                        "properties": [{"id": "unit", "value": "s"}, {"id": "custom.axisPlacement", "value": "right"}]}]),
+        timeseries(
+            "Cache size by tier",
+            "Bytes held by the kernel cache per tier (warmup_kernel_cache_bytes).",
+            "bytes", [target(f"sum by (tier) ({m('warmup_kernel_cache_bytes')})", "{{tier}}")]),
+        timeseries(
+            "Publishes to the shared tier",
+            "Entries this agent wrote to the shared tier per interval (warmup_kernel_cache_publishes_total).",
+            "short", [target(f"sum(increase({m('warmup_kernel_cache_publishes_total')}[{RATE}]))", "publishes")],
+            bars=True),
+        stat("Shared tier degraded",
+             "Pods whose shared tier is off or unreachable, so their cache runs local-only (warmup_kernel_cache_degraded).",
+             "short", [target(f"sum({m('warmup_kernel_cache_degraded')})", "degraded pods")],
+             thresholds=_thresholds((1, "red"))),
+    ]
+    return dashboard("warmup-kernel-cache", "Warmup agent / Kernel cache",
+                     "The two-tier compiled-kernel cache: hit ratio, rejections, lock waits and size.", panels)
+
+
+def build_all() -> dict[str, dict]:
+    th = load_thresholds()
+    out = {"cold-start-overview.json": cold_start_overview(th),
+           "warmup-economics.json": warmup_economics(th)}
+    if all(n in BY_NAME for n in KERNEL_CACHE_METRICS):
+        out["kernel-cache.json"] = kernel_cache(th)
+    return out
+
+
+def render_all() -> dict[str, str]:
+    return {name: json.dumps(d, indent=2, ensure_ascii=False) + "\n" for name, d in build_all().items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=HERE, help="directory for the dashboard JSON files")
+    args = ap.parse_args(argv)
+    try:
+        files = render_all()
+    except MissingMetric as e:
+        print(f"dashboards.generate: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    for name, text in files.items():
+        with open(os.path.join(args.out, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    if "kernel-cache.json" not in files:
+        print("dashboards.generate: kernel-cache metrics not in the catalogue yet; kernel-cache.json not generated",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

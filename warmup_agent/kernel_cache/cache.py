@@ -87,7 +87,8 @@ def _batches(items, size_of):
 
 
 class KernelCache:
-    def __init__(self, settings: Settings, components: dict, metrics=None, namespace: str | None = None):
+    def __init__(self, settings: Settings, components: dict, metrics=None, namespace: str | None = None,
+                 announce_off: bool = True):
         self.settings = settings
         self.components = components
         self.namespace = namespace or nsmod.namespace_key(components)
@@ -109,15 +110,17 @@ class KernelCache:
         else:
             self.shared = SharedTier(settings.redis_url, settings.prefix, self.namespace,
                                      settings.socket_timeout, settings.retry_interval, self._on_shared_change)
-        if self.shared is None:
+        if self.shared is None and announce_off:
             self._log_once("off", logging.WARNING, "kernel cache: shared tier off (%s); using the local tier only",
                            self.off_reason)
+        if self.shared is None:
             self._gauge("warmup_kernel_cache_degraded", 1)
 
     # --- construction -----------------------------------------------------------
     @classmethod
     def from_config(cls, cfg, metrics=None, model_config=None, compile_options: dict | None = None,
-                    runtime: dict | None = None, namespace: str | None = None) -> "KernelCache":
+                    runtime: dict | None = None, namespace: str | None = None,
+                    announce_off: bool = True) -> "KernelCache":
         """Build from a warmup_agent.config.Config.
 
         model_config: the model's config (dict, config.json path or bytes); default: model.path's
@@ -140,7 +143,7 @@ class KernelCache:
             socket_timeout=cfg["kernel_cache.socket_timeout_seconds"],
             retry_interval=cfg["kernel_cache.retry_interval_seconds"],
             lock_ttl=cfg["kernel_cache.lock_ttl_seconds"], lock_wait=cfg["kernel_cache.lock_wait_seconds"])
-        return cls(settings, nsmod.components(model_config, compile_options, runtime), metrics, namespace)
+        return cls(settings, nsmod.components(model_config, compile_options, runtime), metrics, namespace, announce_off)
 
     # --- engines ---------------------------------------------------------------
     def env(self) -> dict[str, str]:

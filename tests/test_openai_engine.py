@@ -20,6 +20,8 @@ from tests.servers import free_port, wait_until
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
 from warmup_agent.engines.openai_engine import OpenAIEngine
+from warmup_agent.pipeline import Agent
+from warmup_agent.states import State
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +46,12 @@ def served(tmp_path_factory):
     cmd = vllm_server.server_command(model, port, "--enable-lora", "--max-lora-rank", "8",
                                      "--enable-log-requests")
     cfg = config.load(env={"WARMUP_AGENT_DATA_DIR": str(root / "data"),
+                           "WARMUP_AGENT_ENGINE": "openai",
                            "WARMUP_AGENT_LORA_ADAPTERS": f"ad1={adapter}",
+                           # vLLM imports for ~30 s on two busy cores: more than the 30 s default.
+                           "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
+                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 64]",
+                           "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 4]",
                            "WARMUP_AGENT_OPENAI_READY_TIMEOUT_SECONDS": "240",
                            "WARMUP_AGENT_OPENAI_RESTART_BACKOFF_INITIAL_SECONDS": "0.5",
                            "WARMUP_AGENT_OPENAI_DRAIN_SECONDS": "5"})
@@ -56,8 +63,12 @@ def served(tmp_path_factory):
     eng = OpenAIEngine(cfg, server_command=cmd, base_env=vllm_server.server_env(str(root / "scratch")),
                        on_server_exit=lambda rc: events.append(("exit", rc)),
                        on_server_ready=lambda: events.append(("ready", None)))
-    eng.load_tokenizer()
-    eng.load_weights()
+    # The agent drives the engine through its four stages (load_tokenizer and
+    # load_weights happen in prewarm), exactly as `warmup-agent run --engine openai`.
+    agent = Agent(cfg, eng)
+    agent.final_state = agent.run()
+    agent.stop()
+    eng.agent = agent
     yield eng, events, lines
     eng.close()
     server_log.removeHandler(lines)
@@ -66,6 +77,26 @@ def served(tmp_path_factory):
 def _prompt(n: int) -> list[int]:
     # Fresh random ids: vLLM's prefix cache must not turn a request into a cache hit.
     return [random.randrange(3, 2048) for _ in range(n)]
+
+
+def test_agent_warms_the_server_then_serves(served):
+    eng, _, lines = served
+    agent = eng.agent
+    assert agent.final_state == State.SERVING, agent.sm.failure_message
+    # Warmup happened over the whole grid (2 lengths x batches 1 and 4), and every
+    # agent request reached vLLM marked as ours (request id warmup-*), LoRA warmup included.
+    assert agent.warmup_requests == 2 * (1 + 4)
+    marked = sum("Received request cmpl-warmup-" in l for l in lines.lines)
+    assert marked == agent.warmup_requests + len(agent.probes) + len(eng.adapters)
+    # SERVING only after the probes met the thresholds: the state changed after the
+    # last probe, with at least min_probes in a window under both thresholds.
+    cfg = agent.cfg
+    assert len(agent.probes) >= cfg["readiness.min_probes"]
+    q = agent.window.quantiles((0.5, 0.9))
+    assert q[0.5] <= cfg["readiness.p50_threshold_seconds"] and q[0.9] <= cfg["readiness.p90_threshold_seconds"]
+    states = [s for s, _ in agent.sm.history]
+    assert states[-3:] == [State.PRELOAD, State.PRIME, State.SERVING]
+    assert agent.stages[-1].name == "ready" and agent.stages[-1].detail["probes"] == len(agent.probes)
 
 
 def test_streams_and_measures_time_to_first_token(served):

@@ -83,7 +83,7 @@ class OpenAIEngine(Engine):
     def __init__(self, cfg, server_command: list[str] | None = None, log: logging.Logger | None = None,
                  on_server_exit: Callable[[int], None] | None = None,
                  on_server_ready: Callable[[], None] | None = None,
-                 base_env: dict[str, str] | None = None):
+                 base_env: dict[str, str] | None = None, model_path: str | None = None):
         self.cfg = cfg
         self.base_env = base_env          # the server's environment before ours (default: os.environ)
         self.log = log or logging.getLogger("warmup_agent.engines.openai")
@@ -106,7 +106,8 @@ class OpenAIEngine(Engine):
         self.on_server_ready = on_server_ready
         self.timeout = cfg["openai.request_timeout_seconds"]
         self.model: str | None = cfg["openai.model"] or (option(self.command, "--served-model-name") if self.command else None)
-        self.model_dir: str | None = cfg["model.path"] or (option(self.command, "--model") if self.command else None)
+        self.model_dir: str | None = (model_path or cfg["model.path"]
+                                      or (option(self.command, "--model") if self.command else None))
         self.supervisor = None
         self.startup: dict[str, float] = {}
         self.adapters: list[str] = []      # registered LoRA adapter names
@@ -275,7 +276,12 @@ class OpenAIEngine(Engine):
         futures = [self._pool.submit(self._one_request, p, max_new_tokens, warmup) for p in prompts]
         return [f.result() for f in futures]
 
-    def solidify(self, shapes: list[tuple[int, int]]) -> SolidifyReport:
+    @property
+    def model_path(self) -> str | None:
+        """Local model directory when known (reserve checks that its weights fit)."""
+        return self.model_dir if self.model_dir and os.path.isdir(self.model_dir) else None
+
+    def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
         """vLLM compiles and captures graphs itself at start-up, into the cache
         directories the agent gave it: report what its log says that took."""
         seconds = self.startup.get("compile_seconds", 0.0) + self.startup.get("graph_capture_seconds", 0.0)

@@ -417,6 +417,19 @@ def test_every_declared_value_is_commented_in_values_yaml():
     assert not uncommented, f"keys of values.yaml without a comment above them: {uncommented}"
 
 
+def test_readme_documents_every_value():
+    readme = (CHART / "README.md").read_text()
+    declared = list(_schema_paths(json.loads((CHART / "values.schema.json").read_text())))
+    # a resources block is one row (its limits/requests are Kubernetes' own)
+    leaves = [p for p in declared if (not any(q.startswith(p + ".") for q in declared) or p.endswith("resources"))
+              and ".resources." not in p]
+    assert len(leaves) > 50
+    missing = [p for p in leaves if f"| `{p}` |" not in readme]
+    assert not missing, f"values missing from the values table of helm/warmup-agent/README.md: {missing}"
+    assert "--set autoscaling.warmupPoolSize=2" in readme
+    assert "--set hpa.behavior.scaleDown.stabilizationWindowSeconds=300" in readme
+
+
 # -- security and secrets ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))

@@ -55,7 +55,7 @@ def _positive_list(v) -> bool:
 
 def _listen(v) -> bool:
     host, _, port = v.rpartition(":")
-    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+    return bool(host) and port.isdigit() and 0 <= int(port) <= 65535
 
 
 def _default_data_dir() -> str:
@@ -74,7 +74,7 @@ KEYS: tuple[Key, ...] = (
         check=lambda v: v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()),
         expected="auto, cpu, cuda or cuda:N"),
     Key("exporter.listen", "str", "127.0.0.1:9400", "HOST:PORT of the exporter (/metrics, /healthz, /readyz, /startupz). Use 0.0.0.0:9400 in a pod.",
-        check=_listen, expected="HOST:PORT with a port in 1..65535"),
+        check=_listen, expected="HOST:PORT with a port in 0..65535 (0: any free port)"),
     Key("exporter.tls_cert_file", "str_or_null", None, "PEM certificate; with tls_key_file, serve HTTPS."),
     Key("exporter.tls_key_file", "str_or_null", None, "PEM private key for tls_cert_file."),
     Key("exporter.basic_auth_username", "str_or_null", None, "If set, every endpoint but /healthz, /readyz and /startupz requires HTTP basic auth."),

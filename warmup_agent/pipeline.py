@@ -185,7 +185,7 @@ class Agent:
         self.probes.append(ttft)
         self.window.add(ttft)
         for q, v in self.window.quantiles().items():
-            self.metrics["warmup_first_token_window_seconds"].labels(quantile=str(q)).set(v)
+            self.metrics["warmup_first_token_window_seconds"].labels(percentile=percentile_label(q)).set(v)
 
     # -- after SERVING -----------------------------------------------------------------------
     def watch(self, interval: float) -> None:
@@ -215,8 +215,8 @@ class Agent:
         self.metrics["warmup_build_info"].info({
             "version": __version__, "python": platform.python_version(), "torch": torch_version,
             "engine": self.cfg["engine"]})
-        for q, key in ((0.5, "readiness.p50_threshold_seconds"), (0.9, "readiness.p90_threshold_seconds")):
-            self.metrics["warmup_readiness_threshold_seconds"].labels(quantile=str(q)).set(self.cfg[key])
+        for p, key in (("p50", "readiness.p50_threshold_seconds"), ("p90", "readiness.p90_threshold_seconds")):
+            self.metrics["warmup_readiness_threshold_seconds"].labels(percentile=p).set(self.cfg[key])
         self.metrics["warmup_memory_jitter_ratio"].set_function(self.memory.ratio)
         self.metrics["warmup_cost_ratio"].set_function(self.cost_ratio)
 
@@ -239,7 +239,7 @@ class Agent:
             "stages": {s.name: {"phase": s.phase, "status": s.status, "start_seconds": s.start,
                                 "duration_seconds": s.duration} for s in self.stages},
             "time_to_ready_seconds": None if self.serving_at is None else self.serving_at - self.started,
-            "first_token_window_seconds": {str(q): v for q, v in self.window.quantiles().items()},
+            "first_token_window_seconds": {percentile_label(q): v for q, v in self.window.quantiles().items()},
             "probes": len(self.probes),
             "failure_reason": self.sm.failure_reason,
             "failure_message": self.sm.failure_message,
@@ -269,6 +269,11 @@ class Agent:
             "failure_message": self.sm.failure_message,
             "transitions": [{"state": s.name, "at_seconds": t - self.started} for s, t in self.sm.history],
         }
+
+
+def percentile_label(q: float) -> str:
+    """0.5 -> "p50", 0.99 -> "p99"."""
+    return f"p{q * 100:g}"
 
 
 def _module_version(name: str) -> str:

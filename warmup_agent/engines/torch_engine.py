@@ -66,8 +66,14 @@ def safetensors_files(path: str) -> list[str]:
     return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
-def check_safetensors_header(shard: str) -> int:
-    """Verify a shard's header against its size; return the bytes of tensor data.
+_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                   "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def read_safetensors_header(shard: str) -> dict:
+    """The JSON header of a shard, checked against the file: every tensor's byte
+    range must match its dtype and shape, the ranges must tile the data section
+    without gaps or overlaps, and the data section must end where the file ends.
 
     Format: 8-byte little-endian header length, a JSON header mapping each tensor
     to dtype, shape and [begin, end) offsets into the data that follows."""
@@ -83,16 +89,53 @@ def check_safetensors_header(shard: str) -> int:
             header = json.loads(f.read(n))
     except (OSError, ValueError) as e:
         raise EngineError("weights_corrupt", f"{shard}: unreadable safetensors header ({e})") from None
-    end = 0
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        begin, stop = meta["data_offsets"]
-        end = max(end, stop)
-    if 8 + n + end != size:
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    cursor = 0
+    for name, meta in sorted(tensors.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = meta["data_offsets"]
+        numel = 1
+        for d in meta["shape"]:
+            numel *= d
+        want = numel * _ST_DTYPE_BYTES.get(meta["dtype"], 0)
+        if begin != cursor or end - begin != want:
+            raise EngineError("weights_corrupt",
+                              f"{shard}: header lies about tensor {name}: bytes [{begin}, {end}) for {meta['dtype']} {meta['shape']} ({want} bytes expected at offset {cursor})")
+        cursor = end
+    if 8 + n + cursor != size:
         raise EngineError("weights_corrupt",
-                          f"{shard}: header promises {end} bytes of tensor data but the file holds {size - 8 - n} (truncated or padded shard)")
-    return end
+                          f"{shard}: header promises {cursor} bytes of tensor data but the file holds {size - 8 - n} (truncated or padded shard)")
+    return tensors
+
+
+def check_safetensors_header(shard: str) -> int:
+    """Bytes of tensor data in a verified shard."""
+    tensors = read_safetensors_header(shard)
+    return max((m["data_offsets"][1] for m in tensors.values()), default=0)
+
+
+def check_shapes_against_config(path: str) -> None:
+    """Compare every checkpoint tensor with the shape config.json implies, using a
+    model built on the meta device (no memory).  Catches a config.json from one
+    model beside the weights of another before any weight is read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except Exception as e:  # noqa: BLE001 - an unknown architecture or a broken config
+        raise EngineError("config_invalid", f"{path}/config.json: cannot build the model it describes: {_one_line(e)}") from None
+    found = {}
+    for shard in safetensors_files(path):
+        found.update({k: tuple(m["shape"]) for k, m in read_safetensors_header(shard).items()})
+    for name, shape in sorted(found.items()):
+        if name in expected and expected[name] != shape:
+            raise EngineError("weights_shape_mismatch",
+                              f"{path}: tensor {name} has shape {list(shape)} in the checkpoint but config.json implies {list(expected[name])}")
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(expected) - set(found) - tied)
+    if missing:
+        raise EngineError("weights_incomplete", f"{path}: {len(missing)} tensors missing from the checkpoint (first: {missing[0]})")
 
 
 class TorchEngine(Engine):
@@ -149,12 +192,13 @@ class TorchEngine(Engine):
         _quiet_transformers()
         self.device = self._resolve_device()
         self.dtype = self._resolve_dtype()
+        check_shapes_against_config(self.model_path)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=self.dtype, output_loading_info=True, low_cpu_mem_usage=True)
         except Exception as e:  # noqa: BLE001
             msg = _one_line(e)
-            reason = "weights_shape_mismatch" if "size mismatch" in msg or "shape" in msg.lower() else "weights_invalid"
+            reason = "weights_shape_mismatch" if "size mismatch" in msg or "mismatched_sizes" in msg else "weights_invalid"
             raise EngineError(reason, f"{self.model_path}: cannot load weights: {msg}") from None
         missing = [k for k in info.get("missing_keys", []) if "rotary_emb" not in k]
         if missing:

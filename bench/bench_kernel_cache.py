@@ -107,10 +107,14 @@ def run_child(role: str, args, root: str, secret_file: str, redis_url: str) -> d
 
 
 def _commit() -> str:
+    """HEAD, or BENCH_COMMIT where the tree was copied without its .git (a device machine)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        r = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     except OSError:
         return "unknown"
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
 
 
 def _device_name(device: str) -> str:

@@ -134,7 +134,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
 
 # Features add their metrics in a module of their own (exporter/catalogue_<feature>.py
 # with a SPECS tuple); list each here once.
-_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine", "catalogue_cache")
+_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine", "catalogue_cache", "catalogue_readiness")
 
 
 def _feature_specs() -> tuple[MetricSpec, ...]:

@@ -163,6 +163,50 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="a number > 0"),
     Key("kernel_cache.lock_wait_seconds", "float", 300.0, "How long a pod that lost the compile race waits for the winner's publish before compiling itself.",
         check=_non_negative, expected="a number >= 0"),
+    # --- readiness gate extras, breaker, proxy, validation (warmup_agent/readiness, proxy.py) ---
+    Key("readiness.window_seconds", "float", 0.0, "Also bound the sliding window in time: only samples of the last this many seconds count (0: the last window_size samples only).",
+        check=_non_negative, expected="a number >= 0"),
+    Key("readiness.adaptive", "bool", False, "Re-fit the thresholds every adaptive_every_samples samples to adaptive_margin x the observed P50/P90, between adaptive_min_seconds and the configured thresholds (which stay the ceiling)."),
+    Key("readiness.adaptive_every_samples", "int", 50, "Samples between two adaptive re-fits.",
+        check=_positive, expected="an integer > 0"),
+    Key("readiness.adaptive_margin", "float", 1.5, "Adaptive threshold = this x the observed percentile.",
+        check=lambda v: v >= 1, expected="a number >= 1"),
+    Key("readiness.adaptive_min_seconds", "float", 0.01, "Lower bound of an adaptive threshold.",
+        check=_positive, expected="a number > 0"),
+    Key("readiness.water_level_alpha", "float", 0.85, "Water level T = alpha*T_prev + (1-alpha)*(Q*headroom): smoothing factor (seed 0.85).",
+        check=lambda v: 0 <= v < 1, expected="a number in [0, 1)"),
+    Key("readiness.water_level_window_seconds", "int", 60, "Window of the QPS average Q of the water level (seed 60 s).",
+        check=_positive, expected="an integer > 0 (seconds)"),
+    Key("readiness.water_level_period_seconds", "float", 5.0, "The water level is updated once per this many seconds (seed 5 s).",
+        check=_positive, expected="a number > 0"),
+    Key("readiness.water_level_headroom", "float", 1.2, "Headroom factor on Q in the water level (seed 1.2).",
+        check=_positive, expected="a number > 0"),
+    Key("breaker.enabled", "bool", True, "After SERVING, trip to DEGRADED (fallback) when the window P90 exceeds readiness.p90_threshold_seconds on trip_after consecutive samples."),
+    Key("breaker.trip_after", "int", 3, "Consecutive samples with the window P90 over the tail threshold that trip the breaker (seed 3).",
+        check=_positive, expected="an integer > 0"),
+    Key("breaker.open_seconds", "float", 30.0, "How long a tripped breaker freezes the main path before half-open probes (seed 30 s).",
+        check=_positive, expected="a number > 0"),
+    Key("breaker.half_open_probes", "int", 3, "Consecutive half-open probes at or under the tail threshold that close the breaker (back to SERVING).",
+        check=_positive, expected="an integer > 0"),
+    Key("proxy.listen", "str_or_null", None, "HOST:PORT of the OpenAI-compatible routing proxy (/v1/completions, /v1/chat/completions). Empty: no proxy.",
+        check=_listen, expected="HOST:PORT with a port in 0..65535 (0: any free port)"),
+    Key("proxy.upstream_url", "str_or_null", None, "Base URL of the main engine's OpenAI-compatible server. Empty: openai.url."),
+    Key("proxy.fallback_url", "str_or_null", None, "Base URL of a fallback server (a smaller model) used while warming or DEGRADED. Empty: answer 503 with Retry-After.",
+        check=lambda v: v.startswith(("http://", "https://")), expected="a URL starting with http:// or https://"),
+    Key("proxy.retry_after_seconds", "int", 5, "Retry-After of a 503 while warming (while the breaker is open: the seconds left in the freeze).",
+        check=_positive, expected="an integer > 0 (seconds)"),
+    Key("proxy.timeout_seconds", "float", 300.0, "Timeout of one upstream request of the proxy.",
+        check=_positive, expected="a number > 0"),
+    Key("validation.enabled", "bool", True, "Validate structure, numerics and performance before SERVING; a failure is a named reason (validation_structure, validation_numerics, validation_performance)."),
+    Key("validation.logits_mean_min", "float", -5.0, "Numerics: the mean logit on each fixed prompt must be above this (seed -5).",
+        expected="a number"),
+    Key("validation.logits_mean_max", "float", 5.0, "Numerics: the mean logit on each fixed prompt must be below this (seed 5).",
+        expected="a number"),
+    Key("validation.logits_abs_max", "float", 1000.0, "Numerics: no logit may exceed this in absolute value.",
+        check=_positive, expected="a number > 0"),
+    Key("validation.performance_factor", "float", 1.2, "Performance: the gate's P50 time to first token may be at most this times the recorded baseline (seed 1.2).",
+        check=lambda v: v >= 1, expected="a number >= 1"),
+    Key("validation.baseline_file", "str_or_null", None, "JSON file of recorded baseline P50s per model, device and dtype (e.g. on a persistent volume). Empty: no performance check. A model with no entry records one."),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}
@@ -342,6 +386,10 @@ def _cross_checks(v: dict[str, Any], where: str) -> None:
         raise ConfigError(
             f"{where}: key 'readiness.min_probes': got {v['readiness.min_probes']}; "
             f"expected at most readiness.max_probes ({v['readiness.max_probes']})", "readiness.min_probes")
+    if v["validation.logits_mean_min"] >= v["validation.logits_mean_max"]:
+        raise ConfigError(
+            f"{where}: key 'validation.logits_mean_min': got {v['validation.logits_mean_min']}; "
+            f"expected less than validation.logits_mean_max ({v['validation.logits_mean_max']})", "validation.logits_mean_min")
     if bool(v["exporter.tls_cert_file"]) != bool(v["exporter.tls_key_file"]):
         raise ConfigError(f"{where}: key 'exporter.tls_key_file': TLS needs both exporter.tls_cert_file and exporter.tls_key_file",
                           "exporter.tls_key_file")

@@ -181,21 +181,31 @@ class Agent:
             self.warmup_requests += len(prompts)
         return ttft
 
-    def record_probe(self, ttft: float) -> None:
-        self.probes.append(ttft)
-        self.window.add(ttft)
+    def record_probe(self, ttft: float, kind: str = "probe") -> None:
+        """One time-to-first-token sample of the main engine: a probe, or (kind="user")
+        a real request through the proxy.  It feeds the window, the adaptive
+        thresholds and the breaker (readiness/runtime.py); only probes are kept
+        in self.probes (user traffic would grow it without bound)."""
+        from warmup_agent.readiness.runtime import attach
+        if kind == "probe":
+            self.probes.append(ttft)
+        attach(self).observe(ttft)
         for q, v in self.window.quantiles().items():
             self.metrics["warmup_first_token_window_seconds"].labels(percentile=percentile_label(q)).set(v)
 
     # -- after SERVING -----------------------------------------------------------------------
     def watch(self, interval: float) -> None:
-        """Keep probing after SERVING so the window (and its gauges) stays current."""
+        """Keep probing after SERVING so the window (and its gauges) stays current.
+        The breaker runs here: while it is open the main engine is not probed
+        (frozen); once the freeze is over, probes are its half-open probes."""
         if interval <= 0:
             return
+        from warmup_agent.readiness.runtime import attach
+        readiness = attach(self)
 
         def loop():
             while not self._watch_stop.wait(interval):
-                if self.sm.state != State.SERVING:
+                if not readiness.due_probe():
                     continue
                 try:
                     self.record_probe(self.send([self.prompts.prompt(self.cfg["readiness.probe_prompt_length"])], "probe"))

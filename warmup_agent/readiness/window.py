@@ -1,13 +1,18 @@
 """Sliding window of time-to-first-token samples with exact quantiles.
 
-Exact (nearest-rank) quantiles over the last N samples: no sketch error.  N is
-bounded (readiness.window_size, default 100), so memory is constant and a
-quantile costs one sort of at most N floats.
+Exact (nearest-rank) quantiles over the last N samples: no sketch error (the
+stated error bound is 0).  N is bounded (readiness.window_size, default 100),
+so memory is constant and a quantile costs one sort of at most N floats.
+
+Optionally the window is also bounded in time (`max_age_seconds`,
+readiness.window_seconds): samples older than that are dropped before every
+read, so "the last N probes or the last T seconds", whichever is fewer.
 """
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 
 
@@ -21,22 +26,40 @@ def nearest_rank(sorted_values: list[float], q: float) -> float:
 
 
 class SlidingWindow:
-    def __init__(self, size: int):
+    def __init__(self, size: int, max_age_seconds: float = 0.0, clock=time.monotonic):
         if size <= 0:
             raise ValueError("window size must be > 0")
-        self._samples: deque[float] = deque(maxlen=size)
+        if max_age_seconds < 0:
+            raise ValueError("max_age_seconds must be >= 0")
+        # (timestamp, seconds) pairs; the timestamp only matters with a max age.
+        self._samples: deque[tuple[float, float]] = deque(maxlen=size)
+        self._max_age = max_age_seconds
+        self._clock = clock
         self._lock = threading.Lock()
 
     def add(self, seconds: float) -> None:
         with self._lock:
-            self._samples.append(seconds)
+            self._samples.append((self._clock(), seconds))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._samples.clear()
+
+    def _expire(self) -> None:
+        if self._max_age:
+            oldest = self._clock() - self._max_age
+            while self._samples and self._samples[0][0] < oldest:
+                self._samples.popleft()
 
     def __len__(self) -> int:
-        return len(self._samples)
+        with self._lock:
+            self._expire()
+            return len(self._samples)
 
     def values(self) -> list[float]:
         with self._lock:
-            return list(self._samples)
+            self._expire()
+            return [v for _, v in self._samples]
 
     def quantile(self, q: float) -> float | None:
         vals = sorted(self.values())

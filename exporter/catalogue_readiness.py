@@ -1,0 +1,36 @@
+"""Readiness gate, breaker, validation, water level and proxy metrics
+(warmup_agent/readiness/, warmup_agent/proxy.py)."""
+from exporter.catalogue import FIRST_TOKEN_BUCKETS, MetricSpec
+
+SPECS = (
+    MetricSpec("warmup_breaker_state", "gauge",
+               "1 for the breaker's current state (closed, open, half_open), 0 for the others.",
+               labels=("state",), unit="short",
+               doc="open: main path frozen for breaker.open_seconds; half_open: probes only; closed: normal."),
+    MetricSpec("warmup_breaker_trips_total", "counter",
+               "Times the breaker tripped (window P90 over the tail threshold on breaker.trip_after consecutive samples).",
+               unit="short"),
+    MetricSpec("warmup_breaker_transitions_total", "counter",
+               "Breaker state changes, by source and target breaker state.",
+               labels=("from", "to"), unit="short"),
+    MetricSpec("warmup_fallback_active", "gauge",
+               "1 while the breaker keeps the main engine frozen (open or half-open): user traffic goes to the fallback or gets 503.",
+               unit="short"),
+    MetricSpec("warmup_readiness_threshold_refits_total", "counter",
+               "Adaptive re-fits of the readiness thresholds (readiness.adaptive).",
+               unit="short"),
+    MetricSpec("warmup_validation_checks_total", "counter",
+               "Pre-SERVING validation checks by check (structure, numerics, performance) and result (passed, failed, skipped, recorded).",
+               labels=("check", "result"), unit="short"),
+    MetricSpec("warmup_water_level_requests_per_second", "gauge",
+               "Water level T = a*T_prev + (1-a)*(Q*headroom) over user requests per second seen by the proxy (seed 000 §3.2).",
+               unit="reqps",
+               doc="Sampled every readiness.water_level_period_seconds; Q is the mean QPS over readiness.water_level_window_seconds. "
+                   "0 without the proxy. An autoscaler target: see docs/readiness.md."),
+    MetricSpec("warmup_proxy_requests_total", "counter",
+               "User requests through the proxy by route (main, fallback, rejected) and HTTP status code; warmup-marked requests excluded.",
+               labels=("route", "code"), unit="short", requires="proxy"),
+    MetricSpec("warmup_proxy_first_token_seconds", "histogram",
+               "Time to first streamed byte of user requests through the proxy, by route (main, fallback).",
+               labels=("route",), buckets=FIRST_TOKEN_BUCKETS, unit="s", requires="proxy"),
+)

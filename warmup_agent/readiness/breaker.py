@@ -1,0 +1,91 @@
+"""The fallback breaker (seed 000 §4.4, seed 003): closed -> open -> half-open -> closed.
+
+  closed     every sample goes into the window; the window's P90 over the tail
+             threshold on `trip_after` consecutive samples trips the breaker.
+  open       main path frozen for `open_seconds`: fallback active, no probes and
+             no user traffic to the main engine.
+  half_open  after the freeze, probes go to the main engine again; each is judged
+             alone against the tail threshold (the window still holds the slow
+             samples that tripped it, so it starts empty).  `half_open_probes`
+             good probes in a row close the breaker; one slow probe re-opens it.
+
+The breaker only decides; its owner (readiness.runtime) moves the state machine
+(SERVING -> DEGRADED on trip, DEGRADED -> SERVING on close) and exports it.
+Time comes from an injected clock, so the logic is tested without sleeping.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Breaker:
+    def __init__(self, trip_after: int = 3, open_seconds: float = 30.0, half_open_probes: int = 3,
+                 clock=time.monotonic, on_change=None):
+        self.trip_after, self.open_seconds, self.half_open_probes = trip_after, open_seconds, half_open_probes
+        self.clock = clock
+        self.state = BreakerState.CLOSED
+        self.trips = 0
+        self.opened_at: float | None = None
+        self._over = 0          # consecutive over-threshold evaluations while closed
+        self._good = 0          # consecutive good probes while half-open
+        self._on_change = on_change or (lambda frm, to: None)
+        self._lock = threading.RLock()
+
+    def _move(self, to: BreakerState) -> None:
+        frm, self.state = self.state, to
+        self._over = self._good = 0
+        if to == BreakerState.OPEN:
+            self.opened_at = self.clock()
+        self._on_change(frm, to)
+
+    @property
+    def main_frozen(self) -> bool:
+        """True while user traffic must not reach the main engine (open or half-open)."""
+        return self.state != BreakerState.CLOSED
+
+    def frozen_remaining(self) -> float:
+        """Seconds until an open breaker lets probes through (0 when not open)."""
+        if self.state != BreakerState.OPEN:
+            return 0.0
+        return max(0.0, self.opened_at + self.open_seconds - self.clock())
+
+    def tick(self) -> BreakerState:
+        """Open -> half-open once the freeze has elapsed.  Call before deciding to probe."""
+        with self._lock:
+            if self.state == BreakerState.OPEN and self.frozen_remaining() <= 0:
+                self._move(BreakerState.HALF_OPEN)
+            return self.state
+
+    def closed_sample(self, p90_over: bool) -> bool:
+        """While closed: one sample was added and the window's P90 is (not) over the
+        tail threshold.  Returns True if this evaluation tripped the breaker."""
+        with self._lock:
+            if self.state != BreakerState.CLOSED:
+                return False
+            self._over = self._over + 1 if p90_over else 0
+            if self._over >= self.trip_after:
+                self.trips += 1
+                self._move(BreakerState.OPEN)
+                return True
+            return False
+
+    def half_open_probe(self, over: bool) -> BreakerState:
+        """While half-open: one probe of the main engine, over the threshold or not."""
+        with self._lock:
+            if self.state != BreakerState.HALF_OPEN:
+                return self.state
+            if over:
+                self._move(BreakerState.OPEN)
+            else:
+                self._good += 1
+                if self._good >= self.half_open_probes:
+                    self._move(BreakerState.CLOSED)
+            return self.state

@@ -1,0 +1,136 @@
+"""Readiness at run time: one object per agent joining the window, the dual
+thresholds, the breaker and the water level to the state machine and metrics.
+
+`attach(agent)` creates it once (as `agent.readiness`) from the agent's config.
+Every time-to-first-token sample -- a probe or a user request through the
+proxy -- goes through `observe()`; the watch loop calls `due_probe()` to know
+whether to probe the main engine now.  Every breaker step is a state-machine
+transition (SERVING -> DEGRADED on trip, DEGRADED -> SERVING on close), counted
+in warmup_breaker_transitions_total and shown in warmup_breaker_state.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from warmup_agent.readiness.breaker import Breaker, BreakerState
+from warmup_agent.readiness.thresholds import Thresholds
+from warmup_agent.readiness.waterlevel import WaterLevel
+from warmup_agent.readiness.window import SlidingWindow
+from warmup_agent.states import State
+
+log = logging.getLogger("warmup_agent.readiness")
+
+
+class Readiness:
+    def __init__(self, agent):
+        cfg = agent.cfg
+        self.agent = agent
+        self.metrics = agent.metrics
+        if cfg["readiness.window_seconds"] and len(agent.window) == 0:
+            # "the last N probes or the last T seconds": swap in a time-bounded window
+            # before the first probe (the agent builds a count-bounded one).
+            agent.window = SlidingWindow(cfg["readiness.window_size"], cfg["readiness.window_seconds"], agent.clock)
+        self.window = agent.window
+        self.thresholds = Thresholds(
+            cfg["readiness.p50_threshold_seconds"], cfg["readiness.p90_threshold_seconds"],
+            min_samples=cfg["readiness.min_probes"], adaptive=cfg["readiness.adaptive"],
+            every=cfg["readiness.adaptive_every_samples"], margin=cfg["readiness.adaptive_margin"],
+            floor=cfg["readiness.adaptive_min_seconds"])
+        self.breaker_enabled = cfg["breaker.enabled"]
+        self.breaker = Breaker(cfg["breaker.trip_after"], cfg["breaker.open_seconds"],
+                               cfg["breaker.half_open_probes"], clock=agent.clock, on_change=self._breaker_moved)
+        self.water = WaterLevel(cfg["readiness.water_level_alpha"], cfg["readiness.water_level_window_seconds"],
+                                cfg["readiness.water_level_period_seconds"], cfg["readiness.water_level_headroom"],
+                                clock=agent.clock)
+        self.fallback_available = False      # set by the proxy when it has a fallback upstream
+        self._lock = threading.RLock()
+        self._publish_breaker()
+        self._publish_thresholds()
+        self.metrics["warmup_fallback_active"].set(0)
+        # Zero series for every breaker step and validation outcome, so rate() and
+        # increase() work from the first event (and the series exist before one).
+        for frm, to in (("closed", "open"), ("open", "half_open"), ("half_open", "open"), ("half_open", "closed")):
+            self.metrics["warmup_breaker_transitions_total"].labels(**{"from": frm, "to": to})
+        for check in ("structure", "numerics", "performance"):
+            for result in ("passed", "failed", "skipped", "recorded"):
+                self.metrics["warmup_validation_checks_total"].labels(check=check, result=result)
+        self.metrics["warmup_water_level_requests_per_second"].set_function(self.water.read)
+
+    # -- samples ---------------------------------------------------------------------
+    def observe(self, ttft: float) -> None:
+        """One time-to-first-token sample of the main engine (probe or user request)."""
+        with self._lock:
+            if self.breaker.state == BreakerState.HALF_OPEN:
+                self.window.add(ttft)
+                self.breaker.half_open_probe(ttft > self.thresholds.p90)
+                return
+            if self.breaker.state == BreakerState.OPEN:
+                return  # a request that started before the trip: the main path is frozen
+            self.window.add(ttft)
+            if self.thresholds.sample_added(self.window):
+                self.metrics["warmup_readiness_threshold_refits_total"].inc()
+                self._publish_thresholds()
+            if self.breaker_enabled and self.agent.sm.state == State.SERVING:
+                p90 = self.window.quantile(0.9)
+                self.breaker.closed_sample(p90 is not None and p90 > self.thresholds.p90)
+
+    def due_probe(self) -> bool:
+        """Whether the watch loop should probe the main engine now."""
+        with self._lock:
+            state = self.breaker.tick()
+            if state == BreakerState.HALF_OPEN:
+                return True
+            return state == BreakerState.CLOSED and self.agent.sm.state == State.SERVING
+
+    def main_open(self) -> bool:
+        """Whether user traffic may go to the main engine: SERVING and breaker closed."""
+        return self.agent.sm.state == State.SERVING and self.breaker.state == BreakerState.CLOSED
+
+    def retry_after(self, default: float) -> float:
+        remaining = self.breaker.frozen_remaining()
+        return remaining if remaining > 0 else default
+
+    # -- breaker -> state machine ---------------------------------------------------------
+    def _breaker_moved(self, frm: BreakerState, to: BreakerState) -> None:
+        sm = self.agent.sm
+        self.metrics["warmup_breaker_transitions_total"].labels(**{"from": frm.value, "to": to.value}).inc()
+        if to == BreakerState.OPEN and frm == BreakerState.CLOSED:
+            self.metrics["warmup_breaker_trips_total"].inc()
+            log.warning("breaker tripped: window P90 over %.1f ms on %d consecutive samples; main path frozen for %g s",
+                        self.thresholds.p90 * 1000, self.breaker.trip_after, self.breaker.open_seconds)
+            if sm.state == State.SERVING:   # not if the pod started draining meanwhile
+                sm.transition(State.DEGRADED)
+        elif to == BreakerState.OPEN:
+            log.warning("half-open probe over %.1f ms: breaker open again for %g s",
+                        self.thresholds.p90 * 1000, self.breaker.open_seconds)
+        elif to == BreakerState.HALF_OPEN:
+            # The window still holds the samples that tripped the breaker: judge afresh.
+            self.window.clear()
+            log.info("breaker half-open: probing the main engine")
+        elif to == BreakerState.CLOSED:
+            log.info("breaker closed after %d good probes: back to SERVING", self.breaker.half_open_probes)
+            if sm.state == State.DEGRADED:
+                sm.transition(State.SERVING)
+        self._publish_breaker()
+
+    def _publish_breaker(self) -> None:
+        for s in BreakerState:
+            self.metrics["warmup_breaker_state"].labels(state=s.value).set(1 if s == self.breaker.state else 0)
+        self.metrics["warmup_fallback_active"].set(1 if self.breaker.main_frozen else 0)
+
+    def _publish_thresholds(self) -> None:
+        for q, label in ((0.5, "p50"), (0.9, "p90")):
+            self.metrics["warmup_readiness_threshold_seconds"].labels(percentile=label).set(self.thresholds.current[q])
+
+
+_attach_lock = threading.Lock()
+
+
+def attach(agent) -> Readiness:
+    """The agent's Readiness, created on first use."""
+    with _attach_lock:
+        rd = getattr(agent, "readiness", None)
+        if rd is None:
+            rd = agent.readiness = Readiness(agent)
+        return rd

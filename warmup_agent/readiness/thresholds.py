@@ -1,0 +1,61 @@
+"""Dual readiness thresholds on time to first token, optionally adaptive.
+
+Ready means P50 <= the liveness threshold and P90 <= the tail threshold over at
+least `min_samples` samples (seed 000 §4.4: 850 ms and 2100 ms).
+
+Adaptive mode re-fits both thresholds every `every` samples from the observed
+distribution: threshold = margin x observed quantile, clamped to
+[floor, configured].  The configured values are the service-level ceiling:
+adaptation only tightens the gate towards what this pod has shown it can do
+(so a regression is caught before it reaches the SLO), never loosens it.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class Thresholds:
+    def __init__(self, p50: float, p90: float, min_samples: int = 1, adaptive: bool = False,
+                 every: int = 50, margin: float = 1.5, floor: float = 0.01):
+        if p50 > p90:
+            raise ValueError("p50 threshold must not exceed p90 threshold")
+        self.ceiling = {0.5: p50, 0.9: p90}
+        self.current = dict(self.ceiling)
+        self.min_samples, self.adaptive = min_samples, adaptive
+        self.every, self.margin, self.floor = every, margin, floor
+        self.refits = 0
+        self._since_refit = 0
+        self._lock = threading.Lock()
+
+    @property
+    def p50(self) -> float:
+        return self.current[0.5]
+
+    @property
+    def p90(self) -> float:
+        return self.current[0.9]
+
+    def met(self, window) -> bool:
+        """Both percentiles of `window` at or under their thresholds, with enough samples."""
+        if len(window) < self.min_samples:
+            return False
+        q = window.quantiles((0.5, 0.9))
+        return bool(q) and q[0.5] <= self.p50 and q[0.9] <= self.p90
+
+    def sample_added(self, window) -> bool:
+        """Count one sample; every `every` samples re-fit from `window` (adaptive only).
+        Returns whether the thresholds were re-fitted."""
+        if not self.adaptive:
+            return False
+        with self._lock:
+            self._since_refit += 1
+            if self._since_refit < self.every or len(window) < self.min_samples:
+                return False
+            self._since_refit = 0
+            q = window.quantiles((0.5, 0.9))
+            for p in (0.5, 0.9):
+                self.current[p] = min(self.ceiling[p], max(self.floor, self.margin * q[p]))
+            # Keep the pair ordered even if the floor lifted P50 above a tight P90.
+            self.current[0.5] = min(self.current[0.5], self.current[0.9])
+            self.refits += 1
+            return True

@@ -47,6 +47,11 @@ def m(name: str, matchers: str = "") -> str:
     return f"{name}{{{SEL}{', ' + matchers if matchers else ''}}}"
 
 
+def has(*names: str) -> bool:
+    """Feature metrics (exporter/catalogue_<feature>.py) get panels once they exist."""
+    return all(n in BY_NAME for n in names)
+
+
 def lbl(name: str, value: str, op: str = "=") -> str:
     return f'{name}{op}"{value}"'
 
@@ -248,7 +253,7 @@ def cold_start_overview(th) -> dict:
                 target(f"sum by (state) (increase({m('warmup_state_deadline_exceeded_total')}[1h]))", "deadline {{state}}"),
             ], thresholds=_thresholds((th.get("cold_start_degradation.failures_per_hour", "number"), "red"))),
     ]
-    if "warmup_breaker_state" in BY_NAME:
+    if has("warmup_breaker_state"):
         breaker_states = ("closed", "half_open", "open")
         code = " or ".join(f'{m("warmup_breaker_state", lbl("state", s))} * {i}'
                            for i, s in enumerate(breaker_states, start=1))
@@ -257,6 +262,36 @@ def cold_start_overview(th) -> dict:
             "(P90 over threshold on 3 probes in a row; the fallback serves while open).",
             [target(f"sum by (namespace, pod) ({code})", "{{namespace}}/{{pod}}")],
             _value_mappings(zip(breaker_states, ("green", "yellow", "red"))), w=24, h=6))
+    if has("warmup_breaker_trips_total", "warmup_fallback_active"):
+        panels.append(timeseries(
+            "Breaker trips and fallback",
+            "Breaker trips in the last hour per pod (warmup_breaker_trips_total) and whether the fallback is active "
+            "(warmup_fallback_active: 1 while the main engine is frozen, open or half-open).",
+            "short", [
+                target(f"sum by (namespace, pod) (increase({m('warmup_breaker_trips_total')}[1h]))", "trips {{pod}}"),
+                target(f"max by (namespace, pod) ({m('warmup_fallback_active')})", "fallback {{pod}}"),
+            ]))
+    if has("warmup_validation_checks_total"):
+        panels.append(timeseries(
+            "Validation checks before SERVING",
+            "Pre-SERVING validation checks in the last hour by check (structure, numerics, performance) and result "
+            "(warmup_validation_checks_total). A failed check keeps the pod out of the Service.",
+            "short", [target(f"sum by (check, result) (increase({m('warmup_validation_checks_total')}[1h]))",
+                             "{{check}} {{result}}")], bars=True))
+    if has("warmup_engine_requests_running", "warmup_engine_requests_waiting", "warmup_engine_kv_cache_usage_ratio"):
+        panels.append(timeseries(
+            "Engine queue and KV cache",
+            "Read from the engine's own /metrics at scrape time (vLLM): requests running and waiting "
+            "(warmup_engine_requests_running, warmup_engine_requests_waiting) and KV-cache usage "
+            "(warmup_engine_kv_cache_usage_ratio, right axis). Only with an engine that exports metrics.",
+            "short", [
+                target(f"sum({m('warmup_engine_requests_running')})", "running"),
+                target(f"sum({m('warmup_engine_requests_waiting')})", "waiting"),
+                target(f"max({m('warmup_engine_kv_cache_usage_ratio')})", "KV cache usage"),
+            ],
+            overrides=[{"matcher": {"id": "byName", "options": "KV cache usage"},
+                        "properties": [{"id": "unit", "value": "percentunit"},
+                                       {"id": "custom.axisPlacement", "value": "right"}]}]))
     return dashboard("warmup-cold-start", "Warmup agent / Cold start overview",
                      "Where each pod is in its warmup, how long stages take, and whether the first request is as fast as the thousandth.",
                      panels)
@@ -321,6 +356,15 @@ def warmup_economics(th) -> dict:
             "(warmup_gpu_memory_used_bytes / warmup_gpu_memory_total_bytes). GPU only.",
             "percentunit", [target(f"{m('warmup_gpu_memory_used_bytes')} / {m('warmup_gpu_memory_total_bytes')}",
                                    "{{pod}} GPU {{gpu}}")]),
+        *([timeseries(
+            "Water level and user traffic",
+            "The autoscaling signal T = a*T_prev + (1-a)*(Q*headroom) (warmup_water_level_requests_per_second, seed 000 "
+            "§3.2) against user requests per second through the proxy by route (warmup_proxy_requests_total). "
+            "Scaling on T adds warm pods before the queue builds. Only with the readiness proxy.",
+            "reqps", [
+                target(f"sum({m('warmup_water_level_requests_per_second')})", "water level T"),
+                target(f"sum by (route) (rate({m('warmup_proxy_requests_total')}[{RATE}]))", "user {{route}}"),
+            ])] if has("warmup_water_level_requests_per_second", "warmup_proxy_requests_total") else []),
         timeseries(
             "Agent resident memory",
             "Resident memory of the agent process, engine included when in-process (warmup_process_resident_memory_bytes).",
@@ -391,7 +435,7 @@ def build_all() -> dict[str, dict]:
     th = load_thresholds()
     out = {"cold-start-overview.json": cold_start_overview(th),
            "warmup-economics.json": warmup_economics(th)}
-    if all(n in BY_NAME for n in KERNEL_CACHE_METRICS):
+    if has(*KERNEL_CACHE_METRICS):
         out["kernel-cache.json"] = kernel_cache(th)
     return out
 

@@ -22,9 +22,10 @@ import pytest
 import yaml
 
 from alerts import generate as alerts_generate
-from alerts.promql import TARGET_LABELS
+from alerts.promql import TARGET_LABELS, base_name, metric_names
 from dashboards import generate as dash_generate
 from dashboards.exprs import panel_expressions, substitute
+from exporter.catalogue import BY_NAME
 from tests.conftest import ROOT, agent_cmd
 from tests.servers import Alertmanager, Prometheus, free_port, http_get, wait_until
 
@@ -32,18 +33,18 @@ pytestmark = pytest.mark.slow
 
 RATE = "15s"  # >= 4 scrapes at the 1 s interval, as Grafana's $__rate_interval would be
 
-# (dashboard file, panel title, refId) -> why it may be empty on this run: the
-# default CPU run with the embedded model, no GPU, no failures, no compile.
+# Conditions of the catalogue's `requires` that this run (CPU, torch engine, no
+# proxy) lacks: a query that reads only such metrics may be empty.
+ABSENT_HERE = {"gpu": "no GPU in CI", "engine_metrics": "the torch engine has no /metrics of its own",
+               "proxy": "this run starts no readiness proxy"}
+# (dashboard file, panel title, refId) -> why else it may be empty on this run: a
+# healthy default CPU run with the embedded model, no failures, no compile.
 MAY_BE_EMPTY = {
     ("cold-start-overview.json", "State transitions", "B"): "no illegal transition happens in a healthy warmup",
     ("cold-start-overview.json", "Cold-start failures and deadlines", "A"): "a healthy warmup has no failures",
     ("cold-start-overview.json", "Cold-start failures and deadlines", "B"): "no state deadline passes",
     ("warmup-economics.json", "Warmup benefit curve", "B"): "a healthy warmup has no failures",
     ("warmup-economics.json", "Warmup benefit curve", "C"): "the first request tax is under the threshold after warmup",
-    ("warmup-economics.json", "GPU memory fragmentation trend", "A"): "GPU only (requires=gpu); CI has no GPU",
-    ("warmup-economics.json", "GPU utilisation ramp slope", "A"): "GPU only (NVML)",
-    ("warmup-economics.json", "GPU utilisation", "A"): "GPU only (NVML)",
-    ("warmup-economics.json", "GPU memory used", "A"): "GPU only (NVML)",
     ("kernel-cache.json", "Hit ratio by tier", "A"): "no compile on the CPU default run (solidify replays), so no cache lookups",
     ("kernel-cache.json", "Lookups by tier and result", "A"): "no cache lookups on the CPU default run",
     ("kernel-cache.json", "Rejections (possible tampering)", "A"): "no cache lookups on the CPU default run",
@@ -144,6 +145,12 @@ def live(tmp_path_factory, data_dir):
         hook.stop()
 
 
+def needs_absent_feature(expr: str) -> bool:
+    """Every metric the query reads is one this run cannot produce (catalogue `requires`)."""
+    specs = [BY_NAME.get(n) or BY_NAME.get(base_name(n)) for n in metric_names(expr)]
+    return bool(specs) and all(s is not None and s.requires in ABSENT_HERE for s in specs)
+
+
 def dashboards() -> dict[str, dict]:
     return dash_generate.build_all()
 
@@ -166,7 +173,7 @@ def test_every_panel_evaluates_on_live_prometheus(live):
             except RuntimeError as e:  # a parse or evaluation error
                 errors.append(f"{fname} {title!r} {ref}: {e}")
                 continue
-            if not result and (fname, title, ref) not in MAY_BE_EMPTY:
+            if not result and (fname, title, ref) not in MAY_BE_EMPTY and not needs_absent_feature(expr):
                 empty.append(f"{fname} {title!r} {ref}: {q}")
             # a legend label the agent does not export would show as blank in Grafana
             for label in re.findall(r"\{\{(\w+)\}\}", legend):
@@ -237,7 +244,8 @@ def test_for_0s_copy_fires_and_reaches_the_webhook(live):
     assert a["annotations"]["runbook_url"].endswith("runbook.md#warmupagentcostratiohigh")
     assert a["labels"]["instance"] in a["annotations"]["description"]
     # the value in the description is the agent's ratio: over the 0.15 threshold
+    # (printed with 2 decimals, so a value just over it reads 0.15)
     value = float(a["annotations"]["description"].split("warmup cost ratio is ")[1].split(",")[0])
-    assert value > 0.15
+    assert value >= 0.15
     # the original (for: 15m) is not firing yet, so only the copy was delivered
     assert all(x["labels"].get("copy") == "for-0s" for x in hook.alerts())

@@ -35,9 +35,18 @@ def test_committed_dashboards_equal_fresh_generation(tmp_path):
     assert generate.main(["--out", str(tmp_path)]) == 0
     fresh = {os.path.basename(p) for p in glob.glob(str(tmp_path / "*.json"))}
     assert fresh == set(committed()), "dashboards/ differs from a fresh generation: run `.venv/bin/python -m dashboards.generate`"
-    for name in fresh:
+    for name in fresh | {"README.md"}:
         with open(tmp_path / name, encoding="utf-8") as a, open(os.path.join(DASH_DIR, name), encoding="utf-8") as b:
             assert a.read() == b.read(), f"dashboards/{name} is stale: run `.venv/bin/python -m dashboards.generate`"
+
+
+def test_readme_describes_every_panel():
+    with open(os.path.join(DASH_DIR, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    for d in committed().values():
+        assert f"## {d['title']}" in text
+        for p in d["panels"]:
+            assert f"- **{p['title']}** ({p['type']}" in text and p["description"] in text
 
 
 def test_required_dashboards_exist():

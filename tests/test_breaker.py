@@ -1,0 +1,159 @@
+"""The breaker on the real embedded engine with real injected latency.
+
+`DelayedTorchEngine` is the torch engine with a forward pre-hook that sleeps:
+the delay happens inside the model's forward, so the engine's own time-to-
+first-token measurement sees it, exactly like a slow GPU would.  The agent
+warms it to SERVING, then the watch loop probes; the test injects latency and
+checks, against an independent replay of the measured samples, that the
+breaker trips on exactly the third consecutive over-threshold window P90, that
+nothing reaches the engine while it is open, that half-open probes re-open on
+a slow probe and close after good ones, and that /readyz and the metrics follow.
+"""
+import time
+
+import numpy as np
+import pytest
+
+from exporter.metrics import AgentMetrics
+from exporter.server import ExporterServer
+from tests.servers import http_get, wait_until
+from warmup_agent import config
+from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.pipeline import Agent
+from warmup_agent.readiness.breaker import BreakerState
+from warmup_agent.states import State
+
+P90 = 0.3          # tail threshold (s); the embedded model answers in a few ms
+DELAY = 0.45       # injected latency (s), well over P90
+OPEN = 0.6         # freeze (s)
+WINDOW = 10
+
+
+class DelayedTorchEngine(TorchEngine):
+    """TorchEngine with injectable latency inside the forward pass; also logs
+    when each batch entered the engine (agent clock)."""
+
+    def __init__(self, *a, clock, **kw):
+        super().__init__(*a, **kw)
+        self.delay = 0.0
+        self.calls: list[float] = []
+        self._clock = clock
+
+    def load_weights(self):
+        super().load_weights()
+        self.model.register_forward_pre_hook(lambda module, args: time.sleep(self.delay) if self.delay else None)
+
+    def generate(self, prompts, max_new_tokens=1, warmup=False):
+        self.calls.append(self._clock())
+        return super().generate(prompts, max_new_tokens, warmup)
+
+
+@pytest.fixture
+def agent(embedded_model):
+    cfg = config.load(env={
+        "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[8]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
+        "WARMUP_AGENT_READINESS_MIN_PROBES": "5", "WARMUP_AGENT_READINESS_WINDOW_SIZE": str(WINDOW),
+        "WARMUP_AGENT_READINESS_P50_THRESHOLD_SECONDS": "0.2",
+        "WARMUP_AGENT_READINESS_P90_THRESHOLD_SECONDS": str(P90),
+        "WARMUP_AGENT_BREAKER_OPEN_SECONDS": str(OPEN), "WARMUP_AGENT_BREAKER_HALF_OPEN_PROBES": "3"})
+    clock = time.perf_counter
+    engine = DelayedTorchEngine(embedded_model, dtype=cfg["model.dtype"], device=cfg["model.device"], clock=clock)
+    a = Agent(cfg, engine, metrics=AgentMetrics(), clock=clock)
+    server = ExporterServer(a, a.metrics.registry, "127.0.0.1", 0).start()
+    a.url = f"http://127.0.0.1:{server.port}"
+    assert a.run() == State.SERVING
+    yield a
+    a.stop()
+    server.stop()
+
+
+def replay_trip_index(samples, first_serving_index, threshold, trip_after, window):
+    """Index (into samples) of the sample whose window P90 made trip_after in a row,
+    counting only samples from first_serving_index on; numpy, not our window."""
+    run = 0
+    for i in range(first_serving_index, len(samples)):
+        tail = samples[max(0, i + 1 - window): i + 1]
+        p90 = float(np.quantile(tail, 0.9, method="inverted_cdf"))
+        run = run + 1 if p90 > threshold else 0
+        if run == trip_after:
+            return i
+    return None
+
+
+def test_trip_freeze_half_open_reopen_close(agent):
+    reg = agent.metrics.registry
+    rd = agent.readiness
+    events = []   # (breaker state, agent clock, probes recorded so far)
+    moved = rd.breaker._on_change
+
+    def spy(frm, to):
+        events.append((to, agent.clock(), len(agent.probes)))
+        moved(frm, to)
+    rd.breaker._on_change = spy
+    assert http_get(agent.url + "/readyz")[0] == 200
+    gate_probes = len(agent.probes)
+
+    agent.watch(0.01)
+    wait_until(lambda: len(agent.probes) >= gate_probes + 5, timeout=30, what="fast probes after SERVING")
+    agent.engine.delay = DELAY
+    wait_until(lambda: agent.sm.state == State.DEGRADED, timeout=60, what="the breaker to trip")
+
+    # Tripped on exactly the sample where the independent replay sees the 3rd consecutive P90 over.
+    (to, tripped_at, probes_at_trip), = events[:1]
+    assert to == BreakerState.OPEN
+    idx = replay_trip_index(agent.probes[:probes_at_trip], gate_probes, P90, 3, WINDOW)
+    assert idx == probes_at_trip - 1, (agent.probes, gate_probes, idx)
+    assert reg.get_sample_value("warmup_breaker_trips_total") == 1
+    assert reg.get_sample_value("warmup_fallback_active") == 1
+    assert reg.get_sample_value("warmup_breaker_state", {"state": "open"}) == 1
+    assert reg.get_sample_value("warmup_state_transitions_total", {"from": "SERVING", "to": "DEGRADED"}) == 1
+    assert http_get(agent.url + "/readyz") == (503, "DEGRADED\n")
+    assert http_get(agent.url + "/healthz")[0] == 200
+
+    # Still slow: the first half-open probe re-opens it.
+    wait_until(lambda: len(events) >= 3, timeout=30, what="half-open then open again")
+    assert [e[0] for e in events[:3]] == [BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.OPEN]
+    assert agent.sm.state == State.DEGRADED
+    agent.engine.delay = 0.0
+    wait_until(lambda: agent.sm.state == State.SERVING, timeout=30, what="the breaker to close")
+    assert [e[0] for e in events] == [BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.OPEN,
+                                      BreakerState.HALF_OPEN, BreakerState.CLOSED]
+
+    # Frozen: no engine call between each open and the following half-open, which
+    # came no earlier than the configured freeze.
+    for (s1, t1, _), (s2, t2, _) in zip(events, events[1:]):
+        if s1 == BreakerState.OPEN:
+            assert s2 == BreakerState.HALF_OPEN and t2 - t1 >= OPEN
+            assert not [c for c in agent.engine.calls if t1 < c < t2], "the main engine was called while frozen"
+    # Closed after exactly 3 good half-open probes.
+    assert events[-1][2] - events[-2][2] == 3
+    assert all(p <= P90 for p in agent.probes[events[-2][2]:events[-1][2]])
+
+    for frm, to, n in (("closed", "open", 1), ("open", "half_open", 2), ("half_open", "open", 1), ("half_open", "closed", 1)):
+        assert reg.get_sample_value("warmup_breaker_transitions_total", {"from": frm, "to": to}) == n
+    assert reg.get_sample_value("warmup_state_transitions_total", {"from": "DEGRADED", "to": "SERVING"}) == 1
+    assert reg.get_sample_value("warmup_breaker_trips_total") == 1
+    assert reg.get_sample_value("warmup_fallback_active") == 0
+    assert reg.get_sample_value("warmup_breaker_state", {"state": "closed"}) == 1
+    assert http_get(agent.url + "/readyz") == (200, "SERVING\n")
+    assert not reg.get_sample_value("warmup_illegal_transitions_total", {"from": "DEGRADED", "to": "SERVING"})
+
+
+def test_user_samples_feed_the_breaker_but_not_the_probe_list(agent):
+    probes = len(agent.probes)
+    for _ in range(WINDOW):
+        agent.record_probe(DELAY, kind="user")
+    assert len(agent.probes) == probes
+    assert agent.sm.state == State.DEGRADED
+    assert agent.readiness.breaker.trips == 1
+
+
+def test_breaker_disabled_never_degrades(embedded_model):
+    cfg = config.load(env={"WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[8]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
+                           "WARMUP_AGENT_READINESS_MIN_PROBES": "5", "WARMUP_AGENT_BREAKER_ENABLED": "false"})
+    a = Agent(cfg, TorchEngine(embedded_model, dtype=cfg["model.dtype"], device=cfg["model.device"]), metrics=AgentMetrics())
+    assert a.run() == State.SERVING
+    for _ in range(20):
+        a.record_probe(10.0)
+    assert a.sm.state == State.SERVING and a.readiness.breaker.trips == 0
+    a.stop()

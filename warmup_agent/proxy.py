@@ -1,0 +1,245 @@
+"""Cold-start-aware routing: an OpenAI-compatible reverse proxy in front of the engine.
+
+    client -> proxy -> main engine       when SERVING and the breaker is closed
+                    -> fallback upstream  while warming, DEGRADED or FAILED, if configured
+                    -> 503 + Retry-After  otherwise (Retry-After: the seconds left in
+                                          the breaker's freeze, or proxy.retry_after_seconds)
+
+`/v1/completions` and `/v1/chat/completions` (POST) and `/v1/models` (GET) are
+proxied; a streamed response (SSE, chunked) is passed through chunk by chunk,
+unchanged.  Requests carrying the warmup marker (`X-Warmup: true`, what the
+agent's own engines send) always go to the main engine -- the engine being
+warmed is the one that must see them -- and never reach the user-facing
+counters, the window or the water level.
+
+For user requests routed to the main engine with `"stream": true`, the time to
+the first streamed byte is recorded into the readiness window (the same one the
+probes use), so real traffic feeds the breaker.  Stdlib only (http.server +
+http.client); one persistent upstream connection per handler thread.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from warmup_agent.readiness.runtime import attach
+from warmup_agent.states import State
+
+log = logging.getLogger("warmup_agent.proxy")
+
+POST_PATHS = ("/v1/completions", "/v1/chat/completions")
+GET_PATHS = ("/v1/models",)
+WARMUP_HEADER = "X-Warmup"
+# Hop-by-hop headers (RFC 9110 §7.6.1) are the proxy's own business on each leg.
+_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+        "transfer-encoding", "upgrade", "host", "content-length"}
+
+
+class Upstream:
+    """Base URL of an OpenAI-compatible server, with a keep-alive connection per thread."""
+
+    def __init__(self, url: str, timeout: float):
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.url, self.scheme, self.timeout = url, u.scheme, timeout
+        self.host = u.hostname
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.prefix = u.path.rstrip("/")
+        self._local = threading.local()
+
+    def connection(self, fresh: bool = False) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None or fresh:
+            if conn is not None:
+                conn.close()
+            cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+            conn = self._local.conn = cls(self.host, self.port, timeout=self.timeout)
+        return conn
+
+    def drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def request(self, method: str, path: str, body: bytes | None, headers: dict) -> http.client.HTTPResponse:
+        """Send one request; a keep-alive connection the server closed meanwhile is
+        retried once on a fresh connection (nothing was processed on it)."""
+        for attempt in (0, 1):
+            conn = self.connection(fresh=attempt == 1)
+            try:
+                conn.request(method, self.prefix + path, body=body, headers=headers)
+                return conn.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+
+class RoutingProxy:
+    """The proxy for `agent` (state machine, readiness window, metrics).
+
+    upstream_url: the main engine; fallback_url: a smaller model server or None;
+    listen: (host, port), port 0 for any free port."""
+
+    def __init__(self, agent, upstream_url: str, fallback_url: str | None = None,
+                 listen: tuple[str, int] = ("127.0.0.1", 0), metrics=None,
+                 retry_after_seconds: int = 5, timeout_seconds: float = 300.0):
+        self.agent = agent
+        self.metrics = metrics if metrics is not None else agent.metrics
+        self.readiness = attach(agent)
+        self.main = Upstream(upstream_url, timeout_seconds)
+        self.fallback = Upstream(fallback_url, timeout_seconds) if fallback_url else None
+        self.readiness.fallback_available = self.fallback is not None
+        self.retry_after_seconds = retry_after_seconds
+        self.httpd = ThreadingHTTPServer(listen, _make_handler(self))
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="routing-proxy", daemon=True)
+
+    def start(self) -> "RoutingProxy":
+        self._thread.start()
+        log.info("routing proxy on %s:%d -> main %s, fallback %s", self.httpd.server_address[0], self.port,
+                 self.main.url, self.fallback.url if self.fallback else "none (503 while not SERVING)")
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def route(self, warmup: bool) -> str:
+        """main | fallback | rejected, for a request arriving now."""
+        if warmup or self.readiness.main_open():
+            return "main"
+        if self.agent.sm.state == State.DRAINING:
+            return "rejected"     # the pod is leaving: let the client go elsewhere
+        return "fallback" if self.fallback is not None else "rejected"
+
+    def retry_after(self) -> int:
+        return max(1, math.ceil(self.readiness.retry_after(self.retry_after_seconds)))
+
+
+def _is_stream(body: bytes) -> bool:
+    try:
+        return bool(json.loads(body).get("stream"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def _make_handler(proxy: RoutingProxy):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"     # keep-alive to clients: no connect per request
+        server_version = "warmup-agent-proxy"
+
+        def log_message(self, fmt, *args):
+            log.debug("%s %s", self.address_string(), fmt % args)
+
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            if path not in GET_PATHS:
+                return self._error(404, "not_found", f"{path} is not proxied")
+            self._proxy(b"")
+
+        def do_POST(self):
+            path = self.path.split("?", 1)[0]
+            length = self.headers.get("Content-Length")
+            if length is None:
+                return self._error(411, "length_required", "a Content-Length is required")
+            body = self.rfile.read(int(length))
+            if path not in POST_PATHS:
+                return self._error(404, "not_found", f"{path} is not proxied")
+            self._proxy(body)
+
+        # -- one request ---------------------------------------------------------------
+        def _proxy(self, body: bytes) -> None:
+            t0 = time.perf_counter()
+            warmup = self.headers.get(WARMUP_HEADER, "").strip().lower() == "true"
+            route = proxy.route(warmup)
+            if not warmup:
+                proxy.readiness.water.request()
+            if route == "rejected":
+                retry = proxy.retry_after()
+                self._error(503, "warming_up",
+                            f"the model server is {proxy.agent.sm.state.name}; retry in {retry} s",
+                            {"Retry-After": str(retry)})
+                return self._count(route, 503, warmup)
+            upstream = proxy.main if route == "main" else proxy.fallback
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+            headers["Host"] = f"{upstream.host}:{upstream.port}"
+            if body:
+                headers["Content-Length"] = str(len(body))
+            try:
+                resp = upstream.request(self.command, self.path, body or None, headers)
+            except (OSError, http.client.HTTPException) as e:
+                upstream.drop()
+                self._error(502, "upstream_unavailable", f"{route} upstream {upstream.url}: {e}")
+                return self._count(route, 502, warmup)
+            first = self._relay(resp, upstream)
+            self._count(route, resp.status, warmup)
+            if first is not None and not warmup and resp.status == 200 and _is_stream(body):
+                ttft = first - t0
+                proxy.metrics["warmup_proxy_first_token_seconds"].labels(route=route).observe(ttft)
+                if route == "main":
+                    proxy.agent.record_probe(ttft, kind="user")
+
+        def _relay(self, resp: http.client.HTTPResponse, upstream: Upstream) -> float | None:
+            """Pass status, headers and body through; return when the first body byte arrived."""
+            length = resp.getheader("Content-Length")
+            self.send_response(resp.status, resp.reason)
+            for k, v in resp.getheaders():
+                if k.lower() not in _HOP:
+                    self.send_header(k, v)
+            if length is not None:
+                self.send_header("Content-Length", length)
+            else:
+                self.send_header("Transfer-Encoding", "chunked")
+            if resp.will_close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            first = None
+            try:
+                while True:
+                    chunk = resp.read1(65536)
+                    if not chunk:
+                        break
+                    if first is None:
+                        first = time.perf_counter()
+                    if length is None:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    else:
+                        self.wfile.write(chunk)
+                    self.wfile.flush()
+                if length is None:
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                # The client went away mid-stream: the upstream connection is mid-response.
+                upstream.drop()
+                self.close_connection = True
+            if resp.will_close:
+                upstream.drop()
+            return first
+
+        def _count(self, route: str, code: int, warmup: bool) -> None:
+            if not warmup:
+                proxy.metrics["warmup_proxy_requests_total"].labels(route=route, code=str(code)).inc()
+
+        def _error(self, code: int, kind: str, message: str, extra: dict | None = None) -> None:
+            body = json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler

@@ -124,7 +124,7 @@ def test_warmup_requests_are_marked_and_probes_are_not(served):
     # vLLM takes X-Request-Id as its request id and logs it (--enable-log-requests).
     received = [l for l in lines.lines[start:] if "Received request" in l]
     assert sum("cmpl-warmup-" in l for l in received) == 2
-    assert sum("cmpl-agent-probe-" in l for l in received) == 1
+    assert sum("cmpl-req-" in l for l in received) == 1
     assert len(received) == 3
 
 

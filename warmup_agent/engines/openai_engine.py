@@ -320,7 +320,7 @@ class OpenAIEngine(Engine):
             h["X-Warmup"] = "true"
             h["X-Request-Id"] = f"warmup-{uuid.uuid4().hex}"
         else:
-            h["X-Request-Id"] = f"agent-probe-{uuid.uuid4().hex}"
+            h["X-Request-Id"] = f"req-{uuid.uuid4().hex}"
         return h
 
     def _one_request(self, prompt: list[int], max_new_tokens: int, warmup: bool,

@@ -340,7 +340,9 @@ def test_racing_pods_compile_exactly_once(tmp_path, redis_server):
             if os.path.exists(path):           # found in the local tier: no compile
                 return "hit"
             compiled.append(pod)
-            time.sleep(1.0)                     # a compile long enough for every loser to queue
+            # Hold the lock (a long compile) until every other pod is waiting for it.
+            wait_until(lambda: sum(value(p, "warmup_kernel_cache_lock_waits_total") for p in pods) == len(pods) - 1,
+                       20, what="the other pods waiting on the lock")
             write_artifacts(pod, {("inductor", "ab/kernel.so"): b"compiled kernel"})
             return "compiled"
         return fn

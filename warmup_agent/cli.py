@@ -36,6 +36,7 @@ examples:
   warmup-agent run --config agent.yaml --record run.json
   warmup-agent check-config agent.yaml
   warmup-agent config-reference > agent.yaml   every key with its default
+  warmup-agent cache stats                     what the kernel cache tiers hold
 
 exit codes: 0 ok, 2 usage or configuration error, 3 model or validation failure
 """
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)")
     chk.add_argument("file", metavar="FILE")
     sub.add_parser("config-reference", help="print every config key with its default and documentation")
+    from warmup_agent.kernel_cache import cli as cache_cli
+    cache_cli.add_parser(sub)
     return p
 
 
@@ -75,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check-config":
             return cmd_check_config(args)
+        if args.command == "cache":
+            from warmup_agent.kernel_cache import cli as cache_cli
+            return cache_cli.main(args)
         if args.command == "config-reference":
             from warmup_agent.config import reference_yaml
             sys.stdout.write(reference_yaml())

@@ -52,6 +52,12 @@ def has(*names: str) -> bool:
     return all(n in BY_NAME for n in names)
 
 
+def about(name: str) -> str:
+    """"name: help text" from the catalogue, so a panel's description follows the metric's definition."""
+    m(name)
+    return f"{name}: {BY_NAME[name].help}"
+
+
 def lbl(name: str, value: str, op: str = "=") -> str:
     return f'{name}{op}"{value}"'
 
@@ -262,6 +268,12 @@ def cold_start_overview(th) -> dict:
             "(P90 over threshold on 3 probes in a row; the fallback serves while open).",
             [target(f"sum by (namespace, pod) ({code})", "{{namespace}}/{{pod}}")],
             _value_mappings(zip(breaker_states, ("green", "yellow", "red"))), w=24, h=6))
+    if has("warmup_weight_load_bytes_per_second"):
+        panels.append(stat(
+            "Weight load throughput",
+            about("warmup_weight_load_bytes_per_second") + " "
+            "Compare with the storage's read bandwidth and the pinned host-to-device bandwidth.",
+            "Bps", [target(f"max by (namespace, pod) ({m('warmup_weight_load_bytes_per_second')})", "{{pod}}")]))
     if has("warmup_breaker_trips_total", "warmup_fallback_active"):
         panels.append(timeseries(
             "Breaker trips and fallback",
@@ -297,14 +309,29 @@ def cold_start_overview(th) -> dict:
                      panels)
 
 
+def ramp_slope_panel() -> dict:
+    if has("warmup_gpu_utilization_ramp_slope"):
+        return timeseries(
+            "GPU utilisation ramp slope",
+            about("warmup_gpu_utilization_ramp_slope") + " "
+            "Seed 000's SOTA line is 0.147/s (dashed): a steeper ramp means the GPU reaches full work sooner. GPU only.",
+            "short", [target(m("warmup_gpu_utilization_ramp_slope"), "{{pod}} GPU {{gpu}}")],
+            thresholds=_thresholds((0.147, "blue")))
+    return timeseries(
+        "GPU utilisation ramp slope",
+        "Rate of change of GPU utilisation (deriv over 5 m of warmup_gpu_utilization_ratio, per second): "
+        "a warm pod ramps to load quickly; a slow positive slope after SERVING means it is still warming. GPU only.",
+        "short", [target(f"deriv({m('warmup_gpu_utilization_ratio')}[5m])", "{{pod}} GPU {{gpu}}")])
+
+
 def warmup_economics(th) -> dict:
     cost = th.get("warmup_cost_ratio.max", "number")
     frag = th.get("gpu_fragmentation.max", "number")
     panels = [
         timeseries(
             "Warmup cost ratio",
-            "Engine seconds spent on warmup work (synthetic traffic, solidify, probes) divided by seconds since the agent "
-            f"started (warmup_cost_ratio), per pod. Seed 003 alerts above {cost:g}; it falls as a pod serves longer.",
+            about("warmup_cost_ratio") + " "
+            f"Seed 003 alerts above {cost:g}; it falls as a pod serves longer.",
             "percentunit", [target(m("warmup_cost_ratio"), "{{namespace}}/{{pod}}")],
             thresholds=_thresholds((cost, "red"))),
         timeseries(
@@ -331,7 +358,7 @@ def warmup_economics(th) -> dict:
             "s", [target(f"sum by (kind) (increase({m('warmup_engine_seconds_total')}[1h]))", "{{kind}}")], stack=True),
         timeseries(
             "GPU memory fragmentation trend",
-            "(reserved - allocated) / reserved of the PyTorch caching allocator, per GPU (gpu_fragmentation_rate). "
+            about("gpu_fragmentation_rate") + " "
             f"Seed 003 saw 12 % rise to 43 % over 30 days and alerts above {frag:g}. GPU only.",
             "percentunit", [target(m("gpu_fragmentation_rate"), "{{pod}} GPU {{gpu}}")],
             thresholds=_thresholds((frag, "red"))),
@@ -341,11 +368,7 @@ def warmup_economics(th) -> dict:
             "(warmup_memory_jitter_ratio; seed 000's SOTA line is 0.023).",
             "percentunit", [target(m("warmup_memory_jitter_ratio"), "{{namespace}}/{{pod}}")],
             thresholds=_thresholds((0.023, "yellow"))),
-        timeseries(
-            "GPU utilisation ramp slope",
-            "Rate of change of GPU utilisation (deriv over 5 m of warmup_gpu_utilization_ratio, per second): "
-            "a warm pod ramps to load quickly; a slow positive slope after SERVING means it is still warming. GPU only.",
-            "percentunit", [target(f"deriv({m('warmup_gpu_utilization_ratio')}[5m])", "{{pod}} GPU {{gpu}}")]),
+        ramp_slope_panel(),
         timeseries(
             "GPU utilisation",
             "GPU compute utilisation per device over NVML's last sample period (warmup_gpu_utilization_ratio). GPU only.",

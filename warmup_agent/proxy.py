@@ -123,6 +123,9 @@ class RoutingProxy:
         return "fallback" if self.fallback is not None else "rejected"
 
     def retry_after(self) -> int:
+        """The seconds left in the breaker's freeze while DEGRADED; else the configured value."""
+        if self.agent.sm.state != State.DEGRADED:
+            return self.retry_after_seconds
         return max(1, math.ceil(self.readiness.retry_after(self.retry_after_seconds)))
 
 

@@ -64,6 +64,7 @@ class RecordingStandIn:
 
         class H(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
 
             def log_message(self, *a):
                 pass

@@ -23,6 +23,7 @@ import http.client
 import json
 import logging
 import math
+import socket
 import threading
 import time
 import urllib.parse
@@ -75,6 +76,9 @@ class Upstream:
         for attempt in (0, 1):
             conn = self.connection(fresh=attempt == 1)
             try:
+                if conn.sock is None:
+                    conn.connect()
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.request(method, self.prefix + path, body=body, headers=headers)
                 return conn.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
@@ -139,6 +143,9 @@ def _is_stream(body: bytes) -> bool:
 def _make_handler(proxy: RoutingProxy):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"     # keep-alive to clients: no connect per request
+        # Each SSE chunk is its own small write: with Nagle on, the second one waits
+        # for the client's delayed ACK (40 ms on Linux).
+        disable_nagle_algorithm = True
         server_version = "warmup-agent-proxy"
 
         def log_message(self, fmt, *args):

@@ -84,7 +84,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "Warmup failures by named reason (config, integrity, memory, deadline, validation...).",
                labels=("reason",), unit="short", seed_name=True),
     MetricSpec("warmup_cost_ratio", "gauge",
-               "Engine seconds spent on warmup work (synthetic traffic, solidify, probes) divided by seconds since the agent started.",
+               "GPU-seconds spent warming (engine-busy seconds of synthetic traffic, solidify and probes) divided by GPU-seconds since the agent started (one device: seconds since start).",
                unit="percentunit", seed_name=True,
                doc="Seed 003 alerts above 0.15. It falls as the pod serves longer."),
     MetricSpec("warmup_engine_seconds_total", "counter",
@@ -127,14 +127,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "GPU compute utilisation per device (0..1) over NVML's last sample period.",
                labels=("gpu", "uuid"), unit="percentunit", source="scrape", requires="gpu"),
     MetricSpec("gpu_fragmentation_rate", "gauge",
-               "Fraction of memory reserved by the PyTorch caching allocator that is not allocated: (reserved - allocated) / reserved, per device.",
+               "1 - largest free block / free bytes inside the PyTorch caching allocator's reserved segments, per device (torch.cuda.memory_snapshot); 0 when free reserved memory is one block.",
                labels=("gpu",), unit="percentunit", source="scrape", requires="gpu", seed_name=True,
-               doc="From torch.cuda.memory_stats of this process. Seed 003 alerts above 0.3."),
+               doc="From torch.cuda.memory_snapshot of this process: inactive blocks of every segment. Seed 003 alerts above 0.3."),
 )
 
 # Features add their metrics in a module of their own (exporter/catalogue_<feature>.py
 # with a SPECS tuple); list each here once.
-_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine", "catalogue_cache", "catalogue_readiness")
+_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine", "catalogue_cache", "catalogue_readiness", "catalogue_gpu")
 
 
 def _feature_specs() -> tuple[MetricSpec, ...]:

@@ -84,26 +84,34 @@ class NVMLCollector:
 
 class AllocatorCollector:
     """gpu_fragmentation_rate from this process's PyTorch caching allocator:
-    (reserved - allocated) / reserved, per device it has touched.  Reads
-    torch only if the process already imported it and initialised CUDA."""
+    1 - largest free block / free reserved bytes, per device it has touched
+    (warmup_agent.gpu.memory.fragmentation_from_snapshot).  Reads torch only if
+    the process already imported it and initialised CUDA.  `snapshot` is
+    injectable so the computation is tested on a recorded snapshot."""
+
+    def __init__(self, snapshot=None):
+        self._snapshot = snapshot
 
     def collect(self):
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return
-        try:
-            if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        from warmup_agent.gpu.memory import fragmentation_from_snapshot
+        snap = self._snapshot
+        if snap is None:
+            torch = sys.modules.get("torch")
+            if torch is None:
                 return
+            try:
+                if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+                    return
+                snap = torch.cuda.memory_snapshot
+            except Exception:  # noqa: BLE001
+                return
+        try:
             fam = _family("gpu_fragmentation_rate")
-            for d in range(torch.cuda.device_count()):
-                stats = torch.cuda.memory_stats(d)
-                reserved = stats.get("reserved_bytes.all.current", 0)
-                allocated = stats.get("allocated_bytes.all.current", 0)
-                if reserved:
-                    fam.add_metric([str(d)], (reserved - allocated) / reserved)
+            for dev, rate in sorted(fragmentation_from_snapshot(snap()).items()):
+                fam.add_metric([str(dev)], rate)
             yield fam
-        except Exception:  # noqa: BLE001
-            log.debug("allocator stats failed", exc_info=True)
+        except Exception:  # noqa: BLE001 - never blank the scrape
+            log.debug("allocator snapshot failed", exc_info=True)
 
 
 def register_default_collectors(registry) -> None:

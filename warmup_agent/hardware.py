@@ -1,7 +1,13 @@
-"""Facts about the host: CPUs, memory and GPUs (through NVML), and CPU pinning.
+"""Facts about the host: CPUs, memory and GPUs (through NVML), topology, and CPU pinning.
 
 Everything here degrades quietly: no NVML library, no GPU, or a cpuset we may not
-change all give facts with fewer fields, never an exception.
+change all give facts with fewer fields, never an exception.  The NVML module is
+injectable (`read_gpus(nvml=...)`) so the parsing is tested on recorded answers.
+
+GPU identity: NVML enumerates in PCI order, CUDA (and so torch) in the order
+CUDA_VISIBLE_DEVICES gives; `visible_gpu()` maps one to the other by index or
+UUID so an agent started with CUDA_VISIBLE_DEVICES=3 reads, pins and labels
+physical GPU 3.  Labels use the UUID, which survives restarts and re-ordering.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ log = logging.getLogger("warmup_agent.hardware")
 
 @dataclass
 class GPUFacts:
-    index: int
+    index: int                       # NVML index (PCI order), as nvidia-smi shows it
     uuid: str
     name: str
     pci_bus_id: str
@@ -26,7 +32,8 @@ class GPUFacts:
     local_cpus: list[int] = field(default_factory=list)
     pcie_generation: int | None = None
     pcie_width: int | None = None
-    nvlinks_active: int | None = None
+    nvlinks_active: int | None = None          # None: NVLink not supported
+    nvlink_peers: dict[str, int] = field(default_factory=dict)   # peer PCI bus id -> active links
 
 
 @dataclass
@@ -52,47 +59,66 @@ def _cpus_from_mask(words: list[int]) -> list[int]:
     return cpus
 
 
-def read_gpus() -> tuple[list[GPUFacts], str | None]:
+def _load_nvml():
+    import pynvml
+    return pynvml
+
+
+def read_gpus(nvml=None, cpu_count: int | None = None) -> tuple[list[GPUFacts], str | None]:
     """GPU facts from NVML; ([], reason) where NVML is unavailable."""
     try:
-        import pynvml
-        pynvml.nvmlInit()
+        nv = nvml or _load_nvml()
+        nv.nvmlInit()
     except Exception as e:  # noqa: BLE001 - no driver / no library: a CPU host
         return [], f"NVML unavailable: {type(e).__name__}"
+    words = ((cpu_count or os.cpu_count() or 1) + 63) // 64
     gpus = []
     try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            g = GPUFacts(index=i, uuid=_str(pynvml.nvmlDeviceGetUUID(h)), name=_str(pynvml.nvmlDeviceGetName(h)),
-                         pci_bus_id=_str(pynvml.nvmlDeviceGetPciInfo(h).busId),
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            g = GPUFacts(index=i, uuid=_str(nv.nvmlDeviceGetUUID(h)), name=_str(nv.nvmlDeviceGetName(h)),
+                         pci_bus_id=_bus(nv.nvmlDeviceGetPciInfo(h).busId),
                          memory_total_bytes=int(mem.total), memory_free_bytes=int(mem.free))
-            g.local_cpus = _try(lambda: _cpus_from_mask(list(pynvml.nvmlDeviceGetCpuAffinity(h, (os.cpu_count() + 63) // 64)))) or []
-            g.numa_node = _try(lambda: int(pynvml.nvmlDeviceGetNumaNodeId(h)))
-            g.pcie_generation = _try(lambda: int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)))
-            g.pcie_width = _try(lambda: int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)))
-            g.nvlinks_active = _count_nvlinks(pynvml, h)
+            g.local_cpus = _try(lambda: _cpus_from_mask(list(nv.nvmlDeviceGetCpuAffinity(h, words)))) or []
+            g.numa_node = _try(lambda: int(nv.nvmlDeviceGetNumaNodeId(h)))
+            g.pcie_generation = _try(lambda: int(nv.nvmlDeviceGetCurrPcieLinkGeneration(h)))
+            g.pcie_width = _try(lambda: int(nv.nvmlDeviceGetCurrPcieLinkWidth(h)))
+            g.nvlinks_active, g.nvlink_peers = _nvlinks(nv, h)
             gpus.append(g)
     finally:
-        _try(pynvml.nvmlShutdown)
+        _try(nv.nvmlShutdown)
     return gpus, None
 
 
-def _count_nvlinks(pynvml, h) -> int | None:
-    active = 0
-    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+def _nvlinks(nv, h) -> tuple[int | None, dict[str, int]]:
+    """Active NVLink links and, per peer PCI bus id, how many of them lead there."""
+    active, peers = 0, {}
+    for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
         try:
-            if pynvml.nvmlDeviceGetNvLinkState(h, link) == pynvml.NVML_FEATURE_ENABLED:
-                active += 1
+            state = nv.nvmlDeviceGetNvLinkState(h, link)
         except Exception:  # noqa: BLE001 - link absent or NVLink unsupported
             if link == 0:
-                return None
+                return None, {}
             break
-    return active
+        if state != getattr(nv, "NVML_FEATURE_ENABLED", 1):
+            continue
+        active += 1
+        peer = _try(lambda: _bus(nv.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId))
+        if peer:
+            peers[peer] = peers.get(peer, 0) + 1
+    return active, peers
 
 
 def _str(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _bus(v) -> str:
+    """PCI bus ids come as 00000000:19:00.0 or 0000:19:00.0 depending on the call: normalise."""
+    s = _str(v).lower()
+    domain, _, rest = s.partition(":")
+    return f"{int(domain, 16):04x}:{rest}" if rest else s
 
 
 def _try(fn):
@@ -102,12 +128,44 @@ def _try(fn):
         return None
 
 
-def read_host() -> HostFacts:
+def read_host(nvml=None) -> HostFacts:
     vm = psutil.virtual_memory()
-    gpus, err = read_gpus()
+    gpus, err = read_gpus(nvml)
     return HostFacts(cpu_count=os.cpu_count() or 1, allowed_cpus=sorted(os.sched_getaffinity(0)),
                      memory_total_bytes=int(vm.total), memory_available_bytes=int(vm.available),
                      gpus=gpus, nvml_error=err)
+
+
+def visible_gpu(gpus: list[GPUFacts], device_index: int, cuda_visible_devices: str | None) -> GPUFacts | None:
+    """The NVML GPU behind torch's cuda:<device_index>.  CUDA_VISIBLE_DEVICES holds
+    indices or (prefixes of) UUIDs; unset means every GPU in NVML order."""
+    if cuda_visible_devices is None:
+        return gpus[device_index] if 0 <= device_index < len(gpus) else None
+    entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
+    if not 0 <= device_index < len(entries):
+        return None
+    want = entries[device_index]
+    if want.isdigit():
+        return next((g for g in gpus if g.index == int(want)), None)
+    return next((g for g in gpus if g.uuid.startswith(want) or g.uuid == "GPU-" + want.removeprefix("GPU-")), None)
+
+
+def topology(gpus: list[GPUFacts]) -> dict:
+    """NVLink matrix and locality, keyed by NVML index, as `nvidia-smi topo -m` shows it:
+    links[i][j] is the number of active NVLink links from GPU i to GPU j (0: none)."""
+    by_bus = {g.pci_bus_id: g.index for g in gpus}
+    links = {g.index: {o.index: 0 for o in gpus if o.index != g.index} for g in gpus}
+    switch_links = {}
+    for g in gpus:
+        for bus, n in g.nvlink_peers.items():
+            if bus in by_bus and by_bus[bus] != g.index:
+                links[g.index][by_bus[bus]] += n
+            else:
+                switch_links[g.index] = switch_links.get(g.index, 0) + n   # NVSwitch or a GPU outside this VM
+    return {"gpus": [{"index": g.index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id, "numa_node": g.numa_node,
+                      "local_cpus": g.local_cpus, "nvlinks_active": g.nvlinks_active,
+                      "pcie": [g.pcie_generation, g.pcie_width]} for g in gpus],
+            "nvlink": links, "nvlink_to_switch": switch_links}
 
 
 def choose_cpus(allowed: list[int], gpu_local: list[int]) -> list[int]:
@@ -116,6 +174,31 @@ def choose_cpus(allowed: list[int], gpu_local: list[int]) -> list[int]:
     whose cpuset sits on the other socket must still run)."""
     local = sorted(set(allowed) & set(gpu_local))
     return local or sorted(allowed)
+
+
+def assign_cpus(gpus: list[GPUFacts], allowed: list[int]) -> dict[int, list[int]]:
+    """Disjoint CPU sets for one agent per GPU: GPUs that share the same local CPUs
+    (several GPUs on one socket) split that set into equal contiguous slices, in
+    PCI bus order so the split is the same on every restart.  A GPU whose local
+    CPUs the cpuset excludes gets a slice of the allowed CPUs instead."""
+    groups: dict[tuple[int, ...], list[GPUFacts]] = {}
+    for g in gpus:
+        groups.setdefault(tuple(choose_cpus(allowed, g.local_cpus)), []).append(g)
+    out = {}
+    for cpus, members in groups.items():
+        members = sorted(members, key=lambda g: g.pci_bus_id)
+        n = len(members)
+        if len(cpus) < n:        # fewer CPUs than GPUs: share rather than starve one
+            for g in members:
+                out[g.index] = list(cpus)
+            continue
+        per, extra = divmod(len(cpus), n)
+        start = 0
+        for k, g in enumerate(members):
+            size = per + (1 if k < extra else 0)
+            out[g.index] = list(cpus[start:start + size])
+            start += size
+    return out
 
 
 def pin_cpus(cpus: list[int]) -> bool:

@@ -47,3 +47,51 @@ class PromptFactory:
 
     def batch(self, shape: Shape) -> list[list[int]]:
         return [self.prompt(shape.prompt_tokens, i) for i in range(shape.batch)]
+
+
+# --- the synthetic warmup traffic generator (seed 003 §1) ---------------------------------
+def gaussian_lengths(count: int, mean: float = 23.0, sd: float = 5.0, seed: int = 0,
+                     max_length: int | None = None) -> list[int]:
+    """`count` prompt lengths drawn from N(mean, sd), rounded, at least 1 (seed 003's
+    default generator: mean 23 tokens, sd 5).  Seeded: the same pod warms the same shapes."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n = max(1, round(rng.gauss(mean, sd)))
+        out.append(min(n, max_length) if max_length else n)
+    return out
+
+
+def lengths_from_sample(path: str, tokenize, count: int, seed: int = 0) -> list[int]:
+    """Prompt lengths learned from a file of real prompts (one per line): `count`
+    lengths drawn from their empirical token-length distribution."""
+    import random
+    try:
+        with open(path, encoding="utf-8") as f:
+            lengths = [len(tokenize(line.rstrip("\n"))) for line in f if line.strip()]
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the prompt sample file: {e.strerror}") from None
+    lengths = [n for n in lengths if n > 0]
+    if not lengths:
+        raise ValueError(f"{path}: no non-empty prompts; expected one real prompt per line")
+    rng = random.Random(seed)
+    return [rng.choice(lengths) for _ in range(count)]
+
+
+def power_of_two_grid(max_length: int, smallest: int = 1) -> list[int]:
+    """1, 2, 4, ... up to max_length (and max_length itself when it is not a power of two)."""
+    out, n = [], max(1, smallest)
+    while n <= max_length:
+        out.append(n)
+        n *= 2
+    if max_length > 0 and (not out or out[-1] != max_length):
+        out.append(max_length)
+    return out
+
+
+def warmup_lengths(configured: list[int], drawn: list[int], max_length: int) -> list[int]:
+    """The lengths to warm: the configured ones, the drawn ones, and the power-of-two
+    grid up to max_length (0: the longest configured length caps nothing extra)."""
+    grid_part = power_of_two_grid(max_length) if max_length else []
+    return sorted(set(configured) | set(drawn) | set(grid_part))

@@ -151,6 +151,46 @@ class TorchEngine(Engine):
         self.dtype = None
         self._config: dict = {}
         self._compiled = None
+        # GPU options (set by stage 1 through configure(); defaults suit a CPU run).
+        self.options = {"progressive": True, "chunk_bytes": 64 << 20, "buffers": 4, "workers": 4,
+                        "manifest": None, "cuda_context_timeout": 60.0, "kernel_compile_timeout": 600.0,
+                        "graph_max_len": 512}
+        self.load_report = None
+        self.context_seconds = None
+        self.reserved_bytes = 0
+        self._decoders: dict = {}
+        self.last_output = None
+        self.graph_fallback_reason: str | None = None
+
+    def configure(self, **options) -> None:
+        """GPU options from the config (see stages/reserve.py)."""
+        self.options.update({k: v for k, v in options.items() if v is not None})
+
+    def init_device(self):
+        """Resolve the device and create its CUDA context under the deadline
+        gpu.cuda_context_timeout_seconds (reason cuda_context_timeout)."""
+        import torch
+        from warmup_agent.gpu.deadline import run_with_deadline
+        if self.device is None:
+            self.device = self._resolve_device()
+            self.dtype = self._resolve_dtype()
+        if self.device.type == "cuda":
+            t0 = time.perf_counter()
+
+            def create():
+                torch.cuda.set_device(self.device)
+                torch.empty(1, device=self.device).fill_(0)
+                torch.cuda.synchronize(self.device)
+            run_with_deadline(create, self.options["cuda_context_timeout"], "cuda_context_timeout",
+                              f"CUDA context creation on {self.device}")
+            self.context_seconds = time.perf_counter() - t0
+        return self.device
+
+    def reserve_memory(self, nbytes: int) -> int:
+        """Reserve and touch nbytes of device memory in the caching allocator."""
+        from warmup_agent.gpu import memory
+        self.reserved_bytes = memory.reserve(self.init_device(), nbytes)
+        return self.reserved_bytes
 
     # -- loading -----------------------------------------------------------------------
     def _resolve_device(self):
@@ -185,13 +225,38 @@ class TorchEngine(Engine):
         self.tokenizer.decode(ids)
 
     def load_weights(self) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
         if not self._config:
             self._config = check_model_dir(self.model_path)
         _quiet_transformers()
-        self.device = self._resolve_device()
-        self.dtype = self._resolve_dtype()
+        if self.device is None:
+            self.device = self._resolve_device()
+            self.dtype = self._resolve_dtype()
+        if self.options["manifest"]:
+            from warmup_agent.gpu.loader import check_manifest
+            check_manifest(self.model_path, self.options["manifest"])
+        if self.options["progressive"]:
+            self._load_progressive()
+        else:
+            self._load_from_pretrained()
+
+    def _load_progressive(self) -> None:
+        """Embeddings first, then layer by layer, through pinned staging buffers
+        with overlapped host-to-device copies (warmup_agent/gpu/loader.py)."""
+        from warmup_agent.gpu import loader
+        try:
+            model, expected, tied = loader.build_skeleton(self.model_path, self.dtype, self.device)
+        except Exception as e:  # noqa: BLE001 - an unknown architecture or a broken config
+            raise EngineError("config_invalid", f"{self.model_path}/config.json: cannot build the model it describes: {_one_line(e)}") from None
+        slots = loader.checkpoint_slots(safetensors_files(self.model_path), read_safetensors_header)
+        loader.check_against_skeleton(self.model_path, slots, expected, tied,
+                                      self._config.get("torch_dtype") or self._config.get("dtype"))
+        self.load_report = loader.load(model, slots, self.device, self.options["chunk_bytes"],
+                                       self.options["buffers"], self.options["workers"])
+        self.model = model
+
+    def _load_from_pretrained(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
         check_shapes_against_config(self.model_path)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -239,8 +304,13 @@ class TorchEngine(Engine):
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 1,
                  warmup: bool = False) -> list[RequestResult]:
         """Greedy decode of a batch.  Prompts of unequal length are left-padded.
-        Time to first token = prefill + first sampled token, synchronised with the device."""
+        Time to first token = prefill + first sampled token, synchronised with the device.
+        Equal-length prompts of a batch size solidify captured decode with the static
+        cache and its CUDA graph."""
         import torch
+        decoder = self._decoders.get(len(prompts)) if max_new_tokens > 1 else None
+        if decoder and len({len(p) for p in prompts}) == 1 and len(prompts[0]) + max_new_tokens <= decoder.max_len:
+            return self._generate_static(decoder, prompts, max_new_tokens)
         model = self._compiled or self.model
         longest = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -258,36 +328,81 @@ class TorchEngine(Engine):
             ttft = time.perf_counter() - t0
             past = out.past_key_values
             produced = 1
+            tokens = [token]
             for _ in range(max_new_tokens - 1):
                 mask = torch.cat([mask, torch.ones_like(token)], dim=1)
                 out = model(input_ids=token, attention_mask=mask, past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+                tokens.append(token)
                 produced += 1
             self._sync()
         total = time.perf_counter() - t0
+        self.last_output = torch.cat(tokens, dim=1)   # [batch, produced]: greedy tokens (tests compare paths)
         return [RequestResult(ttft, total, len(p), produced) for p in prompts]
+
+    def _generate_static(self, decoder, prompts, max_new_tokens) -> list[RequestResult]:
+        import torch
+        n = len(prompts[0])
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompts, dtype=torch.long).to(self.device)
+        token = decoder.prefill(ids).argmax(dim=-1, keepdim=True)
+        self._sync()
+        ttft = time.perf_counter() - t0
+        tokens = [token]
+        for step in range(max_new_tokens - 1):
+            token = decoder.decode(token, n + step).argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+        self._sync()
+        total = time.perf_counter() - t0
+        self.last_output = torch.cat(tokens, dim=1)
+        return [RequestResult(ttft, total, n, max_new_tokens) for _ in prompts]
 
     # -- solidify ----------------------------------------------------------------------
     def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
         """Freeze the warmed shapes.  replay: run each shape once more so every
-        allocator bucket and oneDNN/cuBLAS plan is in place; compile: torch.compile
-        the model and run each shape (kernels land in the Inductor cache)."""
+        allocator bucket and oneDNN/cuBLAS plan is in place; cuda_graphs (the GPU
+        default): capture one decode step per warmed batch size over a static KV
+        cache (warmup_agent/gpu/graphs.py), falling back to replay with a named
+        reason; compile: torch.compile the model and run each shape (kernels land
+        in the Inductor cache).  Capture and compilation run under the deadline
+        gpu.kernel_compile_timeout_seconds (reason kernel_compile_timeout)."""
+        from warmup_agent.gpu.deadline import run_with_deadline
         if mode == "auto":
-            mode = "replay"  # the GPU issue adds compile / CUDA graphs as the GPU default
+            mode = "cuda_graphs" if self.device is not None and self.device.type == "cuda" else "replay"
         if mode == "none":
             return SolidifyReport(method="none")
         t0 = time.perf_counter()
-        if mode in ("compile", "cuda_graphs"):
+        detail = {}
+        method = mode
+        if mode == "cuda_graphs":
+            from warmup_agent.gpu import graphs
+            longest = max((length for length, _ in shapes), default=16)
+            max_len = max(self.options["graph_max_len"], longest + 64)
+            self._decoders, reason = run_with_deadline(
+                lambda: graphs.build(self.model, [b for _, b in shapes] or [1], max_len, self.device, capture=True),
+                self.options["kernel_compile_timeout"], "kernel_compile_timeout", "CUDA graph capture")
+            self.graph_fallback_reason = reason
+            if reason:
+                method, detail["fallback_reason"] = "replay", reason
+            else:
+                detail["graphs"] = sorted(self._decoders)
+                detail["graph_max_len"] = max_len
+        elif mode == "compile":
             import torch
-            options = {"mode": "reduce-overhead"} if mode == "cuda_graphs" else {}
-            self._compiled = torch.compile(self.model, dynamic=False, **options)
+            self._compiled = torch.compile(self.model, dynamic=False)
+            method = "torch.compile"
         sample = self.tokenize("warm " * 8) or [0]
-        for length, batch in shapes:
-            prompt = (sample * (length // len(sample) + 1))[:length]
-            self.generate([prompt] * batch, max_new_tokens=1, warmup=True)
-        return SolidifyReport(method="torch.compile" if mode == "compile" else mode, shapes=len(shapes),
-                              seconds=time.perf_counter() - t0)
+
+        def replay():
+            for length, batch in shapes:
+                prompt = (sample * (length // len(sample) + 1))[:length]
+                self.generate([prompt] * batch, max_new_tokens=2 if self._decoders else 1, warmup=True)
+        if mode == "compile":
+            run_with_deadline(replay, self.options["kernel_compile_timeout"], "kernel_compile_timeout", "torch.compile")
+        else:
+            replay()
+        return SolidifyReport(method=method, shapes=len(shapes), seconds=time.perf_counter() - t0, detail=detail)
 
     # -- integrity ---------------------------------------------------------------------
     def weight_fingerprint(self) -> str:
@@ -296,13 +411,18 @@ class TorchEngine(Engine):
         weights, and any changed, reshaped or swapped tensor changes it."""
         import torch
         h = hashlib.sha256()
+        items = list(self.model.state_dict().items())
         with torch.inference_mode():
-            for name, t in self.model.state_dict().items():
-                d = t.detach().to(torch.float64)
-                h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{d.sum().item():.17g}|{(d * d).sum().item():.17g}\n".encode())
+            # All reductions on the device, one transfer: a sync per tensor costs
+            # hundreds of round trips on a GPU.
+            sums = torch.stack([torch.stack([t.detach().to(torch.float64).sum(),
+                                             t.detach().to(torch.float64).square().sum()]) for _, t in items]).tolist()
+        for (name, t), (s1, s2) in zip(items, sums):
+            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{s1:.17g}|{s2:.17g}\n".encode())
         return h.hexdigest()
 
     def close(self) -> None:
+        self._decoders = {}
         self.model = None
         self._compiled = None
 

@@ -1,29 +1,83 @@
 """Stage 2, pre-warm (PRELOAD -> PRIME): tokenizer, weights, synthetic traffic.
 
-The weight fingerprint is taken here, once the weights are loaded, and checked
-again before SERVING.  Synthetic requests cover the prompt-length x batch grid,
-marked as warmup so they never count as user traffic.
+Weights load progressively on a GPU (warmup_agent/gpu/loader.py: forward
+order, pinned staging, overlapped copies, integrity checks).  The weight
+fingerprint is taken once they are loaded and checked again before SERVING.
+The synthetic traffic generator (seed 003 §1) covers the prompt lengths
+(configured, drawn from a Gaussian or learned from a sample of real prompts,
+plus the power-of-two grid) x the batch sizes (configured, or derived from free
+GPU memory and the real KV bytes per token, seed 000 §4.2); each shape gets a
+prefill and prewarm.max_new_tokens - 1 decode steps, and every request is
+marked as warmup so it never counts as user traffic.  On a GPU the NVML
+utilisation ramp is sampled from here to the end of solidify.
 """
 from __future__ import annotations
 
+from warmup_agent import traffic
+from warmup_agent.engines.base import EngineError
+from warmup_agent.gpu import sizing
 from warmup_agent.states import State
 from warmup_agent.traffic import PromptFactory, grid
+
+
+def warmup_lengths(cfg, tokenize) -> list[int]:
+    source = cfg["prewarm.length_source"]
+    drawn: list[int] = []
+    if source == "gaussian":
+        drawn = traffic.gaussian_lengths(cfg["prewarm.sampled_lengths"], cfg["prewarm.length_mean"], cfg["prewarm.length_sd"],
+                                         max_length=cfg["prewarm.max_prompt_length"] or None)
+    elif source == "sample_file":
+        if not cfg["prewarm.prompts_file"]:
+            raise EngineError("invalid_config", "key 'prewarm.prompts_file': length_source sample_file needs a file of real prompts")
+        try:
+            drawn = traffic.lengths_from_sample(cfg["prewarm.prompts_file"], tokenize, cfg["prewarm.sampled_lengths"])
+        except ValueError as e:
+            raise EngineError("invalid_config", f"key 'prewarm.prompts_file': {e}") from None
+    extra = cfg["prewarm.max_prompt_length"] if source != "grid" else 0
+    return traffic.warmup_lengths(cfg["prewarm.prompt_lengths"], drawn, extra)
+
+
+def warmup_batches(cfg, facts, free_bytes: int | None, max_length: int) -> list[int]:
+    if cfg["prewarm.batch_sizes_from_memory"] and free_bytes and facts.kv_bytes_per_token:
+        return sizing.batch_sizes_from_memory(free_bytes - (facts.weight_bytes or 0), facts.kv_bytes_per_token,
+                                              max_length + cfg["prewarm.max_new_tokens"], cap=cfg["prewarm.max_batch"])
+    return cfg["prewarm.batch_sizes"]
+
+
+def _start_ramp(agent) -> None:
+    from warmup_agent.gpu.ramp import RampSampler
+    agent.ramp = None
+    gpu = getattr(agent, "gpu", None)
+    interval = agent.cfg["gpu.ramp_sample_interval_seconds"]
+    if gpu is not None and interval > 0:
+        agent.ramp = RampSampler.for_gpu(gpu.uuid, interval)
+        if agent.ramp is not None:
+            agent.ramp.start()
 
 
 def run(agent) -> None:
     cfg, engine = agent.cfg, agent.engine
     detail = agent.stages[-1].detail
     agent.move(State.PRELOAD)
+    _start_ramp(agent)
 
     engine.load_tokenizer()
     agent.checkpoint()
     engine.load_weights()
     agent.checkpoint()
-    agent.engine_facts = vars(engine.facts())
+    facts = engine.facts()
+    agent.engine_facts = vars(facts)
+    report = getattr(engine, "load_report", None)
+    if report is not None:
+        detail["weight_load"] = report.as_dict()
+        if report.seconds > 0:
+            agent.metrics["warmup_weight_load_bytes_per_second"].set(report.bytes / report.seconds)
     agent.sm.record_fingerprint(engine.weight_fingerprint())
 
     agent.prompts = PromptFactory(engine.tokenize)
-    shapes = grid(cfg["prewarm.prompt_lengths"], cfg["prewarm.batch_sizes"])
+    lengths = warmup_lengths(cfg, engine.tokenize)
+    batches = warmup_batches(cfg, facts, getattr(agent, "gpu_free_bytes", None), max(lengths))
+    shapes = grid(lengths, batches)
     per_shape = cfg["prewarm.requests_per_shape"]
     total = len(shapes) * per_shape
     done = 0
@@ -33,6 +87,6 @@ def run(agent) -> None:
             agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=cfg["prewarm.max_new_tokens"])
             done += 1
             agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
-    detail.update(shapes=len(shapes), requests=agent.warmup_requests)
+    detail.update(shapes=len(shapes), requests=agent.warmup_requests, lengths=lengths, batches=batches)
     agent.warmed_shapes = [(s.prompt_tokens, s.batch) for s in shapes]
     agent.move(State.PRIME)

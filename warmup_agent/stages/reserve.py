@@ -1,17 +1,26 @@
-"""Stage 1, reserve (state INIT): read the host, pin CPUs, check the model fits.
+"""Stage 1, reserve (state INIT): read the host, pin CPUs, create the CUDA
+context, reserve GPU memory for the model and the warmup grid.
 
-On a GPU host: NVML facts per GPU (memory, NUMA node, local CPUs, PCIe, NVLink)
-and pinning to the CPUs local to the GPU within the allowed cpuset.  On a CPU
-host: CPU and memory facts; there is no GPU locality to pin to.  Both fail fast
-(reasons insufficient_memory / insufficient_gpu_memory) when the weights alone
-cannot fit, before a minute is spent loading them.
+On a GPU host: NVML facts per GPU (memory, NUMA node, local CPUs, PCIe, NVLink
+links and peers); the process is pinned to its share of the CPUs local to its
+GPU within the allowed cpuset (GPUs sharing a socket split those CPUs, so one
+agent per GPU never overlaps).  The CUDA context is created under
+gpu.cuda_context_timeout_seconds.  Then memory is reserved and touched, sized
+from the weights' bytes plus the KV bytes per token (2 x layers x kv_heads x
+head_dim x dtype bytes) for the longest warmup shape and the largest batch,
+plus activation headroom; when that cannot fit, the agent fails at once with
+reason insufficient_gpu_memory and the numbers.  On a CPU host: CPU and memory
+facts; there is no GPU locality to pin to; insufficient_memory when the
+weights alone cannot fit.
 """
 from __future__ import annotations
 
 import logging
+import os
 
 from warmup_agent import hardware
 from warmup_agent.engines.torch_engine import check_model_dir, check_safetensors_header, safetensors_files
+from warmup_agent.gpu import sizing
 
 log = logging.getLogger("warmup_agent.stages.reserve")
 
@@ -27,6 +36,22 @@ def _weight_bytes_on_device(model_path: str, device: str, dtype: str) -> int:
     return stored
 
 
+def _device_index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def configure_engine(agent) -> None:
+    """Hand the GPU options of the config to an engine that takes them."""
+    cfg, engine = agent.cfg, agent.engine
+    if hasattr(engine, "configure"):
+        engine.configure(progressive=cfg["prewarm.progressive_load"], chunk_bytes=cfg["prewarm.staging_chunk_bytes"],
+                         buffers=cfg["prewarm.staging_buffers"], workers=cfg["prewarm.loader_threads"],
+                         manifest=cfg["prewarm.weights_manifest"],
+                         cuda_context_timeout=cfg["gpu.cuda_context_timeout_seconds"],
+                         kernel_compile_timeout=cfg["gpu.kernel_compile_timeout_seconds"],
+                         graph_max_len=cfg["solidify.graph_max_length"])
+
+
 def run(agent) -> None:
     cfg = agent.cfg
     host = hardware.read_host()
@@ -36,25 +61,47 @@ def run(agent) -> None:
     device = cfg["model.device"]
     if device == "auto":
         device = "cuda" if host.gpus else "cpu"
+    configure_engine(agent)
 
+    gpu = None
     if host.gpus and device.startswith("cuda"):
-        gpu = host.gpus[int(device.split(":")[1]) if ":" in device else 0]
+        gpu = hardware.visible_gpu(host.gpus, _device_index(device), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    agent.gpu = gpu
+    if gpu is not None:
+        detail["gpu_uuid"] = gpu.uuid
+        agent.host_facts["topology"] = hardware.topology(host.gpus)
         if cfg["reserve.pin_cpus"] and gpu.local_cpus:
-            cpus = hardware.choose_cpus(host.allowed_cpus, gpu.local_cpus)
+            cpus = hardware.assign_cpus(host.gpus, host.allowed_cpus)[gpu.index]
             detail["pinned_cpus"] = cpus if hardware.pin_cpus(cpus) else None
     else:
         detail["pinned_cpus"] = None  # no GPU: no locality to pin to; keep the cgroup's cpuset
 
     model_path = getattr(agent.engine, "model_path", None)
-    if model_path:
-        check_model_dir(model_path)
-        need = _weight_bytes_on_device(model_path, "cuda" if device.startswith("cuda") else "cpu", cfg["model.dtype"])
-        detail["weight_bytes"] = need
-        if device.startswith("cuda") and host.gpus:
-            free = gpu.memory_free_bytes
-            if need > free:
-                agent.fail("insufficient_gpu_memory",
-                           f"{model_path}: weights need {need / 2**30:.2f} GiB but GPU {gpu.index} has {free / 2**30:.2f} GiB free")
-        elif need > host.memory_available_bytes:
+    if not model_path:
+        return
+    config = check_model_dir(model_path)
+    on_gpu = device.startswith("cuda") and gpu is not None
+    need = _weight_bytes_on_device(model_path, "cuda" if on_gpu else "cpu", cfg["model.dtype"])
+    detail["weight_bytes"] = need
+    if not on_gpu:
+        if need > host.memory_available_bytes:
             agent.fail("insufficient_memory",
                        f"{model_path}: weights need {need / 2**30:.2f} GiB but only {host.memory_available_bytes / 2**30:.2f} GiB of memory is available")
+        return
+
+    dtype = "bfloat16" if cfg["model.dtype"] == "auto" else cfg["model.dtype"]
+    plan = sizing.plan_reservation(config, dtype, need, cfg["prewarm.prompt_lengths"] + [cfg["prewarm.max_prompt_length"]],
+                                   cfg["prewarm.batch_sizes"] + ([cfg["prewarm.max_batch"]] if cfg["prewarm.batch_sizes_from_memory"] else []),
+                                   max(cfg["prewarm.max_new_tokens"], 1), cfg["reserve.activation_factor"])
+    detail["reservation"] = plan.as_dict()
+    problem = sizing.check_fits(plan, gpu.memory_free_bytes, f"{model_path} on GPU {gpu.index} ({gpu.uuid})")
+    if problem:
+        agent.fail("insufficient_gpu_memory", problem)
+    agent.gpu_free_bytes = gpu.memory_free_bytes
+    if hasattr(agent.engine, "init_device"):
+        agent.engine.init_device()        # CUDA context, under its deadline
+        detail["cuda_context_seconds"] = agent.engine.context_seconds
+        if cfg["reserve.gpu_memory"]:
+            reserved = agent.engine.reserve_memory(plan.total_bytes)
+            detail["reserved_bytes"] = reserved
+            agent.metrics["warmup_gpu_memory_reserved_bytes"].labels(gpu=gpu.uuid).set(reserved)

@@ -1,18 +1,73 @@
 """Stage 3, solidify (PRIME): freeze what the engine can for the warmed shapes.
 
-torch engine on CPU: replay each warmed shape once more (allocator buckets and
-kernel plans settle); torch.compile on request.  CUDA graphs and the shared
-kernel cache come with the GPU and kernel-cache work.
+torch engine on a GPU: one CUDA graph per warmed batch size for the decode step
+over a static KV cache (fallback to eager replay with a named reason, counted
+in warmup_solidify_fallbacks_total); on the CPU: replay each warmed shape once
+more; torch.compile on request (solidify.mode compile).  Compile and kernel
+caches point at the kernel cache's local tier: restored from the shared tier
+before compiling, published after.  A degraded or broken cache never fails the
+warmup: it only costs a compile.
 """
 from __future__ import annotations
 
+import logging
+import os
 import time
+
+log = logging.getLogger("warmup_agent.stages.solidify")
+
+
+def open_kernel_cache(agent):
+    """The two-tier kernel cache with the engines' cache variables pointed at its
+    local tier and restored from the shared tier; None when it cannot be used."""
+    try:
+        from warmup_agent.kernel_cache import KernelCache
+        cache = KernelCache.from_config(agent.cfg, agent.metrics)
+        os.environ.update(cache.env())
+        cache.restore()
+        return cache
+    except Exception as e:  # noqa: BLE001 - a cache problem costs a compile, never the warmup
+        log.warning("kernel cache unavailable (%s: %s); compiling without it", type(e).__name__, e)
+        return None
+
+
+def _publish(cache) -> None:
+    if cache is None:
+        return
+    try:
+        cache.publish()
+    except Exception as e:  # noqa: BLE001
+        log.warning("kernel cache publish failed (%s: %s)", type(e).__name__, e)
 
 
 def run(agent) -> None:
     detail = agent.stages[-1].detail
+    mode = agent.cfg["solidify.mode"]
+    # Opened on every run (cheap with a local tier only) so its metrics and the
+    # shared tier's state are visible; only compilation fills it.
+    cache = open_kernel_cache(agent) if mode != "none" else None
     t0 = time.perf_counter()
     with agent._engine_lock:
-        report = agent.engine.solidify(getattr(agent, "warmed_shapes", []), mode=agent.cfg["solidify.mode"])
+        shapes = getattr(agent, "warmed_shapes", [])
+        if cache is not None and mode == "compile":
+            report = cache.compile_once("solidify", lambda: agent.engine.solidify(shapes, mode=mode))
+        else:
+            report = agent.engine.solidify(shapes, mode=mode)
     agent.metrics["warmup_engine_seconds_total"].labels(kind="solidify").inc(time.perf_counter() - t0)
+    _publish(cache)
+    if cache is not None:
+        detail["kernel_cache"] = "degraded" if cache.degraded else "ok"
     detail.update(method=report.method, shapes=report.shapes, **report.detail)
+    reason = report.detail.get("fallback_reason")
+    if reason:
+        agent.metrics["warmup_solidify_fallbacks_total"].labels(reason=reason.split(":")[0]).inc()
+    gpu = getattr(agent, "gpu", None)
+    if gpu is not None:
+        agent.metrics["warmup_cuda_graphs"].set(len(report.detail.get("graphs", [])))
+    ramp = getattr(agent, "ramp", None)
+    if ramp is not None:
+        slope = ramp.stop()
+        detail["ramp_samples"] = len(ramp.samples)
+        if slope is not None and gpu is not None:
+            detail["ramp_slope_per_second"] = slope
+            agent.metrics["warmup_gpu_utilization_ramp_slope"].labels(gpu=gpu.uuid).set(slope)

@@ -1,0 +1,266 @@
+"""GPU cold-start benchmark (issue 3): naive start vs the seed's warmup script vs the agent.
+
+One command, on a GPU host:
+    python bench/bench_gpu_cold_start.py --runs 5 --out bench/results/gpu_cold_start_h200.json
+
+Creates a Qwen2-1.5B-shaped model with random bf16 weights (no download), then
+runs, alternating, cold process starts of
+  naive: from_pretrained(...).cuda(), then the first request;
+  seed:  the same plus seed 000's warmup script (encode "Hello world", one
+         1 x 512 forward), then the first request;
+  agent: the agent's four stages in process up to SERVING, then the first request.
+Each child reports unix timestamps; the parent computes, per the issue:
+  first_request_tax_p99 = p99 over runs of first real TTFT / steady median TTFT
+  load_over_floor       = weight load seconds / max(bytes / pinned H2D bandwidth, bytes / read bandwidth)
+  ready_over_naive      = agent spawn->SERVING / naive spawn->first response
+  sampling_overhead     = steady TTFT with the NVML ramp sampler running / stopped
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+T_START = time.time()
+
+QWEN2_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+PROMPT = ("Explain in a few sentences why the first request to a freshly started language model server "
+          "is slower than the thousandth, and what a warmup agent does about it before taking traffic.")
+PROMPT_TOKENS = 20
+STEADY = 20
+
+
+def make_model(path: str) -> None:
+    if os.path.exists(os.path.join(path, ".complete")):
+        return
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from warmup_agent.embedded_model import _train_tokenizer
+    os.makedirs(path, exist_ok=True)
+    _train_tokenizer(path)
+    config = Qwen2Config(**QWEN2_1_5B, bos_token_id=1, eos_token_id=2, pad_token_id=2, torch_dtype="bfloat16")
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.tie_weights()
+    model.save_pretrained(path, safe_serialization=True)
+    open(os.path.join(path, ".complete"), "w").write("1\n")
+
+
+# --- children ------------------------------------------------------------------------------
+def _ttft(model, ids):
+    import torch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+        out.logits[:, -1, :].argmax(dim=-1)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def child_plain(model_dir: str, seed_script: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    t_imported = time.time()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    torch.cuda.synchronize()
+    load = time.perf_counter() - t0
+    if seed_script:   # seed 000 chapter 1, verbatim in substance
+        tok.encode("Hello world", return_tensors="pt").cuda()
+        with torch.no_grad():
+            model(torch.ones((1, 512), dtype=torch.long).cuda())
+        torch.cuda.synchronize()
+    ids = torch.tensor([tok.encode(PROMPT, add_special_tokens=False)[:PROMPT_TOKENS]]).cuda()
+    first = _ttft(model, ids)
+    t_first = time.time()
+    steady = [_ttft(model, ids) for _ in range(STEADY)]
+    return dict(imported_unix=t_imported, load_seconds=load, first_ttft=first, first_response_unix=t_first,
+                ready_unix=t_first, steady_median=statistics.median(steady))
+
+
+def child_agent(model_dir: str, data_dir: str) -> dict:
+    import torch
+    from exporter.metrics import AgentMetrics
+    from warmup_agent import config
+    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.gpu.ramp import RampSampler
+    from warmup_agent.pipeline import Agent
+    t_imported = time.time()
+    cfg = config.load(env={
+        "WARMUP_AGENT_MODEL_PATH": model_dir, "WARMUP_AGENT_DATA_DIR": data_dir,
+        "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 32, 64, 128]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 2, 4]",
+        "WARMUP_AGENT_PREWARM_LENGTH_SOURCE": "gaussian", "WARMUP_AGENT_PREWARM_SAMPLED_LENGTHS": "4",
+        "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
+    engine = TorchEngine(model_dir, dtype=cfg["model.dtype"], device=cfg["model.device"])
+    agent = Agent(cfg, engine, metrics=AgentMetrics())
+    state = agent.run()
+    t_ready = time.time()
+    assert state.name == "SERVING", (agent.sm.failure_reason, agent.sm.failure_message)
+    ids = engine.tokenize(PROMPT)[:PROMPT_TOKENS]
+    first = engine.generate([ids])[0].first_token_seconds
+    steady = [engine.generate([ids])[0].first_token_seconds for _ in range(STEADY)]
+    # sampling overhead: alternate blocks with the NVML sampler on and off
+    on, off = [], []
+    for _ in range(4):
+        s = RampSampler.for_gpu(agent.gpu.uuid, cfg["gpu.ramp_sample_interval_seconds"]).start()
+        on += [engine.generate([ids])[0].first_token_seconds for _ in range(15)]
+        s.stop()
+        off += [engine.generate([ids])[0].first_token_seconds for _ in range(15)]
+    rec = agent.record()
+    stages = {s["name"]: s for s in rec["stages"]}
+    report = engine.load_report
+    return dict(imported_unix=t_imported, ready_unix=t_ready, first_ttft=first, steady_median=statistics.median(steady),
+                load_seconds=report.seconds, load_bytes=report.bytes, load_path=report.path,
+                load_weights_stage=stages["prewarm"].get("weight_load"),
+                stage_seconds={k: v["duration_seconds"] for k, v in stages.items()},
+                solidify=stages["solidify"], reserve=stages["reserve"], prewarm_shapes=stages["prewarm"].get("shapes"),
+                sampling_on_median=statistics.median(on), sampling_off_median=statistics.median(off),
+                ramp_slope=stages["solidify"].get("ramp_slope_per_second"))
+
+
+def child_floors(model_dir: str) -> dict:
+    """Pinned host-to-device bandwidth and read bandwidth of the checkpoint (page cache, one thread)."""
+    import numpy as np
+    import torch
+    files = sorted(os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    total = sum(os.path.getsize(f) for f in files)
+    buf = np.empty(64 << 20, dtype=np.uint8)
+    reads = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            off = 0
+            while True:
+                n = os.preadv(fd, [memoryview(buf)], off)
+                if n <= 0:
+                    break
+                off += n
+            os.close(fd)
+        reads.append(total / (time.perf_counter() - t0))
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    h2d = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        h2d.append((1 << 30) / (time.perf_counter() - t0))
+    return dict(checkpoint_bytes=total, read_bytes_per_second=statistics.median(reads),
+                h2d_pinned_bytes_per_second=statistics.median(h2d[1:]))
+
+
+# --- parent --------------------------------------------------------------------------------
+def spawn(args, mode: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model, "--data-dir", args.data_dir]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if r.returncode != 0:
+        raise RuntimeError(f"{mode} child failed:\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["spawn_unix"] = t0
+    out["spawn_to_ready"] = out["ready_unix"] - t0
+    out["import_seconds"] = out["imported_unix"] - t0
+    out["tax"] = out["first_ttft"] / out["steady_median"]
+    return out
+
+
+def p99(xs):
+    import numpy as np
+    return float(np.quantile(np.array(xs), 0.99, method="inverted_cdf"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child")
+    ap.add_argument("--model", default="/tmp/qwen2-1.5b-random")
+    ap.add_argument("--data-dir", default="/tmp/warmup-bench")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_cold_start.json"))
+    args = ap.parse_args()
+    if args.child:
+        out = {"naive": lambda: child_plain(args.model, False), "seed": lambda: child_plain(args.model, True),
+               "agent": lambda: child_agent(args.model, args.data_dir), "floors": lambda: child_floors(args.model)}[args.child]()
+        print(json.dumps(out, default=str))
+        return 0
+    t = time.time()
+    subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); from bench.bench_gpu_cold_start import make_model; make_model({args.model!r})"],
+        check=True, cwd=ROOT)
+    print(f"model ready in {time.time() - t:.1f} s", flush=True)
+    floors = json.loads(subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "floors", "--model", args.model],
+                                       capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip().splitlines()[-1])
+    print("floors", floors, flush=True)
+    runs = {"naive": [], "seed": [], "agent": []}
+    order = ["naive", "seed", "agent"]
+    for i in range(args.runs):
+        for mode in order[i % 3:] + order[:i % 3]:       # rotate who goes first
+            r = spawn(args, mode)
+            runs[mode].append(r)
+            print(f"run {i} {mode}: ready {r['spawn_to_ready']:.2f} s, first {r['first_ttft'] * 1e3:.1f} ms, "
+                  f"steady {r['steady_median'] * 1e3:.1f} ms, tax {r['tax']:.2f}, load {r['load_seconds']:.3f} s", flush=True)
+    b = floors["checkpoint_bytes"]
+    floor = max(b / floors["h2d_pinned_bytes_per_second"], b / floors["read_bytes_per_second"])
+    agent, naive = runs["agent"], runs["naive"]
+    ready_ratio = [a["spawn_to_ready"] / n["spawn_to_ready"] for a, n in zip(agent, naive)]
+    ready_ratio_ex_import = [(a["spawn_to_ready"] - a["import_seconds"]) / (n["spawn_to_ready"] - n["import_seconds"])
+                             for a, n in zip(agent, naive)]
+    figures = {
+        "first_request_tax_p99": p99([r["tax"] for r in agent]),
+        "load_over_floor": statistics.median(r["load_seconds"] / floor for r in agent),
+        "ready_over_naive": statistics.median(ready_ratio),
+        "sampling_overhead": statistics.median(r["sampling_on_median"] / r["sampling_off_median"] for r in agent),
+    }
+    import torch
+    result = {
+        "figures": figures,
+        "targets": {"first_request_tax_p99": 1.10, "load_over_floor": 1.5, "ready_over_naive": 1.0, "sampling_overhead": 1.01},
+        "definitions": {
+            "first_request_tax_p99": "p99 over the agent's cold starts of (TTFT of the first real request after SERVING / median TTFT of the next 20 identical requests); 20-token prompt",
+            "load_over_floor": "median over agent runs of the progressive loader's seconds / max(checkpoint bytes / pinned H2D bandwidth, checkpoint bytes / single-thread read bandwidth from page cache)",
+            "ready_over_naive": "median over paired runs of (agent: process spawn -> SERVING) / (naive: process spawn -> first response), imports included",
+            "sampling_overhead": "median over agent runs of steady TTFT with the 50 ms NVML sampler running / stopped (4 alternating blocks of 15 requests each)",
+        },
+        "also": {
+            "first_request_tax_p99_naive": p99([r["tax"] for r in naive]),
+            "first_request_tax_p99_seed": p99([r["tax"] for r in runs["seed"]]),
+            "load_over_floor_max": max(r["load_seconds"] / floor for r in agent),
+            "naive_load_over_floor_median": statistics.median(r["load_seconds"] / floor for r in naive),
+            "ready_over_naive_excluding_imports": statistics.median(ready_ratio_ex_import),
+            "ready_over_seed": statistics.median(a["spawn_to_ready"] / s["spawn_to_ready"] for a, s in zip(agent, runs["seed"])),
+            "floor_seconds": floor,
+        },
+        "floors": floors,
+        "runs": runs,
+        "machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "cpus": os.cpu_count(), "host": os.uname().nodename},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+        "model": {"shape": "Qwen2-1.5B", **QWEN2_1_5B, "dtype": "bfloat16", "weights": "random"},
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(json.dumps({"figures": figures, "also": result["also"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

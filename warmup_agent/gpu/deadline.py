@@ -1,0 +1,29 @@
+"""Run one step under a deadline (seed 000 §2.5: CUDA context creation and kernel
+compilation hang rather than fail).  The step runs in a daemon thread; past the
+deadline the caller gets an EngineError with the named reason and the thread is
+abandoned (it cannot be killed; the process is expected to fail and restart)."""
+from __future__ import annotations
+
+import threading
+
+from warmup_agent.engines.base import EngineError
+
+
+def run_with_deadline(fn, seconds: float, reason: str, what: str):
+    if not seconds or seconds <= 0:
+        return fn()
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+    t = threading.Thread(target=target, name=f"deadline-{reason}", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise EngineError(reason, f"{what} did not finish within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")

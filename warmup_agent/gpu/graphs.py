@@ -1,0 +1,95 @@
+"""CUDA graphs for the warmed decode shapes (stage 3).
+
+One decode step (one token per sequence against a static KV cache) is captured
+per warmed batch size; a request of that batch then pays one graph launch per
+generated token instead of hundreds of kernel launches.  Prefill stays eager:
+its shapes vary with the prompt, and the warmup grid has already run them.
+
+The static-cache decode also runs without graphs (`capture=False`), which is
+how the CPU tests check it against the dynamic-cache path token for token.
+When capture is impossible (no CUDA device, a model whose step synchronises
+with the host, an API the installed transformers lacks) the caller gets a named
+reason and keeps the eager path: never a crash.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("warmup_agent.gpu.graphs")
+
+
+class StaticDecoder:
+    """Static KV cache + (optionally) a captured decode step for one batch size."""
+
+    def __init__(self, model, batch: int, max_len: int, device, capture: bool, pool=None):
+        import torch
+        from transformers import StaticCache
+        self.model, self.batch, self.max_len, self.device = model, batch, max_len, device
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.pos = torch.zeros((1,), dtype=torch.long, device=device)
+        self.graph = None
+        self.logits = None
+        # Prefill once so the cache's tensors exist (lazily allocated), then warm the step.
+        self.prefill(torch.zeros((batch, 4), dtype=torch.long, device=device))
+        if capture:
+            self._capture(pool)
+
+    def _step(self):
+        return self.model(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos,
+                          use_cache=True).logits
+
+    def _capture(self, pool) -> None:
+        import torch
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):          # warm the step outside the graph (cuBLAS handles, workspaces)
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
+            self.logits = self._step()
+        torch.cuda.synchronize(self.device)
+
+    def prefill(self, ids):
+        """Eager prefill of equal-length prompts into the (reset) static cache; logits of the last position."""
+        import torch
+        n = ids.shape[1]
+        with torch.inference_mode():
+            self.cache.reset()
+            out = self.model(input_ids=ids, past_key_values=self.cache,
+                             cache_position=torch.arange(n, device=self.device), use_cache=True)
+        return out.logits[:, -1, :]
+
+    def decode(self, token, position: int):
+        """One decode step for `token` ([batch, 1]) at `position`; logits [batch, vocab]."""
+        import torch
+        with torch.inference_mode():
+            self.ids.copy_(token)
+            self.pos.fill_(position)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits[:, -1, :]
+        with torch.inference_mode():
+            return self._step()[:, -1, :]
+
+
+def build(model, batches: list[int], max_len: int, device, capture: bool) -> tuple[dict, str | None]:
+    """StaticDecoders by batch size; (decoders, None) or ({}, reason) where it failed."""
+    import torch
+    if capture and device.type != "cuda":
+        return {}, "no_cuda_device"
+    try:
+        from transformers import StaticCache  # noqa: F401
+    except ImportError:
+        return {}, "static_cache_unavailable"
+    out = {}
+    pool = torch.cuda.graph_pool_handle() if capture else None
+    for b in sorted(set(batches)):
+        try:
+            out[b] = StaticDecoder(model, b, max_len, device, capture, pool)
+        except Exception as e:  # noqa: BLE001 - any capture failure means: stay eager, say why
+            log.warning("CUDA graph capture for batch %d failed: %s", b, e)
+            return {}, f"capture_failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return out, None

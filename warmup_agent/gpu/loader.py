@@ -1,0 +1,254 @@
+"""Progressive weight loading (stage 2): safetensors shards read in the order the
+forward pass needs them (embeddings, then layer by layer, then the final norm
+and the head), into pinned staging buffers, copied to the device on a side
+stream while the next chunk is being read (double-buffered, overlapped).
+
+The model skeleton is built on the meta device (no memory, no random init),
+materialised uninitialised on the target device (`to_empty`), and every
+parameter is then overwritten from the checkpoint.  Non-persistent buffers
+(rotary inverse frequencies) are not in a checkpoint: their modules are rebuilt
+from the config.  On a CPU, or when a tensor's stored dtype differs from the
+target dtype, the plain path reads each tensor and copies it with a cast.
+
+Integrity before use: each shard's header against its file size (engine
+check), tensor names and shapes against the config's skeleton, stored dtypes
+against config.json's torch_dtype, and an optional SHA-256 manifest
+(`sha256sum` format: "<hex>  <file name>").
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from warmup_agent.engines.base import EngineError
+
+_ST_TORCH = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_EMBED = re.compile(r"(embed_tokens|wte|word_embeddings|embed_in)\.")
+_LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+_HEAD = re.compile(r"^(lm_head|embed_out|output)\.")
+
+
+def forward_rank(name: str) -> tuple:
+    """Sort key: embeddings, layers in numeric order (10 after 9, not after 1), the
+    rest (final norm), the LM head last."""
+    if _EMBED.search(name):
+        return (0, 0, name)
+    m = _LAYER.search(name)
+    if m:
+        return (1, int(m.group(1)), name)
+    if _HEAD.search(name):
+        return (3, 0, name)
+    return (2, 0, name)
+
+
+@dataclass
+class TensorSlot:
+    name: str
+    shard: str
+    offset: int            # absolute file offset of the tensor's first byte
+    nbytes: int
+    dtype: str             # torch dtype name as stored
+    shape: tuple
+
+
+@dataclass
+class LoadReport:
+    path: str                              # "pinned_overlapped" | "plain"
+    reason: str = ""                       # why the plain path was taken
+    bytes: int = 0
+    seconds: float = 0.0
+    tensors: int = 0
+    order: list[str] = field(default_factory=list)   # first few tensor names, in load order
+    chunk_bytes: int = 0
+    buffers: int = 0
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d["order"] = d["order"][:6]
+        return d
+
+
+def checkpoint_slots(shards: list[str], read_header) -> list[TensorSlot]:
+    """Every tensor of every shard with its absolute file offset, in forward order."""
+    import struct
+    slots = []
+    for shard in shards:
+        tensors = read_header(shard)
+        with open(shard, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        for name, meta in tensors.items():
+            begin, end = meta["data_offsets"]
+            slots.append(TensorSlot(name, shard, 8 + n + begin, end - begin,
+                                    _ST_TORCH.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"])))
+    return sorted(slots, key=lambda s: forward_rank(s.name))
+
+
+def check_against_skeleton(path: str, slots: list[TensorSlot], expected: dict[str, tuple], tied: set[str],
+                           config_dtype: str | None) -> None:
+    found = {s.name: s for s in slots}
+    for name in sorted(found):
+        if name in expected and tuple(expected[name]) != found[name].shape:
+            raise EngineError("weights_shape_mismatch",
+                              f"{path}: tensor {name} has shape {list(found[name].shape)} in the checkpoint but config.json implies {list(expected[name])}")
+    missing = sorted(set(expected) - set(found) - tied)
+    if missing:
+        raise EngineError("weights_incomplete", f"{path}: {len(missing)} tensors missing from the checkpoint (first: {missing[0]})")
+    if config_dtype:
+        odd = [s for s in slots if s.name in expected and s.dtype.startswith(("float", "bfloat")) and s.dtype != config_dtype]
+        if odd:
+            raise EngineError("weights_corrupt",
+                              f"{path}: tensor {odd[0].name} is stored as {odd[0].dtype} but config.json says torch_dtype {config_dtype}")
+
+
+def check_manifest(path: str, manifest: str) -> int:
+    """Verify shards against a sha256sum-format manifest; return files checked."""
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            lines = [ln.split() for ln in f if ln.strip()]
+    except OSError as e:
+        raise EngineError("weights_corrupt", f"{manifest}: cannot read the SHA-256 manifest: {e.strerror}") from None
+    for parts in lines:
+        if len(parts) != 2 or len(parts[0]) != 64:
+            raise EngineError("weights_corrupt", f"{manifest}: expected lines '<sha256>  <file>', got {' '.join(parts)!r}")
+        want, name = parts[0].lower(), parts[1].lstrip("*")
+        h = hashlib.sha256()
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                for block in iter(lambda: f.read(16 << 20), b""):
+                    h.update(block)
+        except OSError as e:
+            raise EngineError("weights_corrupt", f"{path}/{name}: listed in {manifest} but unreadable: {e.strerror}") from None
+        if h.hexdigest() != want:
+            raise EngineError("weights_corrupt", f"{path}/{name}: SHA-256 {h.hexdigest()[:16]}... does not match the manifest's {want[:16]}...")
+    return len(lines)
+
+
+def build_skeleton(config_path: str, dtype, device):
+    """The model with uninitialised parameters on `device`; non-persistent buffers
+    rebuilt from the config.  Returns (model, expected shapes, tied names)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(config_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    model = model.to_empty(device=device)
+    _rebuild_nonpersistent(model, device)
+    model.tie_weights()
+    return model.eval(), expected, tied
+
+
+def _rebuild_nonpersistent(model, device) -> None:
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not getattr(child, "_non_persistent_buffers_set", None):
+                continue
+            cfg = getattr(child, "config", None) or model.config
+            try:
+                fresh = type(child)(config=cfg)
+            except TypeError:
+                fresh = type(child)(cfg)
+            setattr(parent, child_name, fresh.to(device))
+
+
+def _dest_tensors(model) -> dict:
+    """name -> the parameter or persistent buffer to fill (tied names map to one tensor)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def load(model, slots: list[TensorSlot], device, chunk_bytes: int = 64 << 20, buffers: int = 4,
+         workers: int = 4) -> LoadReport:
+    """Fill `model` from the checkpoint; pinned and overlapped on CUDA, plain elsewhere."""
+    import torch
+    dest = _dest_tensors(model)
+    slots = [s for s in slots if s.name in dest]
+    t0 = time.perf_counter()
+    reason = ""
+    if device.type != "cuda":
+        reason = "not a CUDA device (no pinned staging)"
+    elif any(str(dest[s.name].dtype).replace("torch.", "") != s.dtype for s in slots):
+        reason = "stored dtype differs from the target dtype (cast on copy)"
+    if reason:
+        report = _load_plain(dest, slots)
+        report.reason = reason
+    else:
+        report = _load_pinned(dest, slots, device, chunk_bytes, buffers, workers)
+    report.seconds = time.perf_counter() - t0
+    report.tensors = len(slots)
+    report.order = [s.name for s in slots]
+    return report
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise EngineError("weights_corrupt", f"unexpected end of file at byte {offset + done}")
+        done += n
+
+
+def _load_plain(dest, slots) -> LoadReport:
+    import numpy as np
+    import torch
+    total = 0
+    fds = {}
+    try:
+        with torch.no_grad():
+            for s in slots:
+                fd = fds.get(s.shard) or fds.setdefault(s.shard, os.open(s.shard, os.O_RDONLY))
+                raw = np.empty(s.nbytes, dtype=np.uint8)
+                _pread_into(fd, memoryview(raw), s.offset)
+                t = torch.from_numpy(raw).view(getattr(torch, s.dtype)).reshape(s.shape)
+                dest[s.name].data.copy_(t)
+                total += s.nbytes
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return LoadReport(path="plain", bytes=total)
+
+
+def _load_pinned(dest, slots, device, chunk_bytes, nbuf, workers) -> LoadReport:
+    import torch
+    chunks = []   # (shard, file offset, nbytes, destination byte view, start)
+    for s in slots:
+        flat = dest[s.name].data.view(-1).view(torch.uint8)
+        for start in range(0, s.nbytes, chunk_bytes):
+            chunks.append((s.shard, s.offset + start, min(chunk_bytes, s.nbytes - start), flat, start))
+    size = min(chunk_bytes, max((c[2] for c in chunks), default=1))
+    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
+    views = [memoryview(b.numpy()) for b in bufs]
+    done_events = [torch.cuda.Event() for _ in range(nbuf)]
+    stream = torch.cuda.Stream(device)
+    fds = {shard: os.open(shard, os.O_RDONLY) for shard in {c[0] for c in chunks}}
+
+    def read(i):
+        shard, off, n, _, _ = chunks[i]
+        k = i % nbuf
+        done_events[k].synchronize()           # the copy out of this buffer has finished
+        _pread_into(fds[shard], views[k][:n], off)
+
+    total = 0
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, nbuf)) as pool, torch.no_grad():
+            futures = {i: pool.submit(read, i) for i in range(min(nbuf, len(chunks)))}
+            for i, (_, _, n, flat, start) in enumerate(chunks):
+                futures.pop(i).result()
+                k = i % nbuf
+                with torch.cuda.stream(stream):
+                    flat[start:start + n].copy_(bufs[k][:n], non_blocking=True)
+                    done_events[k].record(stream)
+                total += n
+                if i + nbuf < len(chunks):
+                    futures[i + nbuf] = pool.submit(read, i + nbuf)
+        stream.synchronize()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return LoadReport(path="pinned_overlapped", bytes=total, chunk_bytes=size, buffers=nbuf)

@@ -1,0 +1,68 @@
+"""GPU-utilisation ramp during warmup (seed 000 §2.3: NVML sampled every 50 ms).
+
+A daemon thread reads nvmlDeviceGetUtilizationRates for one GPU at a fixed
+interval; the slope is the least-squares fit of utilisation (0..1) against time
+(seconds) over the samples taken while warming, in 1/s (the seed's SOTA line,
+14.7 %/s, is 0.147).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+
+def least_squares_slope(samples: list[tuple[float, float]]) -> float | None:
+    """Slope of y over t; None with fewer than two distinct times."""
+    n = len(samples)
+    if n < 2:
+        return None
+    mt = sum(t for t, _ in samples) / n
+    my = sum(y for _, y in samples) / n
+    var = sum((t - mt) ** 2 for t, _ in samples)
+    if var == 0:
+        return None
+    return sum((t - mt) * (y - my) for t, y in samples) / var
+
+
+class RampSampler:
+    def __init__(self, nvml, handle, interval: float = 0.05, clock=time.perf_counter):
+        self._nvml, self._handle, self.interval, self._clock = nvml, handle, interval, clock
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors = 0
+
+    @classmethod
+    def for_gpu(cls, uuid: str, interval: float) -> "RampSampler | None":
+        """A sampler for the GPU with this UUID; None where NVML is unavailable."""
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            return cls(pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid), interval)
+        except Exception:  # noqa: BLE001 - no NVML: no ramp, the warmup goes on
+            return None
+
+    def sample(self) -> None:
+        try:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0
+        except Exception:  # noqa: BLE001 - one failed read is skipped, not fatal
+            self.errors += 1
+            return
+        self.samples.append((self._clock(), util))
+
+    def start(self) -> "RampSampler":
+        self.sample()
+
+        def loop():
+            while not self._stop.wait(self.interval):
+                self.sample()
+        self._thread = threading.Thread(target=loop, name="gpu-ramp-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> float | None:
+        """Stop sampling; return the slope in 1/s over what was sampled."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        return least_squares_slope(list(self.samples))

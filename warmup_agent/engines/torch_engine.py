@@ -196,10 +196,12 @@ class TorchEngine(Engine):
     def _resolve_device(self):
         import torch
         if self._device_name == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         dev = torch.device(self._device_name)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise EngineError("cuda_unavailable", f"model.device is {self._device_name} but no CUDA device is visible")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", 0)   # an explicit index: set_device and the stages need one
         return dev
 
     def _resolve_dtype(self):

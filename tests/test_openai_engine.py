@@ -60,12 +60,18 @@ def served(tmp_path_factory):
     server_log = logging.getLogger("warmup_agent.server")
     server_log.addHandler(lines)
     server_log.setLevel(logging.INFO)
+    holder = {}
+
+    def on_exit(rc):
+        # The wiring the pipeline uses: readiness drops at once (back to PRELOAD).
+        events.append(("exit", rc))
+        holder["agent"].sm.transition(State.PRELOAD)
+
     eng = OpenAIEngine(cfg, server_command=cmd, base_env=vllm_server.server_env(str(root / "scratch")),
-                       on_server_exit=lambda rc: events.append(("exit", rc)),
-                       on_server_ready=lambda: events.append(("ready", None)))
+                       on_server_exit=on_exit, on_server_ready=lambda: events.append(("ready", None)))
     # The agent drives the engine through its four stages (load_tokenizer and
     # load_weights happen in prewarm), exactly as `warmup-agent run --engine openai`.
-    agent = Agent(cfg, eng)
+    agent = holder["agent"] = Agent(cfg, eng)
     agent.final_state = agent.run()
     agent.stop()
     eng.agent = agent
@@ -195,10 +201,12 @@ def test_weight_fingerprint_is_stable_and_sees_the_weights(served, tmp_path):
 
 def test_killed_server_is_restarted_and_serves_again(served):
     eng, events, _ = served
+    assert eng.agent.sm.state == State.SERVING
     old = eng.supervisor.pid
     events.clear()
     os.kill(old, signal.SIGKILL)
     wait_until(lambda: ("exit", -signal.SIGKILL) in events, 15, what="on_server_exit")
+    assert eng.agent.sm.state == State.PRELOAD          # not ready any more, before any probe
     with pytest.raises(EngineError):
         eng.generate([_prompt(8)], max_new_tokens=1)      # down until restarted
     wait_until(lambda: ("ready", None) in events, 240, interval=0.5, what="server restarted")
@@ -206,6 +214,13 @@ def test_killed_server_is_restarted_and_serves_again(served):
     assert eng.supervisor.pid != old and eng.supervisor.restarts == 1
     assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
     assert eng.generate([_prompt(8)], max_new_tokens=2)[0].output_tokens == 2
+    # prewarm calls load_weights again: it re-attaches (no second server) and
+    # registers the LoRA adapter the new server does not know yet.
+    supervisor = eng.supervisor
+    assert "ad1" not in {m["id"] for m in eng._get_json("/v1/models")["data"]}
+    eng.load_weights()
+    assert eng.supervisor is supervisor and eng.supervisor.pid == supervisor.pid
+    assert "ad1" in {m["id"] for m in eng._get_json("/v1/models")["data"]} and eng.adapters == ["ad1"]
 
 
 def test_close_leaves_no_process_behind(served):

@@ -177,7 +177,11 @@ class OpenAIEngine(Engine):
     def load_weights(self) -> None:
         """Start the server (or wait for the given one) until healthy, learn the
         served model, then register and warm the LoRA adapters."""
-        if self.command:
+        if self.supervisor is not None:
+            # Called again after the supervisor restarted a crashed server (the
+            # pipeline re-runs prewarm): the server is ours already, just wait for it.
+            self._wait_remote_healthy()
+        elif self.command:
             from warmup_agent.supervisor import Supervisor
             self.supervisor = Supervisor(
                 self.server_command(), self.url + "/health", env=self.server_env(),
@@ -224,8 +228,13 @@ class OpenAIEngine(Engine):
     def load_lora_adapters(self) -> None:
         """Register each adapter of `lora.adapters` (POST /v1/load_lora_adapter) and
         warm it with one marked request, one by one."""
+        # A restarted server has forgotten its adapters: ask it what it serves.
+        served = {m["id"] for m in self._get_json("/v1/models")["data"]}
+        self.adapters = [a for a in self.adapters if a in served]
         for name, path in parse_adapters(self.cfg["lora.adapters"]):
-            if name in self.adapters:
+            if name in served:
+                if name not in self.adapters:
+                    self.adapters.append(name)
                 continue
             try:
                 self._post_json("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})

@@ -78,6 +78,8 @@ class Readiness:
     def due_probe(self) -> bool:
         """Whether the watch loop should probe the main engine now."""
         with self._lock:
+            if self.agent.sm.state.terminal:
+                return False          # draining or failed: leave the engine alone
             state = self.breaker.tick()
             if state == BreakerState.HALF_OPEN:
                 return True

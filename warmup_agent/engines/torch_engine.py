@@ -402,8 +402,8 @@ class TorchEngine(Engine):
                 self.generate([prompt] * batch, max_new_tokens=2 if self._decoders else 1, warmup=True)
         if mode == "compile":
             run_with_deadline(replay, self.options["kernel_compile_timeout"], "kernel_compile_timeout", "torch.compile")
-        else:
-            replay()
+        elif not self._decoders:
+            replay()   # captured graphs already ran their shapes (capture warm-up); prefill shapes ran in prewarm
         return SolidifyReport(method=method, shapes=len(shapes), seconds=time.perf_counter() - t0, detail=detail)
 
     # -- integrity ---------------------------------------------------------------------

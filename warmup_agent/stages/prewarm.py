@@ -13,6 +13,8 @@ utilisation ramp is sampled from here to the end of solidify.
 """
 from __future__ import annotations
 
+import time
+
 from warmup_agent import traffic
 from warmup_agent.engines.base import EngineError
 from warmup_agent.gpu import sizing
@@ -61,10 +63,14 @@ def run(agent) -> None:
     agent.move(State.PRELOAD)
     _start_ramp(agent)
 
+    clock = time.perf_counter
+    t0 = clock()
     engine.load_tokenizer()
     agent.checkpoint()
+    t1 = clock()
     engine.load_weights()
     agent.checkpoint()
+    t2 = clock()
     facts = engine.facts()
     agent.engine_facts = vars(facts)
     report = getattr(engine, "load_report", None)
@@ -73,6 +79,7 @@ def run(agent) -> None:
         if report.seconds > 0:
             agent.metrics["warmup_weight_load_bytes_per_second"].set(report.bytes / report.seconds)
     agent.sm.record_fingerprint(engine.weight_fingerprint())
+    t3 = clock()
 
     agent.prompts = PromptFactory(engine.tokenize)
     lengths = warmup_lengths(cfg, engine.tokenize)
@@ -87,6 +94,7 @@ def run(agent) -> None:
             agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=cfg["prewarm.max_new_tokens"])
             done += 1
             agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
-    detail.update(shapes=len(shapes), requests=agent.warmup_requests, lengths=lengths, batches=batches)
+    detail.update(shapes=len(shapes), requests=agent.warmup_requests, lengths=lengths, batches=batches,
+                  seconds={"tokenizer": t1 - t0, "weights": t2 - t1, "fingerprint": t3 - t2, "traffic": clock() - t3})
     agent.warmed_shapes = [(s.prompt_tokens, s.batch) for s in shapes]
     agent.move(State.PRIME)

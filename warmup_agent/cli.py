@@ -154,6 +154,14 @@ def cmd_run(args) -> int:
         print(f"warmup-agent: {e.message}", file=sys.stderr)
         return EXIT_FAILED
     agent = Agent(cfg, engine, metrics=metrics, progress=progress)
+    if hasattr(engine, "on_server_exit"):
+        # A supervised server that crashes sends the agent back to PRELOAD (readiness
+        # false at once); once it answers again the agent re-warms it.
+        engine.on_server_exit = agent.on_engine_exit
+        engine.on_server_ready = agent.on_engine_ready
+    if hasattr(engine, "metrics_url"):
+        from exporter.engine_metrics import EngineMetricsCollector
+        metrics.registry.register(EngineMetricsCollector(lambda: getattr(engine, "metrics_url", None)))
 
     host, _, port = cfg["exporter.listen"].rpartition(":")
     auth = None

@@ -108,7 +108,7 @@ KEYS: tuple[Key, ...] = (
         check=_non_negative, expected="a number >= 0"),
     Key("deadlines.init_seconds", "float", 60.0, "Deadline of INIT (reserve). 0 disables.",
         check=_non_negative, expected="a number >= 0"),
-    Key("deadlines.preload_seconds", "float", 30.0, "Deadline of PRELOAD (weights, tokenizer, warmup traffic); seed default 30 s. 0 disables.",
+    Key("deadlines.preload_seconds", "float", 30.0, "Deadline of PRELOAD (weights, tokenizer, warmup traffic); seed default 30 s. Left at the default with engine openai or vllm, openai.ready_timeout_seconds is added (PRELOAD then includes the server's start-up). 0 disables.",
         check=_non_negative, expected="a number >= 0"),
     Key("deadlines.prime_seconds", "float", 300.0, "Deadline of PRIME (solidify and readiness gate). 0 disables.",
         check=_non_negative, expected="a number >= 0"),

@@ -63,7 +63,7 @@ class Agent:
         self.clock = clock
         self.sm = StateMachine(self.metrics, clock=clock, deadlines={
             State.INIT: cfg["deadlines.init_seconds"],
-            State.PRELOAD: cfg["deadlines.preload_seconds"],
+            State.PRELOAD: preload_deadline(cfg),
             State.PRIME: cfg["deadlines.prime_seconds"],
         })
         self.window = SlidingWindow(cfg["readiness.window_size"])
@@ -80,6 +80,7 @@ class Agent:
         self.prompts = None           # traffic.PromptFactory, made once the tokenizer is loaded
         self._engine_lock = threading.Lock()
         self._watch_stop = threading.Event()
+        self._engine_crashed = False
         self._init_metrics()
 
     # -- the pipeline ----------------------------------------------------------------------
@@ -162,6 +163,10 @@ class Agent:
         raise AgentFailure(reason, message)
 
     def move(self, to: State) -> None:
+        """Transition to `to`; already being there is fine (a re-warm after an
+        engine restart starts in PRELOAD)."""
+        if self.sm.state == to:
+            return
         if not self.sm.transition(to):
             self.checkpoint()
             raise AgentFailure("illegal_transition", f"{self.sm.state.name} -> {to.name} is not allowed")
@@ -192,6 +197,34 @@ class Agent:
         attach(self).observe(ttft)
         for q, v in self.window.quantiles().items():
             self.metrics["warmup_first_token_window_seconds"].labels(percentile=percentile_label(q)).set(v)
+
+    # -- engine restarts (supervised servers) -------------------------------------------------
+    def on_engine_exit(self, returncode: int) -> None:
+        """The supervised server died: readiness goes false at once (PRELOAD)."""
+        log.warning("engine server exited with code %s: back to PRELOAD until it is warm again", returncode)
+        self.metrics["model_loading_failures_total"].labels(reason="server_crashed").inc()
+        if not self.sm.state.terminal:
+            self._engine_crashed = True
+            self.sm.transition(State.PRELOAD)
+
+    def on_engine_ready(self) -> None:
+        """The server answers: after a crash, warm it again through the same stages.
+        (The supervisor also calls this at the first start, which run() handles.)"""
+        if self._engine_crashed:
+            self._engine_crashed = False
+            threading.Thread(target=self.rewarm, name="rewarm", daemon=True).start()
+
+    def rewarm(self) -> State:
+        if self.sm.state != State.PRELOAD:
+            return self.sm.state
+        self._boundary = self.clock()  # the re-warm's stages start now, not where the first run ended
+        try:
+            self.prewarm()
+            self.solidify()
+            self.ready()
+        except AgentFailure as e:
+            log.error("re-warm failed: %s: %s", e.reason, e.message)
+        return self.sm.state
 
     # -- after SERVING -----------------------------------------------------------------------
     def watch(self, interval: float) -> None:
@@ -251,6 +284,7 @@ class Agent:
             "time_to_ready_seconds": None if self.serving_at is None else self.serving_at - self.started,
             "first_token_window_seconds": {percentile_label(q): v for q, v in self.window.quantiles().items()},
             "probes": len(self.probes),
+            "engine": self.engine_facts,
             "failure_reason": self.sm.failure_reason,
             "failure_message": self.sm.failure_message,
         }
@@ -279,6 +313,15 @@ class Agent:
             "failure_message": self.sm.failure_message,
             "transitions": [{"state": s.name, "at_seconds": t - self.started} for s, t in self.sm.history],
         }
+
+
+def preload_deadline(cfg) -> float:
+    """deadlines.preload_seconds; left at its default with a server engine, PRELOAD
+    also covers the server's own start-up, so openai.ready_timeout_seconds is added."""
+    seconds = cfg["deadlines.preload_seconds"]
+    if cfg["engine"] != "torch" and cfg.sources.get("deadlines.preload_seconds") == "default" and seconds:
+        seconds += cfg["openai.ready_timeout_seconds"]
+    return seconds
 
 
 def percentile_label(q: float) -> str:

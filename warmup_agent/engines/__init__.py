@@ -11,4 +11,15 @@ def create(cfg, model_path: str | None, server_command: list[str] | None = None)
     if name == "torch":
         from warmup_agent.engines.torch_engine import TorchEngine
         return TorchEngine(model_path, dtype=cfg["model.dtype"], device=cfg["model.device"])
-    raise EngineError("engine_unavailable", f"engine '{name}' is not available in this build (known: torch)")
+    if name == "openai":
+        from warmup_agent.engines.openai_engine import OpenAIEngine
+        return OpenAIEngine(cfg, server_command=server_command, model_path=model_path)
+    if name == "vllm":
+        if not model_path:
+            raise EngineError("model_dir_missing", "engine vllm needs --model DIR (model.path)")
+        try:
+            from warmup_agent.engines.vllm_engine import VllmEngine
+        except ImportError as e:
+            raise EngineError("engine_unavailable", f"engine vllm needs the vllm package ({e}); pip install 'warmup-agent[vllm]'") from None
+        return VllmEngine(cfg, model_path)
+    raise EngineError("engine_unavailable", f"unknown engine '{name}' (known: torch, vllm, openai)")

@@ -1,13 +1,19 @@
 """The agent's HTTP endpoints.
 
-  /metrics   Prometheus exposition (agent metrics + scrape-time collectors)
-  /healthz   200 while the agent is alive and not FAILED (livenessProbe)
-  /readyz    200 only in SERVING (readinessProbe)
-  /startupz  JSON: state, current stage, elapsed, deadline, per-stage durations
-  /          a landing page with links
+  /metrics        Prometheus exposition (agent metrics + scrape-time collectors)
+  /healthz        200 while the agent is alive and not FAILED (livenessProbe)
+  /readyz         200 only in SERVING (readinessProbe)
+  /startupz       JSON: state, current stage, elapsed, deadline, per-stage durations
+  /               a landing page with links
+  POST /admin/rewarm   warm the engine again (SERVING/DEGRADED -> PRELOAD -> ... -> SERVING)
+  POST /admin/drain    move to DRAINING: /readyz answers 503 from now on (a preStop hook)
 
-Optional TLS and basic auth.  Probe endpoints stay open under basic auth
-because the kubelet does not send credentials.
+TLS and basic auth come from a web config file in the Prometheus exporter
+toolkit's format (`exporter.web_config_file`, see warmup_agent/webconfig.py), or
+from the older `exporter.tls_*` / `exporter.basic_auth_*` keys.  Probe endpoints
+stay open under basic auth because the kubelet sends no credentials.  The admin
+endpoints exist only when `exporter.admin_token_file` is set (404 otherwise) and
+need `Authorization: Bearer <token>`; basic auth does not open them.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import base64
 import hmac
 import json
 import logging
+import socket
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 log = logging.getLogger("exporter.server")
 
 _OPEN_PATHS = {"/healthz", "/readyz", "/startupz"}
+_ADMIN_PATHS = {"/admin/rewarm", "/admin/drain"}
 
 LANDING = """<!doctype html><html><head><title>warmup-agent</title></head><body>
 <h1>warmup-agent</h1><p>State: <b>{state}</b></p>
@@ -32,20 +40,86 @@ LANDING = """<!doctype html><html><head><title>warmup-agent</title></head><body>
 """
 
 
+class _PasswordAuth:
+    """The older single-user basic auth (exporter.basic_auth_username + password file)."""
+
+    def __init__(self, user: str, password: str):
+        self.user, self.password = user, password
+
+    def check(self, header: str | None) -> bool:
+        if not header or not header.startswith("Basic "):
+            return False
+        try:
+            user, _, password = base64.b64decode(header[6:]).decode().partition(":")
+        except Exception:  # noqa: BLE001 - malformed header
+            return False
+        return hmac.compare_digest(user, self.user) & hmac.compare_digest(password, self.password)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    ssl_context: ssl.SSLContext | None = None
+
+    def finish_request(self, request, client_address):
+        # The TLS handshake runs here, in the connection's own thread: wrapping the
+        # listening socket instead would handshake inside accept(), and one client
+        # that connects and sends nothing would stall every other request.
+        if self.ssl_context is None:
+            return super().finish_request(request, client_address)
+        request.settimeout(10)
+        tls = self.ssl_context.wrap_socket(request, server_side=True)
+        try:
+            super().finish_request(tls, client_address)
+        finally:
+            tls.close()
+
+    def handle_error(self, request, client_address):
+        # A client that fails the handshake or hangs up is not our error: one debug line, no traceback.
+        import sys
+        log.debug("connection from %s ended: %s", client_address[0], sys.exc_info()[1])
+
+
 class ExporterServer:
     """Serves `agent` (anything with `.status()` returning a dict with "state")
-    and `registry` on host:port in a daemon thread."""
+    and `registry` on host:port in a daemon thread.
+
+    `web_config` (a webconfig.WebConfig) and `admin_token` are taken from the
+    agent's config (`agent.cfg`, keys exporter.web_config_file and
+    exporter.admin_token_file) when not passed."""
 
     def __init__(self, agent, registry, host: str, port: int, tls_cert: str | None = None,
-                 tls_key: str | None = None, basic_auth: tuple[str, str] | None = None):
-        self.agent, self.registry, self.basic_auth = agent, registry, basic_auth
-        handler = _make_handler(self)
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+                 tls_key: str | None = None, basic_auth: tuple[str, str] | None = None,
+                 web_config=None, admin_token: str | None = None):
+        from warmup_agent import webconfig
+        self.agent, self.registry = agent, registry
+        cfg = getattr(agent, "cfg", None)
+        if web_config is None and cfg is not None and cfg["exporter.web_config_file"]:
+            if tls_cert or basic_auth:
+                from warmup_agent.config import ConfigError
+                raise ConfigError("key 'exporter.web_config_file': set it or the exporter.tls_*/basic_auth_* keys, "
+                                  "not both", "exporter.web_config_file")
+            web_config = webconfig.load(cfg["exporter.web_config_file"])
+        if admin_token is None and cfg is not None and cfg["exporter.admin_token_file"]:
+            admin_token = webconfig.read_token(cfg["exporter.admin_token_file"], "exporter.admin_token_file")
+        self.admin_token = admin_token
+
+        self.auth = None
+        ctx = None
+        if web_config is not None:
+            ctx = web_config.tls.context() if web_config.tls else None
+            self.auth = webconfig.BasicAuth(web_config.users) if web_config.users else None
         if tls_cert:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
             ctx.load_cert_chain(tls_cert, tls_key)
-            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+        if basic_auth:
+            self.auth = _PasswordAuth(*basic_auth)
+        self.tls = ctx is not None
+
+        handler = _make_handler(self)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_cls = type("Server", (_HTTPServer,), {"address_family": family, "ssl_context": ctx})
+        self.httpd = server_cls((host, port), handler)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="exporter-http", daemon=True)
 
@@ -58,20 +132,38 @@ class ExporterServer:
         self.httpd.server_close()
 
     def authorized(self, header: str | None) -> bool:
-        if self.basic_auth is None:
-            return True
-        if not header or not header.startswith("Basic "):
+        return self.auth is None or self.auth.check(header)
+
+    def admin_authorized(self, header: str | None) -> bool:
+        if not header or not header.startswith("Bearer "):
             return False
-        try:
-            user, _, password = base64.b64decode(header[6:]).decode().partition(":")
-        except Exception:  # noqa: BLE001 - malformed header
-            return False
-        return hmac.compare_digest(user, self.basic_auth[0]) & hmac.compare_digest(password, self.basic_auth[1])
+        return hmac.compare_digest(header[7:].strip().encode(), self.admin_token.encode())
+
+    # -- state changes ---------------------------------------------------------------------
+    def rewarm(self) -> tuple[int, dict]:
+        """SERVING or DEGRADED -> PRELOAD, then the prewarm, solidify and ready stages
+        again in a thread (Agent.rewarm).  Anything else is a conflict."""
+        from warmup_agent.states import State
+        sm = self.agent.sm
+        if sm.state not in (State.SERVING, State.DEGRADED) or not sm.transition(State.PRELOAD):
+            return 409, {"error": f"re-warm needs SERVING or DEGRADED; state is {sm.state.name}", "state": sm.state.name}
+        threading.Thread(target=self.agent.rewarm, name="rewarm", daemon=True).start()
+        return 202, {"state": sm.state.name}
+
+    def drain(self) -> tuple[int, dict]:
+        from warmup_agent.states import State
+        sm = self.agent.sm
+        if sm.state == State.DRAINING:
+            return 200, {"state": "DRAINING"}
+        if not sm.transition(State.DRAINING):
+            return 409, {"error": f"cannot drain from {sm.state.name}", "state": sm.state.name}
+        return 202, {"state": sm.state.name}
 
 
 def _make_handler(server: ExporterServer):
     class Handler(BaseHTTPRequestHandler):
         server_version = "warmup-agent"
+        timeout = 30   # an idle or stalled client gives its thread back
 
         def log_message(self, fmt, *args):  # route to our logger at debug: probes every second
             log.debug("%s %s", self.address_string(), fmt % args)
@@ -86,11 +178,32 @@ def _make_handler(server: ExporterServer):
             if self.command != "HEAD":
                 self.wfile.write(body)
 
+        def _json(self, code: int, obj: dict):
+            return self._send(code, json.dumps(obj).encode() + b"\n", "application/json")
+
         def do_HEAD(self):
             self.do_GET()
 
+        def do_POST(self):
+            path = self.path.split("?", 1)[0]
+            if path not in _ADMIN_PATHS or server.admin_token is None:
+                return self._send(404, b"not found\n")
+            length = int(self.headers.get("Content-Length") or 0)
+            if 0 < length <= 65536:
+                self.rfile.read(length)   # ignored; read so the client sees our answer
+            if not server.admin_authorized(self.headers.get("Authorization")):
+                log.warning("admin: refused %s from %s (missing or wrong bearer token)", path, self.client_address[0])
+                return self._send(401, b"unauthorized\n", extra={"WWW-Authenticate": 'Bearer realm="warmup-agent"'})
+            code, body = server.rewarm() if path == "/admin/rewarm" else server.drain()
+            log.info("admin: %s from %s -> %d %s", path, self.client_address[0], code, body.get("state"))
+            return self._json(code, body)
+
         def do_GET(self):
             path = self.path.split("?", 1)[0]
+            if path in _ADMIN_PATHS:
+                if server.admin_token is None:
+                    return self._send(404, b"not found\n")
+                return self._send(405, b"use POST\n", extra={"Allow": "POST"})
             if path not in _OPEN_PATHS and not server.authorized(self.headers.get("Authorization")):
                 return self._send(401, b"unauthorized\n", extra={"WWW-Authenticate": 'Basic realm="warmup-agent"'})
             try:

@@ -75,9 +75,9 @@ KEYS: tuple[Key, ...] = (
         expected="auto, cpu, cuda or cuda:N"),
     Key("exporter.listen", "str", "127.0.0.1:9400", "HOST:PORT of the exporter (/metrics, /healthz, /readyz, /startupz). Use 0.0.0.0:9400 in a pod.",
         check=_listen, expected="HOST:PORT with a port in 0..65535 (0: any free port)"),
-    Key("exporter.tls_cert_file", "str_or_null", None, "PEM certificate; with tls_key_file, serve HTTPS."),
+    Key("exporter.tls_cert_file", "str_or_null", None, "PEM certificate; with tls_key_file, serve HTTPS (TLS 1.2+). Older form of exporter.web_config_file's tls_server_config; do not set both."),
     Key("exporter.tls_key_file", "str_or_null", None, "PEM private key for tls_cert_file."),
-    Key("exporter.basic_auth_username", "str_or_null", None, "If set, every endpoint but /healthz, /readyz and /startupz requires HTTP basic auth."),
+    Key("exporter.basic_auth_username", "str_or_null", None, "If set, every endpoint but /healthz, /readyz and /startupz requires HTTP basic auth (one user, plain password file). Prefer exporter.web_config_file's basic_auth_users (bcrypt hashes); do not set both."),
     Key("exporter.basic_auth_password_file", "str_or_null", None, "File holding the basic-auth password (kept out of the config and the environment)."),
     Key("reserve.pin_cpus", "bool", True, "Pin the process to the CPUs local to its GPU (intersected with the allowed cpuset)."),
     Key("prewarm.prompt_lengths", "int_list", [16, 32, 64, 128], "Prompt lengths (tokens) of the synthetic warmup grid; cover what real traffic sends.",
@@ -241,6 +241,11 @@ KEYS: tuple[Key, ...] = (
         check=_non_negative, expected="a number >= 0"),
     Key("gpu.ramp_sample_interval_seconds", "float", 0.05, "NVML utilisation sampling interval while warming, for warmup_gpu_utilization_ramp_slope (seed 000 §2.3: 50 ms). 0 disables sampling.",
         check=_non_negative, expected="a number >= 0"),
+    # --- reliability and security (issue 9) --------------------------------------
+    Key("exporter.web_config_file", "str_or_null", None, "Web config file in the Prometheus exporter toolkit's format: tls_server_config (cert_file, key_file, client_auth_type, client_ca_file, min_version) and basic_auth_users (user: bcrypt hash). Replaces the exporter.tls_* and basic_auth_* keys (set one or the other). Probe endpoints stay open."),
+    Key("exporter.admin_token_file", "str_or_null", None, "File holding the bearer token (>= 16 characters) for POST /admin/rewarm and POST /admin/drain. Empty: those endpoints do not exist (404)."),
+    Key("prewarm.memory_budget_bytes", "int", 0, "Memory the warmup grid may use on top of the loaded model, in bytes (0: no budget). Batch sizes whose measured cost exceeds it are dropped, largest first, instead of failing; a shape that runs out of memory drops its batch size and every larger one.",
+        check=_non_negative, expected="an integer >= 0 (bytes)"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

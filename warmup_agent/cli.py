@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", metavar="DIR", help="Hugging Face-layout model directory (default: the embedded model)")
     run.add_argument("--engine", choices=("torch", "vllm", "openai"), help="engine adapter (default: torch)")
     run.add_argument("--listen", metavar="HOST:PORT", help="exporter address (default 127.0.0.1:9400)")
+    run.add_argument("--proxy-listen", metavar="HOST:PORT",
+                     help="also run the cold-start-aware OpenAI proxy here (proxy.listen; see docs/readiness.md)")
     run.add_argument("--data-dir", metavar="DIR", help="where the embedded model and caches live")
     run.add_argument("--once", action="store_true", help="exit 0 as soon as SERVING is reached (3 on failure)")
     run.add_argument("--record", metavar="FILE", help="write the run (stages, probes, final state) as JSON")
@@ -66,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("config-reference", help="print every config key with its default and documentation")
     from warmup_agent.kernel_cache import cli as cache_cli
     cache_cli.add_parser(sub)
+    rep = sub.add_parser("report", help="render a recorded run (--record) as PNG and HTML")
+    from warmup_agent import report
+    report.add_arguments(rep)
     return p
 
 
@@ -78,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check-config":
             return cmd_check_config(args)
+        if args.command == "report":
+            from warmup_agent import report
+            return report.run(args)
         if args.command == "cache":
             from warmup_agent.kernel_cache import cli as cache_cli
             return cache_cli.main(args)
@@ -123,7 +131,8 @@ def cmd_run(args) -> int:
     from warmup_agent import config
     server_command = [a for a in (args.server_command or []) if a != "--"] or None
     cfg = config.load(args.config, flags={"model.path": args.model, "engine": args.engine,
-                                          "exporter.listen": args.listen, "data_dir": args.data_dir})
+                                          "exporter.listen": args.listen, "data_dir": args.data_dir,
+                                          "proxy.listen": args.proxy_listen})
     from warmup_agent.progress import Progress
     progress = Progress(sys.stderr, enabled=not args.no_progress)
     _setup_logging(cfg["log.level"], cfg["log.format"], progress)
@@ -163,6 +172,9 @@ def cmd_run(args) -> int:
         from exporter.engine_metrics import EngineMetricsCollector
         metrics.registry.register(EngineMetricsCollector(lambda: getattr(engine, "metrics_url", None)))
 
+    from warmup_agent import proxy as routing
+    proxy = routing.from_config(agent, cfg)  # None unless proxy.listen is set
+
     host, _, port = cfg["exporter.listen"].rpartition(":")
     auth = None
     if cfg["exporter.basic_auth_username"]:
@@ -173,8 +185,14 @@ def cmd_run(args) -> int:
                                 tls_cert=cfg["exporter.tls_cert_file"], tls_key=cfg["exporter.tls_key_file"],
                                 basic_auth=auth).start()
     except OSError as e:
+        if proxy is not None:
+            proxy.stop()
         raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg['exporter.listen']}: {e.strerror}",
                           "exporter.listen") from None
+    if proxy is not None:
+        proxy.start()
+        log.info("proxy on %s -> %s (fallback %s)", cfg["proxy.listen"], cfg["proxy.upstream_url"] or cfg["openai.url"],
+                 cfg["proxy.fallback_url"] or "none: 503 + Retry-After")
     log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg["engine"],
              model_path, "https" if cfg["exporter.tls_cert_file"] else "http", host, server.port)
 
@@ -182,7 +200,8 @@ def cmd_run(args) -> int:
 
     def on_signal(signum, frame):
         log.info("signal %d: draining", signum)
-        agent.sm.transition(State.DRAINING)
+        if not agent.sm.state.terminal:  # a second signal, or one after FAILED, only stops
+            agent.sm.transition(State.DRAINING)
         stop.set()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -206,6 +225,8 @@ def cmd_run(args) -> int:
     finally:
         agent.stop()
         _write_record(args.record, agent.record())
+        if proxy is not None:
+            proxy.stop()
         server.stop()
         engine.close()
 

@@ -82,6 +82,8 @@ class Agent:
         self._watch_stop = threading.Event()
         self._engine_crashed = False
         self._init_metrics()
+        from warmup_agent.readiness.runtime import attach
+        self.readiness = attach(self)  # thresholds, breaker, validation; zero series from the start
 
     # -- the pipeline ----------------------------------------------------------------------
     def run(self) -> State:
@@ -285,6 +287,7 @@ class Agent:
             "first_token_window_seconds": {percentile_label(q): v for q, v in self.window.quantiles().items()},
             "probes": len(self.probes),
             "engine": self.engine_facts,
+            "breaker": self.readiness.breaker.state.value,
             "failure_reason": self.sm.failure_reason,
             "failure_message": self.sm.failure_message,
         }
@@ -308,6 +311,8 @@ class Agent:
             "first_request_seconds": self.first_request_seconds,
             "steady_first_token_seconds": steady,
             "first_request_tax_ratio": (self.first_request_seconds / steady) if steady and self.first_request_seconds else None,
+            "readiness_thresholds_seconds": {"p50": self.cfg["readiness.p50_threshold_seconds"],
+                                             "p90": self.cfg["readiness.p90_threshold_seconds"]},
             "final_state": self.sm.state.name,
             "failure_reason": self.sm.failure_reason,
             "failure_message": self.sm.failure_message,

@@ -63,7 +63,7 @@ def run(agent) -> None:
         agent.metrics["warmup_solidify_fallbacks_total"].labels(reason=reason.split(":")[0]).inc()
     gpu = getattr(agent, "gpu", None)
     if gpu is not None:
-        agent.metrics["warmup_cuda_graphs"].set(len(report.detail.get("graphs", [])))
+        agent.metrics["warmup_cuda_graphs"].labels(gpu=gpu.uuid).set(len(report.detail.get("graphs", [])))
     ramp = getattr(agent, "ramp", None)
     if ramp is not None:
         slope = ramp.stop()

@@ -126,3 +126,8 @@ def test_docs_config_md_is_current():
     from tests.conftest import ROOT
     with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:
         assert f.read() == config.reference_markdown(), "docs/config.md is stale: run `python -m warmup_agent.config`"
+
+
+def test_reference_yaml_has_each_section_once():
+    tops = [l.split(":")[0] for l in config.reference_yaml().splitlines() if l and not l.startswith((" ", "#"))]
+    assert len(tops) == len(set(tops)), "a section appears twice: YAML would keep only the last one"

@@ -437,12 +437,21 @@ def _cross_checks(v: dict[str, Any], where: str) -> None:
                           "exporter.basic_auth_password_file")
 
 
+def keys_by_section() -> list[Key]:
+    """KEYS with each section's keys together (features append keys to KEYS in
+    blocks of their own), sections in order of first appearance."""
+    first: dict[str, int] = {}
+    for i, k in enumerate(KEYS):
+        first.setdefault(k.path.split(".")[0] if "." in k.path else "", i)
+    return sorted(KEYS, key=lambda k: first[k.path.split(".")[0] if "." in k.path else ""])
+
+
 def reference_yaml() -> str:
     """The documented YAML reference with every key at its default."""
     lines = ["# warmup-agent configuration: every key with its default.",
              "# Each key can be overridden by the environment variable shown.", ""]
     section = None
-    for k in KEYS:
+    for k in keys_by_section():
         parts = k.path.split(".")
         if len(parts) == 2 and parts[0] != section:
             section = parts[0]
@@ -462,7 +471,7 @@ def reference_yaml() -> str:
 def reference_markdown() -> str:
     """docs/config.md: the reference YAML plus a table of keys and environment variables."""
     rows = ["| Key | Environment variable | Default | Meaning |", "|---|---|---|---|"]
-    for k in KEYS:
+    for k in keys_by_section():
         default = "(see meaning)" if k.default is None and k.path == "data_dir" else repr(k.default) if k.default is not None else "null"
         allowed = f" One of: {', '.join(k.choices)}." if k.choices else ""
         rows.append(f"| `{k.path}` | `{k.env}` | `{default}` | {k.doc}{allowed} |")

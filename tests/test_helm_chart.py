@@ -518,7 +518,9 @@ def test_service_monitor_carries_its_values(rendered):
     svc = one(rendered["everything"], "Service", "rel-warmup-agent")
     (ep,) = sm["spec"]["endpoints"]
     assert (ep["port"], ep["interval"], ep["scrapeTimeout"]) == ("metrics", "15s", "10s")
-    assert ep["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
+    node = {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}
+    assert ep["relabelings"][:2] == [node, {"targetLabel": "model", "replacement": "qwen2-7b"}]
+    assert ep["relabelings"][2:] == [{"sourceLabels": ["__meta_kubernetes_pod_label_team"], "targetLabel": "team"}]
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     # the ServiceMonitor selects the Service, and the Service selects the pods
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()

@@ -81,6 +81,7 @@ class Agent:
         self._engine_lock = threading.Lock()
         self._watch_stop = threading.Event()
         self._engine_crashed = False
+        self._probe_seq = 0
         self._init_metrics()
         from warmup_agent.readiness.runtime import attach
         self.readiness = attach(self)  # thresholds, breaker, validation; zero series from the start
@@ -188,6 +189,13 @@ class Agent:
             self.warmup_requests += len(prompts)
         return ttft
 
+    def probe_prompt(self) -> list[int]:
+        """A different prompt for every probe: an engine with prefix caching (vLLM)
+        would otherwise skip the prefill of a repeated probe and look faster than
+        real traffic."""
+        self._probe_seq += 1
+        return self.prompts.prompt(self.cfg["readiness.probe_prompt_length"], variant=self._probe_seq)
+
     def record_probe(self, ttft: float, kind: str = "probe") -> None:
         """One time-to-first-token sample of the main engine: a probe, or (kind="user")
         a real request through the proxy.  It feeds the window, the adaptive
@@ -243,7 +251,7 @@ class Agent:
                 if not readiness.due_probe():
                     continue
                 try:
-                    self.record_probe(self.send([self.prompts.prompt(self.cfg["readiness.probe_prompt_length"])], "probe"))
+                    self.record_probe(self.send([self.probe_prompt()], "probe"))
                 except Exception:  # noqa: BLE001 - a failed probe must not end the agent
                     log.exception("probe after SERVING failed")
         threading.Thread(target=loop, name="readiness-watch", daemon=True).start()

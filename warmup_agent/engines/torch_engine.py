@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 import time
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
@@ -161,6 +162,8 @@ class TorchEngine(Engine):
         self._decoders: dict = {}
         self.last_output = None
         self.graph_fallback_reason: str | None = None
+        self._skeleton = None         # Future of (meta model, expected shapes, tied names)
+        self.skeleton_wait_seconds = None
 
     def configure(self, **options) -> None:
         """GPU options from the config (see stages/reserve.py)."""
@@ -175,6 +178,7 @@ class TorchEngine(Engine):
             self.device = self._resolve_device()
             self.dtype = self._resolve_dtype()
         if self.device.type == "cuda":
+            self._start_skeleton()   # the transformers import runs while the context is created
             t0 = time.perf_counter()
 
             def create():
@@ -229,7 +233,6 @@ class TorchEngine(Engine):
     def load_weights(self) -> None:
         if not self._config:
             self._config = check_model_dir(self.model_path)
-        _quiet_transformers()
         if self.device is None:
             self.device = self._resolve_device()
             self.dtype = self._resolve_dtype()
@@ -237,24 +240,70 @@ class TorchEngine(Engine):
             from warmup_agent.gpu.loader import check_manifest
             check_manifest(self.model_path, self.options["manifest"])
         if self.options["progressive"]:
-            self._load_progressive()
+            self._load_progressive()      # imports transformers in the background
         else:
+            _quiet_transformers()
             self._load_from_pretrained()
+
+    def _start_skeleton(self) -> None:
+        """Import transformers and build the model skeleton on the meta device in a
+        background thread.  The import is the largest part of a cold start (seconds;
+        the naive start pays it too); what needs no transformers (CUDA context,
+        memory reservation, reading the weights onto the device) runs meanwhile."""
+        if self._skeleton is not None or not self.options["progressive"]:
+            return
+        from concurrent.futures import Future
+
+        from warmup_agent.gpu import loader
+        future: Future = Future()
+
+        def work():
+            try:
+                _quiet_transformers()
+                future.set_result(loader.build_meta_skeleton(self.model_path, self.dtype))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the loading thread
+                future.set_exception(e)
+        threading.Thread(target=work, name="transformers-import", daemon=True).start()
+        self._skeleton = future
 
     def _load_progressive(self) -> None:
         """Embeddings first, then layer by layer, through pinned staging buffers
-        with overlapped host-to-device copies (warmup_agent/gpu/loader.py)."""
+        with overlapped host-to-device copies (warmup_agent/gpu/loader.py).  The
+        weights are read into tensors of their own while the skeleton is built in
+        the background; nothing is used before the names, shapes and dtypes are
+        checked against the skeleton, and then the tensors become the parameters
+        (no second copy)."""
         from warmup_agent.gpu import loader
+        self._start_skeleton()
+        slots = loader.checkpoint_slots(safetensors_files(self.model_path), read_safetensors_header)
+        tensors = loader.allocate(slots, self.dtype, self.device)
+        report = loader.load(tensors, slots, self.device, self.options["chunk_bytes"],
+                             self.options["buffers"], self.options["workers"])
+        self._warm_blas()
+        t0 = time.perf_counter()
         try:
-            model, expected, tied = loader.build_skeleton(self.model_path, self.dtype, self.device)
+            model, expected, tied = self._skeleton.result()
+        except EngineError:
+            raise
         except Exception as e:  # noqa: BLE001 - an unknown architecture or a broken config
             raise EngineError("config_invalid", f"{self.model_path}/config.json: cannot build the model it describes: {_one_line(e)}") from None
-        slots = loader.checkpoint_slots(safetensors_files(self.model_path), read_safetensors_header)
+        finally:
+            self._skeleton = None
+        self.skeleton_wait_seconds = time.perf_counter() - t0
         loader.check_against_skeleton(self.model_path, slots, expected, tied,
                                       self._config.get("torch_dtype") or self._config.get("dtype"))
-        self.load_report = loader.load(model, slots, self.device, self.options["chunk_bytes"],
-                                       self.options["buffers"], self.options["workers"])
-        self.model = model
+        self.model = loader.bind(model, {k: v for k, v in tensors.items() if k in expected}, self.device)
+        self.load_report = report
+
+    def _warm_blas(self) -> None:
+        """Create the cuBLAS handle and workspace (part of any first forward's cost)
+        while the transformers import is still running."""
+        if self.device is None or self.device.type != "cuda":
+            return
+        import torch
+        hidden = self._config.get("hidden_size") or 64
+        a = torch.ones((16, hidden), dtype=self.dtype, device=self.device)
+        (a @ a.T).sum().item()
 
     def _load_from_pretrained(self) -> None:
         import torch
@@ -409,16 +458,26 @@ class TorchEngine(Engine):
     # -- integrity ---------------------------------------------------------------------
     def weight_fingerprint(self) -> str:
         """SHA-256 over each tensor's name, shape, dtype and two float64 reductions
-        (sum and sum of squares), computed on the device: cheap for GB-sized
-        weights, and any changed, reshaped or swapped tensor changes it."""
+        (sum and sum of squares), computed on the device: any changed, reshaped or
+        swapped tensor changes it.  Tensors are reduced in slices converted one at
+        a time, never as a float64 copy of a whole tensor (on a CPU those copies
+        cost tens of seconds of page faults for a 1.5B model; on a GPU GBs of
+        scratch memory)."""
         import torch
         h = hashlib.sha256()
         items = list(self.model.state_dict().items())
+        step = (1 << 24) if self.device is not None and self.device.type == "cuda" else (1 << 20)
         with torch.inference_mode():
-            # All reductions on the device, one transfer: a sync per tensor costs
-            # hundreds of round trips on a GPU.
-            sums = torch.stack([torch.stack([t.detach().to(torch.float64).sum(),
-                                             t.detach().to(torch.float64).square().sum()]) for _, t in items]).tolist()
+            per_tensor = []
+            for _, t in items:
+                flat = t.detach().reshape(-1)
+                parts = []
+                for i in range(0, flat.numel(), step):
+                    c = flat[i:i + step].to(torch.float64)
+                    parts.append(torch.stack([c.sum(), torch.dot(c, c)]))
+                per_tensor.append(torch.stack(parts).sum(0) if parts else torch.zeros(2, dtype=torch.float64, device=t.device))
+            # One transfer: a sync per tensor costs hundreds of round trips on a GPU.
+            sums = torch.stack(per_tensor).tolist()
         for (name, t), (s1, s2) in zip(items, sums):
             h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{s1:.17g}|{s2:.17g}\n".encode())
         return h.hexdigest()

@@ -128,9 +128,10 @@ def check_manifest(path: str, manifest: str) -> int:
     return len(lines)
 
 
-def build_skeleton(config_path: str, dtype, device):
-    """The model with uninitialised parameters on `device`; non-persistent buffers
-    rebuilt from the config.  Returns (model, expected shapes, tied names)."""
+def build_meta_skeleton(config_path: str, dtype):
+    """The model on the meta device (no memory).  Returns (model, expected shapes,
+    tied names).  Needs transformers and the model's modeling module: this is the
+    part a background thread can do while the weights are being read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(config_path)
@@ -138,10 +139,47 @@ def build_skeleton(config_path: str, dtype, device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    return model, expected, tied
+
+
+def build_skeleton(config_path: str, dtype, device):
+    """The model with uninitialised parameters on `device`; non-persistent buffers
+    rebuilt from the config.  Returns (model, expected shapes, tied names)."""
+    model, expected, tied = build_meta_skeleton(config_path, dtype)
     model = model.to_empty(device=device)
     _rebuild_nonpersistent(model, device)
     model.tie_weights()
     return model.eval(), expected, tied
+
+
+def allocate(slots: list[TensorSlot], dtype, device) -> dict:
+    """Uninitialised destination tensors for the checkpoint, by name: floating
+    tensors in the target dtype, others as stored.  Needs no model, so weights can
+    be read while transformers is still being imported."""
+    import torch
+    out = {}
+    for s in slots:
+        stored = getattr(torch, s.dtype, None)
+        if not isinstance(stored, torch.dtype):
+            raise EngineError("weights_corrupt", f"{s.shard}: tensor {s.name} has dtype {s.dtype}, which this loader cannot read")
+        out[s.name] = torch.empty(s.shape, dtype=dtype if stored.is_floating_point else stored, device=device)
+    return out
+
+
+def bind(model, tensors: dict, device):
+    """Make the loaded tensors the parameters of a meta-device skeleton (no copy):
+    non-persistent buffers rebuilt from the config first (they are in no
+    checkpoint), then the tensors assigned, then the weights tied."""
+    want = model.state_dict()
+    # A module the model keeps in another dtype (say float32 norms) gets a cast copy.
+    tensors = {k: v if k not in want or v.dtype == want[k].dtype else v.to(want[k].dtype) for k, v in tensors.items()}
+    _rebuild_nonpersistent(model, device)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    unfilled = sorted(n for n, t in model.state_dict().items() if t.is_meta)
+    if unfilled:
+        raise EngineError("weights_incomplete", f"{len(unfilled)} tensors were not loaded (first: {unfilled[0]})")
+    return model.eval()
 
 
 def _rebuild_nonpersistent(model, device) -> None:
@@ -164,9 +202,10 @@ def _dest_tensors(model) -> dict:
 
 def load(model, slots: list[TensorSlot], device, chunk_bytes: int = 64 << 20, buffers: int = 4,
          workers: int = 4) -> LoadReport:
-    """Fill `model` from the checkpoint; pinned and overlapped on CUDA, plain elsewhere."""
+    """Fill `model` (or a dict name -> tensor, see allocate()) from the checkpoint;
+    pinned and overlapped on CUDA, plain elsewhere."""
     import torch
-    dest = _dest_tensors(model)
+    dest = model if isinstance(model, dict) else _dest_tensors(model)
     slots = [s for s in slots if s.name in dest]
     t0 = time.perf_counter()
     reason = ""
@@ -195,18 +234,27 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _load_plain(dest, slots) -> LoadReport:
+    """Read each tensor straight into its destination when the stored dtype is the
+    target dtype; otherwise through one reused staging buffer and a cast.  (A fresh
+    buffer per tensor made the kernel fault in every page twice.)"""
     import numpy as np
     import torch
     total = 0
     fds = {}
+    staging = None
     try:
         with torch.no_grad():
             for s in slots:
                 fd = fds.get(s.shard) or fds.setdefault(s.shard, os.open(s.shard, os.O_RDONLY))
-                raw = np.empty(s.nbytes, dtype=np.uint8)
-                _pread_into(fd, memoryview(raw), s.offset)
-                t = torch.from_numpy(raw).view(getattr(torch, s.dtype)).reshape(s.shape)
-                dest[s.name].data.copy_(t)
+                d = dest[s.name].data
+                if str(d.dtype).replace("torch.", "") == s.dtype and d.is_contiguous() and d.device.type == "cpu":
+                    _pread_into(fd, memoryview(d.view(-1).view(torch.uint8).numpy()), s.offset)
+                else:
+                    if staging is None or staging.nbytes < s.nbytes:
+                        staging = np.empty(max(s.nbytes, max(x.nbytes for x in slots)), dtype=np.uint8)
+                    raw = staging[:s.nbytes]
+                    _pread_into(fd, memoryview(raw), s.offset)
+                    d.copy_(torch.from_numpy(raw).view(getattr(torch, s.dtype)).reshape(s.shape))
                 total += s.nbytes
     finally:
         for fd in fds.values():

@@ -64,11 +64,14 @@ def run(agent) -> None:
     _start_ramp(agent)
 
     clock = time.perf_counter
+    # Weights before the tokenizer: the engine reads them while transformers is
+    # still being imported in the background (torch engine), so the import is
+    # paid once, overlapped, instead of before the weights.
     t0 = clock()
-    engine.load_tokenizer()
+    engine.load_weights()
     agent.checkpoint()
     t1 = clock()
-    engine.load_weights()
+    engine.load_tokenizer()
     agent.checkpoint()
     t2 = clock()
     facts = engine.facts()
@@ -78,6 +81,8 @@ def run(agent) -> None:
         detail["weight_load"] = report.as_dict()
         if report.seconds > 0:
             agent.metrics["warmup_weight_load_bytes_per_second"].set(report.bytes / report.seconds)
+    if getattr(engine, "skeleton_wait_seconds", None) is not None:
+        detail["waited_for_transformers_import_seconds"] = engine.skeleton_wait_seconds
     agent.sm.record_fingerprint(engine.weight_fingerprint())
     t3 = clock()
 
@@ -95,6 +100,6 @@ def run(agent) -> None:
             done += 1
             agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
     detail.update(shapes=len(shapes), requests=agent.warmup_requests, lengths=lengths, batches=batches,
-                  seconds={"tokenizer": t1 - t0, "weights": t2 - t1, "fingerprint": t3 - t2, "traffic": clock() - t3})
+                  seconds={"weights": t1 - t0, "tokenizer": t2 - t1, "fingerprint": t3 - t2, "traffic": clock() - t3})
     agent.warmed_shapes = [(s.prompt_tokens, s.batch) for s in shapes]
     agent.move(State.PRIME)

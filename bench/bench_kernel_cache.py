@@ -25,8 +25,10 @@ import sys
 import tempfile
 import time
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # a script, not a package: make warmup_agent and tests importable
+from bench.provenance import commit  # noqa: E402
 
 # Model shapes: "llama-small" compiles in tens of seconds on a CPU; "qwen2-1.5b" is the
 # Qwen2-1.5B shape of the GPU figures in TESTING.md; "mlp" is for the CI test.
@@ -106,15 +108,6 @@ def run_child(role: str, args, root: str, secret_file: str, redis_url: str) -> d
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _commit() -> str:
-    """HEAD, or BENCH_COMMIT where the tree was copied without its .git (a device machine)."""
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    try:
-        r = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return r.stdout.strip() if r.returncode == 0 else "unknown"
 
 
 def _device_name(device: str) -> str:
@@ -164,7 +157,7 @@ def main() -> int:
         "same_output": cold["output_sha256"] == warm["output_sha256"],
         "model": args.model, "device": _device_name(args.device), "machine": platform.node(),
         "python": platform.python_version(), "torch": __import__("importlib.metadata").metadata.version("torch"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
         "runs": {"cold": cold, "warm": warm},
     }
     out = args.out or os.path.join(ROOT, "bench", "results",

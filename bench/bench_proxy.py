@@ -22,14 +22,15 @@ import http.client
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.provenance import commit  # noqa: E402
 
 EVENTS = [b'data: {"choices":[{"index":0,"text":" tok%d"}]}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
 
@@ -75,11 +76,6 @@ def quantile(values: list[float], q: float) -> float:
     return nearest_rank(sorted(values), q)
 
 
-def _commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    r = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else "unknown"
 
 
 def main() -> int:
@@ -151,7 +147,7 @@ def main() -> int:
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
     }
     out = args.out or os.path.join(ROOT, "bench", "results", f"proxy_{label}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

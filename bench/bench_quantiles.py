@@ -18,12 +18,13 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.provenance import commit  # noqa: E402
 
 
 def recorded_probes(n: int) -> list[float]:
@@ -41,11 +42,6 @@ def recorded_probes(n: int) -> list[float]:
     return out
 
 
-def _commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    r = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else "unknown"
 
 
 def main() -> int:
@@ -101,7 +97,7 @@ def main() -> int:
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

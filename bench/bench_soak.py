@@ -24,6 +24,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import loadgen  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
 
 
 def main() -> int:
@@ -78,7 +79,7 @@ def main() -> int:
         "agent_exit_code": rc,
         "rss_per_minute_bytes": [int(statistics.median(r for t, r in samples if m * 60 <= t < (m + 1) * 60))
                                  for m in range(int(samples[-1][0] // 60) + 1)],
-        **loadgen.provenance(),
+        **provenance(),
     }
     out = args.out or os.path.join(loadgen.ROOT, "bench", "results", f"soak_{datetime.date.today().isoformat()}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

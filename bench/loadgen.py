@@ -10,16 +10,15 @@ connection failure, a timeout, or a status the endpoint must never give
 """
 from __future__ import annotations
 
-import datetime
 import http.client
 import itertools
 import os
-import platform
 import signal
 import subprocess
 import sys
 import threading
 import time
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED = {"/metrics": {200}, "/readyz": {200, 503}, "/healthz": {200}, "/startupz": {200}}
@@ -139,19 +138,7 @@ def run_load(port: int, rate: float, seconds: float, paths=("/metrics", "/readyz
     return results, time.perf_counter() - t0
 
 
-def nearest_rank(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[max(0, min(len(values) - 1, int(-(-q * len(values) // 1)) - 1))]
 
 
-def commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    r = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else "unknown"
 
 
-def provenance() -> dict:
-    return {"machine": platform.node(), "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit()}

@@ -1,0 +1,23 @@
+"""Where and when a benchmark ran: every bench/results/*.json carries these."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def commit() -> str:
+    """HEAD, or BENCH_COMMIT where the tree was copied without its .git (a device machine)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    r = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
+
+
+def provenance() -> dict:
+    return {"machine": platform.node(), "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit()}

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 from urllib.parse import urlsplit
 
-import redis
-
 from warmup_agent.kernel_cache import namespace as nsmod
 from warmup_agent.kernel_cache.local import ENV_VARS, KINDS, LocalTier, safe_relpath
-from warmup_agent.kernel_cache.shared import CHANNEL, SharedTier, SharedUnavailable
+from warmup_agent.kernel_cache import shared as shared_mod
+from warmup_agent.kernel_cache.shared import CHANNEL, REDIS_ERRORS, SharedTier, SharedUnavailable
 from warmup_agent.kernel_cache.signing import entry_key, load_secret, sign, verify
 
 log = logging.getLogger("warmup_agent.kernel_cache")
@@ -107,6 +106,8 @@ class KernelCache:
             self.off_reason = "no kernel_cache.redis_url configured"
         elif settings.secret is None:
             self.off_reason = settings.secret_problem or "no secret configured"
+        elif shared_mod.redis is None:
+            self.off_reason = "the redis package is not installed (pip install 'warmup-agent[redis]')"
         else:
             self.shared = SharedTier(settings.redis_url, settings.prefix, self.namespace,
                                      settings.socket_timeout, settings.retry_interval, self._on_shared_change)
@@ -420,7 +421,7 @@ class KernelCache:
                     msg = pubsub.get_message(timeout=0.5)
                     if msg and msg.get("type") == "message":
                         self._on_message(msg["data"])
-            except (redis.RedisError, OSError) as e:
+            except REDIS_ERRORS as e:
                 self.subscribed.clear()
                 self._log_once("listen", logging.WARNING,
                                "kernel cache: invalidation channel lost (%s); retrying every %.0f s",

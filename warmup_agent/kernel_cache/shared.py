@@ -22,9 +22,14 @@ import threading
 import time
 from typing import Callable
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+    REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+except ImportError:  # the `redis` extra is not installed: the shared tier stays off
+    redis = None
+    REDIS_ERRORS = (OSError,)
 
 log = logging.getLogger("warmup_agent.kernel_cache")
 

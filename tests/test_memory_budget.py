@@ -38,7 +38,10 @@ def test_measure_peak_rss_sees_a_real_allocation():
     size = 64 << 20
 
     def allocate():
-        buf = bytearray(size)            # zero-filled: every page touched
+        import time
+        buf = bytearray(size)            # calloc: pages may stay unmapped until written
+        buf[::4096] = b"\x01" * (size // 4096)   # touch every page so it is resident
+        time.sleep(0.05)                 # hold it while the sampler (1 ms) looks
         return len(buf)                  # freed on return: only the peak shows it
 
     n, peak = memory_budget.measure_peak_rss(allocate)
@@ -89,3 +92,43 @@ def test_backoff_fails_only_when_batch_one_does_not_fit_and_reraises_other_error
         b.run(1, lambda: bytearray(1 << 62))
     with pytest.raises(ValueError):
         BackOff().run(4, lambda: (_ for _ in ()).throw(ValueError("not memory")))
+
+
+# --- the back-off inside a real warmup -----------------------------------------------
+# The torch engine is real; only its out-of-memory is injected (a wrapper raising
+# MemoryError for large batches), since a real OOM on a shared CI host would take
+# the test runner down with it.
+
+def _agent_with_oom_from(embedded_model, oom_batch: int):
+    from exporter.metrics import AgentMetrics
+    from warmup_agent import config
+    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.pipeline import Agent
+
+    class OOMAbove(TorchEngine):
+        def generate(self, prompts, max_new_tokens=1, warmup=False):
+            if warmup and len(prompts) >= oom_batch:
+                raise MemoryError(f"injected: batch {len(prompts)}")
+            return super().generate(prompts, max_new_tokens, warmup)
+
+    cfg = config.load(env={"WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[8, 16]",
+                           "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 2, 4]", "WARMUP_AGENT_READINESS_MIN_PROBES": "3"})
+    return Agent(cfg, OOMAbove(embedded_model), metrics=AgentMetrics())
+
+
+def test_warmup_backs_off_from_a_batch_that_runs_out_of_memory(embedded_model):
+    from warmup_agent.states import State
+    agent = _agent_with_oom_from(embedded_model, 4)
+    assert agent.run() == State.SERVING
+    assert sorted({b for _, b in agent.warmed_shapes}) == [1, 2]
+    prewarm = next(s for s in agent.stages if s.name == "prewarm")
+    assert prewarm.detail["dropped_batches"] == [4]
+
+
+def test_out_of_memory_at_batch_1_fails_with_the_named_reason(embedded_model):
+    from warmup_agent.states import State
+    agent = _agent_with_oom_from(embedded_model, 1)
+    assert agent.run() == State.FAILED
+    assert agent.sm.failure_reason == "prewarm_memory_budget_exceeded"
+    assert agent.metrics.registry.get_sample_value("model_loading_failures_total",
+                                                   {"reason": "prewarm_memory_budget_exceeded"}) == 1

@@ -107,7 +107,7 @@ def test_memory_jitter_gauge_matches_its_samples(served):
     agent, _, _, _ = served
     agent.memory.stop()  # freeze the window so the gauge and this test see the same samples
     samples = agent.memory.samples()
-    assert len(samples) >= 10, "sampled every 100 ms through a multi-second warmup"
+    assert len(samples) >= 2, "sampled every 100 ms through the warmup"
     independent = (max(samples) - min(samples)) / (sum(samples) / len(samples))
     assert agent.metrics.registry.get_sample_value("warmup_memory_jitter_ratio") == pytest.approx(independent, rel=1e-12)
     # the samples are this process's RSS, as psutil reads it independently

@@ -89,6 +89,10 @@ class Agent:
     # -- the pipeline ----------------------------------------------------------------------
     def run(self) -> State:
         """Run the four stages; return the final state (SERVING or FAILED)."""
+        # The zero of every recorded time is the start of the warmup itself, so the
+        # stage durations add up to the time from run() to SERVING.
+        self.started = self._boundary = self.clock()
+        self.sm.begin(self.started)
         self.sm.start_watchdog()
         self.memory.start()
         try:

@@ -81,6 +81,13 @@ class StateMachine:
         self._stop = threading.Event()
         self._publish()
 
+    def begin(self, at: float) -> None:
+        """The warmup starts now: INIT (and its deadline) counts from `at`."""
+        with self._lock:
+            if self.state == State.INIT:
+                self.entered_at = at
+                self.history[0] = (State.INIT, at)
+
     # -- observers -------------------------------------------------------------------
     def on_change(self, fn: Callable[[State, State], None]) -> None:
         self._listeners.append(fn)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 
-from warmup_agent import traffic
+from warmup_agent import memory_budget, traffic
 from warmup_agent.engines.base import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.states import State
-from warmup_agent.traffic import PromptFactory, grid
+from warmup_agent.traffic import PromptFactory, Shape, grid
 
 
 def warmup_lengths(cfg, tokenize) -> list[int]:
@@ -44,6 +44,19 @@ def warmup_batches(cfg, facts, free_bytes: int | None, max_length: int) -> list[
         return sizing.batch_sizes_from_memory(free_bytes - (facts.weight_bytes or 0), facts.kv_bytes_per_token,
                                               max_length + cfg["prewarm.max_new_tokens"], cap=cfg["prewarm.max_batch"])
     return cfg["prewarm.batch_sizes"]
+
+
+def _fit_budget(agent, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
+    """With prewarm.memory_budget_bytes set, measure one shape (the longest
+    prompt at the smallest batch) and keep the batch sizes whose extrapolated
+    cost fits the budget (warmup_agent/memory_budget.py)."""
+    budget = agent.cfg["prewarm.memory_budget_bytes"]
+    if not budget:
+        return batches
+    shape = Shape(max(lengths), min(batches))
+    _, cost = memory_budget.measure_peak_rss(
+        lambda: agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=max_new))
+    return memory_budget.plan(batches, shape.prompt_tokens, cost / (shape.batch * shape.prompt_tokens), budget).batches
 
 
 def _start_ramp(agent) -> None:
@@ -89,17 +102,27 @@ def run(agent) -> None:
     agent.prompts = PromptFactory(engine.tokenize)
     lengths = warmup_lengths(cfg, engine.tokenize)
     batches = warmup_batches(cfg, facts, getattr(agent, "gpu_free_bytes", None), max(lengths))
-    shapes = grid(lengths, batches)
-    per_shape = cfg["prewarm.requests_per_shape"]
-    total = len(shapes) * per_shape
-    done = 0
-    for shape in shapes:
-        for _ in range(per_shape):
-            agent.checkpoint()
-            agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=cfg["prewarm.max_new_tokens"])
-            done += 1
-            agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
-    detail.update(shapes=len(shapes), requests=agent.warmup_requests, lengths=lengths, batches=batches,
+    max_new = cfg["prewarm.max_new_tokens"]
+    try:
+        batches = _fit_budget(agent, lengths, batches, max_new)
+        shapes = grid(lengths, batches)
+        backoff = memory_budget.BackOff()   # a shape that runs out of memory drops its batch size and larger ones
+        per_shape = cfg["prewarm.requests_per_shape"]
+        total = len(shapes) * per_shape
+        done = 0
+        warmed = []
+        for shape in shapes:
+            for _ in range(per_shape):
+                agent.checkpoint()
+                backoff.run(shape.batch, lambda: agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=max_new))
+                done += 1
+                agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
+            if backoff.allows(shape.batch):
+                warmed.append(shape)
+    except memory_budget.BudgetExceeded as e:
+        agent.fail(e.reason, str(e))
+    detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=lengths, batches=batches,
+                  dropped_batches=sorted({s.batch for s in shapes} - {s.batch for s in warmed}),
                   seconds={"weights": t1 - t0, "tokenizer": t2 - t1, "fingerprint": t3 - t2, "traffic": clock() - t3})
-    agent.warmed_shapes = [(s.prompt_tokens, s.batch) for s in shapes]
+    agent.warmed_shapes = [(s.prompt_tokens, s.batch) for s in warmed]
     agent.move(State.PRIME)

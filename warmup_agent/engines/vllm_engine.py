@@ -138,6 +138,8 @@ class VllmEngine(Engine):
                            vocab_size=cfg.get("vocab_size"), extra=extra)
 
     def tokenize(self, text: str) -> list[int]:
+        if self._tokenizer is None:  # LoRA warmup in load_weights runs before the prewarm loads it
+            self.load_tokenizer()
         enc = self._tokenizer.encode(text, add_special_tokens=False)
         return list(enc.ids) if hasattr(enc, "ids") else list(enc)
 

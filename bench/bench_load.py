@@ -26,7 +26,7 @@ from bench.provenance import provenance  # noqa: E402
 from warmup_agent.readiness.window import nearest_rank  # noqa: E402
 
 
-def p(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     return nearest_rank(sorted(values), q)
 
 
@@ -59,13 +59,13 @@ def main() -> int:
     ms = lambda s: round(s * 1000, 3)  # noqa: E731
     result = {
         "benchmark": "load",
-        "load_p99_ms": ms(p(lat, 0.99)),
-        "load_p50_ms": ms(p(lat, 0.50)),
+        "load_p99_ms": ms(pct(lat, 0.99)),
+        "load_p50_ms": ms(pct(lat, 0.50)),
         "load_max_ms": ms(max(lat)),
         "load_errors": len(errors),
         "target_p99_ms": 50.0,
-        "meets_target": p(lat, 0.99) * 1000 <= 50.0 and not errors,
-        "per_path_p99_ms": {k: ms(p(v, 0.99)) for k, v in sorted(by_path.items())},
+        "meets_target": pct(lat, 0.99) * 1000 <= 50.0 and not errors,
+        "per_path_p99_ms": {k: ms(pct(v, 0.99)) for k, v in sorted(by_path.items())},
         "requests": len(results),
         "offered_rate_per_second": args.rate,
         "achieved_rate_per_second": round(len(results) / elapsed, 1),

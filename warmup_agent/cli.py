@@ -196,6 +196,10 @@ def cmd_run(args) -> int:
     log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg["engine"],
              model_path, "https" if cfg["exporter.tls_cert_file"] else "http", host, server.port)
 
+    # A warmup runs Python-heavy model code in this process; with the default 5 ms
+    # GIL switch interval the exporter thread waits behind it, so /readyz and
+    # /metrics answer late under load.  1 ms keeps them responsive.
+    sys.setswitchinterval(0.001)
     stop = threading.Event()
 
     def on_signal(signum, frame):

@@ -23,42 +23,15 @@ import json
 import os
 import platform
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.provenance import commit  # noqa: E402
+from tests.servers import SSEStandIn  # noqa: E402
 
 EVENTS = [b'data: {"choices":[{"index":0,"text":" tok%d"}]}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
-
-
-class SSEUpstream:
-    """Answers every POST with 9 SSE events in chunked encoding, at once."""
-
-    def __init__(self):
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True
-
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                for e in EVENTS:
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(e), e))
-                self.wfile.write(b"0\r\n\r\n")
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
 
 def one(conn: http.client.HTTPConnection, body: bytes) -> tuple[float, float]:
@@ -99,7 +72,7 @@ def main() -> int:
         name = "none"
         load_tokenizer = load_weights = facts = tokenize = generate = weight_fingerprint = lambda *a, **k: None
 
-    upstream = args.upstream or SSEUpstream().url
+    upstream = args.upstream or SSEStandIn(EVENTS, record=False).url
     label = "loopback_sse" if not args.upstream else "upstream"
     agent = Agent(config.load(env={}), NoEngine(), metrics=AgentMetrics())
     for s in (State.PRELOAD, State.PRIME, State.SERVING):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import os
 import shutil
 import socket
@@ -152,6 +154,44 @@ class Redis:
 
     def stop(self) -> None:
         _stop(self.proc)
+
+
+class SSEStandIn:
+    """A stand-in OpenAI-compatible upstream (named as such: for the proxy's own
+    latency and pass-through, where a real engine's spread would hide it): answers
+    every POST at once with `events` as a chunked text/event-stream, and keeps
+    (path, headers, body) of each request when `record` is set."""
+
+    def __init__(self, events: list[bytes], record: bool = True):
+        self.requests: list[tuple[str, dict, bytes]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if record:
+                    outer.requests.append((self.path, dict(self.headers), body))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for part in events:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
 @contextlib.contextmanager

@@ -11,16 +11,14 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.metrics import AgentMetrics
 from tests import vllm_server
-from tests.servers import free_port, http_get, wait_until
+from tests.servers import SSEStandIn, free_port, http_get, wait_until
 from warmup_agent import config
 from warmup_agent.engines.torch_engine import TorchEngine
 from warmup_agent.pipeline import Agent
@@ -57,43 +55,9 @@ def vllm(tmp_path_factory):
         log.close()
 
 
-class RecordingStandIn:
-    """Stand-in upstream: records requests, answers any POST with a 3-event SSE stream."""
-
-    def __init__(self):
-        self.requests: list[tuple[str, dict, bytes]] = []
-        outer = self
-
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True
-
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                outer.requests.append((self.path, dict(self.headers), body))
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                for part in STAND_IN_EVENTS:
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
-                self.wfile.write(b"0\r\n\r\n")
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def standin():
-    s = RecordingStandIn()
+    s = SSEStandIn(STAND_IN_EVENTS)
     yield s
     s.stop()
 

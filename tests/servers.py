@@ -55,11 +55,12 @@ def require_binary(name: str) -> str:
     return path
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds; always reaped."""
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -109,7 +110,7 @@ class Prometheus:
         wait_until(up, timeout, interval=0.25, what="prometheus target up")
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 class Alertmanager:
@@ -133,7 +134,7 @@ class Alertmanager:
         wait_until(lambda: http_get(self.url + "/-/ready")[0] == 200, 30, what="alertmanager ready")
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 class Redis:
@@ -153,7 +154,7 @@ class Redis:
         wait_until(ping, 30, interval=0.05, what="redis PING")
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 class SSEStandIn:

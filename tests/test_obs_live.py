@@ -28,7 +28,7 @@ from dashboards import generate as dash_generate
 from dashboards.exprs import panel_expressions, substitute
 from exporter.catalogue import BY_NAME
 from tests.conftest import ROOT, agent_cmd
-from tests.servers import Alertmanager, Prometheus, free_port, http_get, wait_until
+from tests.servers import Alertmanager, Prometheus, free_port, http_get, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -142,13 +142,8 @@ def live(tmp_path_factory, data_dir):
                    120, interval=0.25, what="4 probe histogram samples in prometheus")
         yield {"prom": prom, "hook": hook, "agent_url": url, "wall_to_ready": wall_to_ready}
     finally:
-        if agent and agent.poll() is None:
-            agent.terminate()
-            try:
-                agent.wait(30)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
+        if agent:
+            stop_process(agent, 30)
         for s in (prom, am):
             if s:
                 s.stop()

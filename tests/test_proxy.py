@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.metrics import AgentMetrics
 from tests import vllm_server
-from tests.servers import SSEStandIn, free_port, http_get, wait_until
+from tests.servers import SSEStandIn, free_port, http_get, stop_process, wait_until
 from warmup_agent import config
 from warmup_agent.engines.torch_engine import TorchEngine
 from warmup_agent.pipeline import Agent
@@ -46,12 +46,7 @@ def vllm(tmp_path_factory):
                    timeout=300, interval=0.5, what="vLLM /health")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
         log.close()
 
 

@@ -264,6 +264,9 @@ class Agent:
         self._watch_stop.set()
         self.memory.stop()
         self.sm.stop_watchdog()
+        cache = getattr(self, "kernel_cache", None)
+        if cache is not None:
+            cache.close()  # its Redis connection and invalidation listener
 
     # -- reporting ---------------------------------------------------------------------------
     def _init_metrics(self) -> None:

@@ -46,6 +46,9 @@ def run(agent) -> None:
     # Opened on every run (cheap with a local tier only) so its metrics and the
     # shared tier's state are visible; only compilation fills it.
     cache = open_kernel_cache(agent) if mode != "none" else None
+    previous, agent.kernel_cache = getattr(agent, "kernel_cache", None), cache   # the agent closes it at stop
+    if previous is not None:  # a re-warm opens a fresh one
+        previous.close()
     t0 = time.perf_counter()
     with agent._engine_lock:
         shapes = getattr(agent, "warmed_shapes", [])

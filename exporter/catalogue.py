@@ -15,7 +15,7 @@ expressions work as written; everything else carries the `warmup_` prefix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Buckets for first-token latency: 5 ms .. 30 s.  The readiness thresholds of the
 # seed (0.85 s and 2.1 s) and the SOTA line (0.38 s) fall on bucket edges so that

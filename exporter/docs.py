@@ -14,7 +14,6 @@ import os
 import sys
 
 from exporter import catalogue
-from exporter.catalogue import MetricSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = {"agent": "instrumented by the agent as it works",

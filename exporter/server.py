@@ -147,11 +147,9 @@ class ExporterServer:
     def rewarm(self) -> tuple[int, dict]:
         """SERVING or DEGRADED -> PRELOAD, then the prewarm, solidify and ready stages
         again in a thread (Agent.rewarm).  Anything else is a conflict."""
-        from warmup_agent.states import State
         sm = self.agent.sm
-        if sm.state not in (State.SERVING, State.DEGRADED) or not sm.transition(State.PRELOAD):
+        if not self.agent.request_rewarm():
             return 409, {"error": f"re-warm needs SERVING or DEGRADED; state is {sm.state.name}", "state": sm.state.name}
-        threading.Thread(target=self.agent.rewarm, name="rewarm", daemon=True).start()
         return 202, {"state": sm.state.name}
 
     def drain(self) -> tuple[int, dict]:

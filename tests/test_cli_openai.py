@@ -2,7 +2,6 @@
 the agent starts the real CPU vLLM server, warms it, reaches SERVING, and leaves
 no process behind; a server command that cannot start is exit code 3 with a reason."""
 import json
-import os
 
 import psutil
 

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 
 import psutil
 import pytest
@@ -122,7 +121,7 @@ def test_never_healthy_is_named_and_leaves_nothing(tmp_path):
     with pytest.raises(EngineError) as e:
         sup.start()
     assert e.value.reason == "server_never_healthy"
-    assert f"/health" in e.value.message and "1.5 s" in e.value.message
+    assert "/health" in e.value.message and "1.5 s" in e.value.message
     _no_orphans(tmp_path)
 
 

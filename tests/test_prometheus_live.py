@@ -3,7 +3,6 @@ catalogue metric is there with the right type, and promtool lints the exposition
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 

@@ -11,11 +11,9 @@ endpoints being off by default, and bad web config files.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import ssl
 import subprocess
 
 import bcrypt

@@ -69,7 +69,7 @@ def test_terminal_states_have_no_way_out():
 
 def test_gauge_shows_exactly_one_state():
     m = AgentMetrics()
-    sm = machine_in(State.PRIME, m)
+    machine_in(State.PRIME, m)
     values = {s.name: m.registry.get_sample_value("warmup_state", {"state": s.name}) for s in State}
     assert values == {s.name: (1.0 if s == State.PRIME else 0.0) for s in State}
     assert counter(m, "warmup_state_transitions_total", **{"from": "PRELOAD", "to": "PRIME"}) == 1.0
@@ -120,3 +120,19 @@ def test_serving_requires_the_preload_fingerprint():
     ok = machine_in(State.PRIME)
     ok.record_fingerprint("a" * 64)
     assert ok.serve("a" * 64) is True and ok.state == State.SERVING
+
+
+def test_watchdog_can_be_started_again_after_a_stop():
+    import time
+    sm = StateMachine(deadlines={State.PRELOAD: 0.05})
+    sm.start_watchdog(interval=0.01)
+    sm.stop_watchdog()
+    sm.transition(State.PRELOAD)
+    sm.start_watchdog(interval=0.01)   # as a re-warm does
+    try:
+        deadline = time.monotonic() + 5
+        while sm.state != State.FAILED and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        sm.stop_watchdog()
+    assert sm.failure_reason == "preload_deadline_exceeded"

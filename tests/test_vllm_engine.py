@@ -7,7 +7,6 @@ including every request id that reached vLLM's LLMEngine.add_request.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import textwrap
 

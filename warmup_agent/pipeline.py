@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import platform
 import statistics
 import threading
@@ -226,18 +225,32 @@ class Agent:
         (The supervisor also calls this at the first start, which run() handles.)"""
         if self._engine_crashed:
             self._engine_crashed = False
-            threading.Thread(target=self.rewarm, name="rewarm", daemon=True).start()
+            self._start_rewarm()
+
+    def request_rewarm(self) -> bool:
+        """Warm the engine again (POST /admin/rewarm): SERVING or DEGRADED -> PRELOAD,
+        then the stages in a thread.  False when the state does not allow it."""
+        if self.sm.state not in (State.SERVING, State.DEGRADED) or not self.sm.transition(State.PRELOAD):
+            return False
+        self._start_rewarm()
+        return True
+
+    def _start_rewarm(self) -> None:
+        threading.Thread(target=self.rewarm, name="rewarm", daemon=True).start()
 
     def rewarm(self) -> State:
         if self.sm.state != State.PRELOAD:
             return self.sm.state
         self._boundary = self.clock()  # the re-warm's stages start now, not where the first run ended
+        self.sm.start_watchdog()       # PRELOAD and PRIME deadlines hold for a re-warm too
         try:
             self.prewarm()
             self.solidify()
             self.ready()
         except AgentFailure as e:
             log.error("re-warm failed: %s: %s", e.reason, e.message)
+        finally:
+            self.sm.stop_watchdog()
         return self.sm.state
 
     # -- after SERVING -----------------------------------------------------------------------
@@ -270,7 +283,6 @@ class Agent:
 
     # -- reporting ---------------------------------------------------------------------------
     def _init_metrics(self) -> None:
-        import sys
         torch_version = _module_version("torch")
         self.metrics["warmup_build_info"].info({
             "version": __version__, "python": platform.python_version(), "torch": torch_version,

@@ -173,6 +173,8 @@ class StateMachine:
             return reason
 
     def start_watchdog(self, interval: float = 0.05) -> None:
+        self._stop.clear()  # a re-warm starts it again after the first run stopped it
+
         def loop():
             while not self._stop.wait(interval):
                 self.check_deadline()

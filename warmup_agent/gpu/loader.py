@@ -204,7 +204,6 @@ def load(model, slots: list[TensorSlot], device, chunk_bytes: int = 64 << 20, bu
          workers: int = 4) -> LoadReport:
     """Fill `model` (or a dict name -> tensor, see allocate()) from the checkpoint;
     pinned and overlapped on CUDA, plain elsewhere."""
-    import torch
     dest = model if isinstance(model, dict) else _dest_tensors(model)
     slots = [s for s in slots if s.name in dest]
     t0 = time.perf_counter()

@@ -31,9 +31,11 @@ def served(embedded_model):
     register_default_collectors(metrics.registry)
     agent = make_agent(embedded_model, metrics=metrics)
     server = ExporterServer(agent, metrics.registry, "127.0.0.1", 0).start()
+    at_serving = []
+    agent.sm.on_change(lambda frm, to: at_serving.append(time.perf_counter()) if to == State.SERVING else None)
     t0 = time.perf_counter()
     state = agent.run()
-    wall = time.perf_counter() - t0
+    wall = at_serving[0] - t0   # wall clock from the call to the SERVING transition
     yield agent, server, state, wall
     server.stop()
     agent.stop()
@@ -160,3 +162,11 @@ def test_preload_deadline_fails_the_run(embedded_model):
     assert agent.sm.failure_reason == "preload_deadline_exceeded"
     assert agent.stages[-1].name == "prewarm" and agent.stages[-1].status == "failed"
     assert agent.metrics.registry.get_sample_value("warmup_state_deadline_exceeded_total", {"state": "PRELOAD"}) == 1
+
+
+def test_first_request_tax_gauge_is_first_probe_over_median_of_the_rest(served):
+    import statistics
+    agent, _, _, _ = served
+    probes = agent.probes[:agent.stages[-1].detail["probes"]]   # the gate's probes, before any watch probe
+    expected = probes[0] / statistics.median(probes[1:])
+    assert agent.metrics.registry.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(expected, rel=1e-12)

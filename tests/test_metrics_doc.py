@@ -40,3 +40,18 @@ def test_seed_names_are_marked():
                  "model_loading_failures_total"):
         row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` |"))
         assert "verbatim from the seed" in row
+
+
+def test_every_metric_the_readme_names_is_in_the_catalogue():
+    import os
+    import re
+
+    from exporter.catalogue import BY_NAME
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    # a metric is written `name` or `name{labels}`; `warmup_engine_*` (a prefix) and
+    # paths such as `warmup_agent/...` are not metric names
+    named = set(re.findall(r"`((?:warmup_|model_loading_|gpu_fragmentation)[a-z0-9_]*[a-z0-9])[`{]", text))
+    missing = sorted(n for n in named if n not in BY_NAME and n.rsplit("_", 1)[0] not in BY_NAME)
+    assert named and not missing, f"README names metrics the catalogue lacks: {missing}"

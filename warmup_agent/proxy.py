@@ -197,12 +197,14 @@ def _make_handler(proxy: RoutingProxy):
             route = proxy.route(warmup)
             if not warmup:
                 proxy.readiness.water.request()
+            # Metrics are recorded before the client can have the whole answer, so a
+            # client (or test) that read the response sees them.
             if route == "rejected":
                 retry = proxy.retry_after()
-                self._error(503, "warming_up",
-                            f"the model server is {proxy.agent.sm.state.name}; retry in {retry} s",
-                            {"Retry-After": str(retry)})
-                return self._count(route, 503, warmup)
+                self._count(route, 503, warmup)
+                return self._error(503, "warming_up",
+                                   f"the model server is {proxy.agent.sm.state.name}; retry in {retry} s",
+                                   {"Retry-After": str(retry)})
             upstream = proxy.main if route == "main" else proxy.fallback
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
             headers["Host"] = f"{upstream.host}:{upstream.port}"
@@ -212,18 +214,21 @@ def _make_handler(proxy: RoutingProxy):
                 resp = upstream.request(self.command, self.path, body or None, headers)
             except (OSError, http.client.HTTPException) as e:
                 upstream.drop()
-                self._error(502, "upstream_unavailable", f"{route} upstream {upstream.url}: {e}")
-                return self._count(route, 502, warmup)
-            first = self._relay(resp, upstream)
+                self._count(route, 502, warmup)
+                return self._error(502, "upstream_unavailable", f"{route} upstream {upstream.url}: {e}")
             self._count(route, resp.status, warmup)
-            if first is not None and not warmup and resp.status == 200 and _is_stream(body):
-                ttft = first - t0
-                proxy.metrics["warmup_proxy_first_token_seconds"].labels(route=route).observe(ttft)
-                if route == "main":
-                    proxy.agent.record_probe(ttft, kind="user")
+            measured = not warmup and resp.status == 200 and _is_stream(body)
+            self._relay(resp, upstream, (lambda first: self._first_token(route, first - t0)) if measured else None)
 
-        def _relay(self, resp: http.client.HTTPResponse, upstream: Upstream) -> float | None:
-            """Pass status, headers and body through; return when the first body byte arrived."""
+        def _first_token(self, route: str, ttft: float) -> None:
+            """A user request's time to first token: histogram, and the readiness window."""
+            proxy.metrics["warmup_proxy_first_token_seconds"].labels(route=route).observe(ttft)
+            if route == "main":
+                proxy.agent.record_probe(ttft, kind="user")
+
+        def _relay(self, resp: http.client.HTTPResponse, upstream: Upstream, on_first=None) -> float | None:
+            """Pass status, headers and body through; return when the first body byte
+            arrived.  `on_first(t)` runs once the first chunk is out, before the rest."""
             length = resp.getheader("Content-Length")
             self.send_response(resp.status, resp.reason)
             for k, v in resp.getheaders():
@@ -250,6 +255,9 @@ def _make_handler(proxy: RoutingProxy):
                     else:
                         self.wfile.write(chunk)
                     self.wfile.flush()
+                    if on_first is not None:
+                        on_first(first)
+                        on_first = None
                 if length is None:
                     self.wfile.write(b"0\r\n\r\n")
                     self.wfile.flush()

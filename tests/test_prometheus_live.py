@@ -81,3 +81,9 @@ def test_endpoints(agent_process):
     code, body = http_get(agent_process + "/")
     assert code == 200 and "/metrics" in body
     assert http_get(agent_process + "/nope")[0] == 404
+
+
+def test_exposition_has_no_created_series(agent_process):
+    # They would double every counter and histogram and nothing reads them.
+    _, text = http_get(agent_process + "/metrics")
+    assert "_created" not in text

@@ -155,6 +155,11 @@ def cmd_run(args) -> int:
     from warmup_agent.pipeline import Agent
     from warmup_agent.states import State
 
+    # No `_created` series: they double every counter and histogram in the text
+    # format, which nothing here reads, and /metrics is served up to every second
+    # while a warmup competes for the same interpreter.
+    import prometheus_client
+    prometheus_client.disable_created_metrics()
     metrics = AgentMetrics()
     register_default_collectors(metrics.registry)
     try:

@@ -22,7 +22,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import loadgen  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from bench.provenance import provenance, write_result  # noqa: E402
 from warmup_agent.readiness.window import nearest_rank  # noqa: E402
 
 
@@ -78,10 +78,7 @@ def main() -> int:
         **provenance(),
     }
     out = args.out or os.path.join(loadgen.ROOT, "bench", "results", f"load_{datetime.date.today().isoformat()}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    write_result(out, result)
     print(json.dumps({k: result[k] for k in ("load_p99_ms", "load_errors", "requests", "rewarms_during_load")}))
     print(f"wrote {out}")
     return 0 if rc == 0 else 1

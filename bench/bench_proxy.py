@@ -17,18 +17,16 @@ dominates).  Writes bench/results/proxy_<label>.json (or --out).
 from __future__ import annotations
 
 import argparse
-import datetime
 import http.client
 import json
 import os
-import platform
 import sys
 import time
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.provenance import commit  # noqa: E402
+from bench.provenance import provenance, write_result  # noqa: E402
 from tests.servers import SSEStandIn  # noqa: E402
 
 EVENTS = [b'data: {"choices":[{"index":0,"text":" tok%d"}]}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
@@ -116,17 +114,10 @@ def main() -> int:
         "upstream": args.upstream or "stdlib SSE server on loopback (9 events, answers at once)",
         "requests_per_side": args.requests,
         "quantiles": table,
-        "machine": platform.node(),
-        "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
+        **provenance(),
     }
     out = args.out or os.path.join(ROOT, "bench", "results", f"proxy_{label}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    write_result(out, result)
     print(json.dumps({k: result[k] for k in ("proxy_added_p50_ms", "proxy_added_p99_ms", "meets_target")}))
     print(f"wrote {out}")
     return 0

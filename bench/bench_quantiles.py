@@ -13,18 +13,15 @@ table shows the measured maximum and the cost of an update and of a read.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
 import sys
 import time
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.provenance import commit  # noqa: E402
+from bench.provenance import provenance, write_result  # noqa: E402
 
 
 def recorded_probes(n: int) -> list[float]:
@@ -93,16 +90,9 @@ def main() -> int:
         "stated_bound": 0.0,
         "definition": "nearest-rank (numpy inverted_cdf) over the last N samples; exact, no sketch",
         "table": rows,
-        "machine": platform.node(),
-        "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
+        **provenance(),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    write_result(args.out, result)
     print(f"quantile_max_rel_error={result['quantile_max_rel_error']}; wrote {args.out}")
     return 0
 

@@ -24,7 +24,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import loadgen  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from bench.provenance import provenance, write_result  # noqa: E402
 
 
 def main() -> int:
@@ -82,10 +82,7 @@ def main() -> int:
         **provenance(),
     }
     out = args.out or os.path.join(loadgen.ROOT, "bench", "results", f"soak_{datetime.date.today().isoformat()}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    write_result(out, result)
     print(json.dumps({k: result[k] for k in ("soak_rss_growth_ratio", "http_errors", "agent_probes")}))
     print(f"wrote {out}")
     return 0 if rc == 0 else 1

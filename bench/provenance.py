@@ -21,3 +21,12 @@ def provenance() -> dict:
     return {"machine": platform.node(), "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit()}
+
+
+def write_result(path: str, result: dict) -> None:
+    """Write one benchmark's JSON (bench/results/*.json), creating the folder."""
+    import json
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, default=str)
+        f.write("\n")

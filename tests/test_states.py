@@ -98,14 +98,19 @@ def test_deadline_restarts_with_each_state_and_zero_disables():
     assert sm.check_deadline() is None and sm.deadline_remaining() is None
 
 
-def test_watchdog_thread_fails_a_stuck_state():
+def wait_for_failure(sm: StateMachine, timeout: float = 5.0) -> None:
+    """Poll until the watchdog has failed the machine (or the timeout passes)."""
     import time
+    deadline = time.monotonic() + timeout
+    while sm.state != State.FAILED and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_watchdog_thread_fails_a_stuck_state():
     sm = StateMachine(deadlines={State.INIT: 0.05})
     sm.start_watchdog(interval=0.01)
     try:
-        deadline = time.monotonic() + 5
-        while sm.state != State.FAILED and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for_failure(sm)
     finally:
         sm.stop_watchdog()
     assert sm.state == State.FAILED and sm.failure_reason == "init_deadline_exceeded"
@@ -123,16 +128,13 @@ def test_serving_requires_the_preload_fingerprint():
 
 
 def test_watchdog_can_be_started_again_after_a_stop():
-    import time
     sm = StateMachine(deadlines={State.PRELOAD: 0.05})
     sm.start_watchdog(interval=0.01)
     sm.stop_watchdog()
     sm.transition(State.PRELOAD)
     sm.start_watchdog(interval=0.01)   # as a re-warm does
     try:
-        deadline = time.monotonic() + 5
-        while sm.state != State.FAILED and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for_failure(sm)
     finally:
         sm.stop_watchdog()
     assert sm.failure_reason == "preload_deadline_exceeded"

@@ -8,6 +8,7 @@ the GPU families are simply absent.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import psutil
@@ -36,13 +37,23 @@ class ProcessCollector:
             log.debug("process memory read failed", exc_info=True)
 
 
-class NVMLCollector:
-    """Per-GPU memory and utilisation from NVML, labelled by index and UUID (the
-    UUID is stable across restarts; the index is what nvidia-smi shows)."""
+_FROM_ENV = object()
 
-    def __init__(self, nvml=None):
+
+class NVMLCollector:
+    """Memory and utilisation from NVML for the GPUs this agent owns: those its
+    CUDA_VISIBLE_DEVICES names (every GPU when unset), mapped to physical devices
+    by index or UUID.  One agent per GPU on a node then exports each GPU once, so
+    `sum by (uuid)` over a node counts every GPU once (docs/metrics.md, "Per-GPU
+    series").  Labels: `gpu` = the physical NVML index (what nvidia-smi shows,
+    whatever CUDA_VISIBLE_DEVICES says), `uuid` = the GPU's UUID (stable across
+    restarts and re-ordering)."""
+
+    def __init__(self, nvml=None, cuda_visible_devices=_FROM_ENV):
         self._nvml = nvml
         self._ok = None
+        self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cuda_visible_devices is _FROM_ENV \
+            else cuda_visible_devices
 
     def _init(self) -> bool:
         if self._ok is None:
@@ -56,6 +67,14 @@ class NVMLCollector:
                 self._ok = False
         return self._ok
 
+    def owned(self) -> list[tuple[int, str, object]]:
+        """(physical index, UUID, handle) of each GPU this agent owns, in CUDA order."""
+        from warmup_agent.hardware import visible_indices
+        nv = self._nvml
+        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+        uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in handles]
+        return [(i, uuids[i], handles[i]) for i in visible_indices(uuids, self._visible)]
+
     def collect(self):
         if not self._init():
             return
@@ -63,14 +82,13 @@ class NVMLCollector:
         used, total, util = (_family("warmup_gpu_memory_used_bytes"), _family("warmup_gpu_memory_total_bytes"),
                              _family("warmup_gpu_utilization_ratio"))
         try:
-            count = nv.nvmlDeviceGetCount()
-        except Exception:  # noqa: BLE001
+            owned = self.owned()
+        except Exception:  # noqa: BLE001 - NVML gone: no GPU families this scrape
+            log.debug("NVML enumeration failed", exc_info=True)
             return
-        for i in range(count):
+        for i, uuid, h in owned:
             try:
-                h = nv.nvmlDeviceGetHandleByIndex(i)
-                uuid = nv.nvmlDeviceGetUUID(h)
-                labels = [str(i), uuid.decode() if isinstance(uuid, bytes) else str(uuid)]
+                labels = [str(i), uuid]
                 mem = nv.nvmlDeviceGetMemoryInfo(h)
                 used.add_metric(labels, float(mem.used))
                 total.add_metric(labels, float(mem.total))
@@ -80,6 +98,10 @@ class NVMLCollector:
         yield used
         yield total
         yield util
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class AllocatorCollector:

@@ -136,18 +136,33 @@ def read_host(nvml=None) -> HostFacts:
                      gpus=gpus, nvml_error=err)
 
 
-def visible_gpu(gpus: list[GPUFacts], device_index: int, cuda_visible_devices: str | None) -> GPUFacts | None:
-    """The NVML GPU behind torch's cuda:<device_index>.  CUDA_VISIBLE_DEVICES holds
-    indices or (prefixes of) UUIDs; unset means every GPU in NVML order."""
+def visible_indices(uuids: list[str], cuda_visible_devices: str | None) -> list[int]:
+    """NVML indices of the GPUs a process with this CUDA_VISIBLE_DEVICES sees, in
+    CUDA order (cuda:0 first).  `uuids` are the GPUs' UUIDs in NVML order.  Entries
+    are NVML indices or UUIDs (with or without "GPU-", or a unique prefix); unset
+    means every GPU.  Like CUDA, the list ends at the first entry that names no GPU
+    (an empty or bad value hides every GPU)."""
     if cuda_visible_devices is None:
-        return gpus[device_index] if 0 <= device_index < len(gpus) else None
-    entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
-    if not 0 <= device_index < len(entries):
-        return None
-    want = entries[device_index]
-    if want.isdigit():
-        return next((g for g in gpus if g.index == int(want)), None)
-    return next((g for g in gpus if g.uuid.startswith(want) or g.uuid == "GPU-" + want.removeprefix("GPU-")), None)
+        return list(range(len(uuids)))
+    out: list[int] = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.isdigit():
+            i = int(entry) if int(entry) < len(uuids) else None
+        else:
+            want = entry.removeprefix("GPU-").lower()
+            hits = [k for k, u in enumerate(uuids) if want and u.removeprefix("GPU-").lower().startswith(want)]
+            i = hits[0] if len(hits) == 1 else None
+        if i is None or i in out:
+            break
+        out.append(i)
+    return out
+
+
+def visible_gpu(gpus: list[GPUFacts], device_index: int, cuda_visible_devices: str | None) -> GPUFacts | None:
+    """The NVML GPU behind torch's cuda:<device_index> (see visible_indices)."""
+    by_index = {g.index: g for g in gpus}
+    seen = visible_indices([g.uuid for g in sorted(gpus, key=lambda g: g.index)], cuda_visible_devices)
+    return by_index.get(seen[device_index]) if 0 <= device_index < len(seen) else None
 
 
 def topology(gpus: list[GPUFacts]) -> dict:

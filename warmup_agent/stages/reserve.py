@@ -104,4 +104,4 @@ def run(agent) -> None:
         if cfg["reserve.gpu_memory"]:
             reserved = agent.engine.reserve_memory(plan.total_bytes)
             detail["reserved_bytes"] = reserved
-            agent.metrics["warmup_gpu_memory_reserved_bytes"].labels(gpu=gpu.uuid).set(reserved)
+            agent.metrics["warmup_gpu_memory_reserved_bytes"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)

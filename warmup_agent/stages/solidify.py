@@ -66,11 +66,11 @@ def run(agent) -> None:
         agent.metrics["warmup_solidify_fallbacks_total"].labels(reason=reason.split(":")[0]).inc()
     gpu = getattr(agent, "gpu", None)
     if gpu is not None:
-        agent.metrics["warmup_cuda_graphs"].labels(gpu=gpu.uuid).set(len(report.detail.get("graphs", [])))
+        agent.metrics["warmup_cuda_graphs"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
     ramp = getattr(agent, "ramp", None)
     if ramp is not None:
         slope = ramp.stop()
         detail["ramp_samples"] = len(ramp.samples)
         if slope is not None and gpu is not None:
             detail["ramp_slope_per_second"] = slope
-            agent.metrics["warmup_gpu_utilization_ramp_slope"].labels(gpu=gpu.uuid).set(slope)
+            agent.metrics["warmup_gpu_utilization_ramp_slope"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(slope)

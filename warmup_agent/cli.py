@@ -9,9 +9,7 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 
 from warmup_agent import __version__
 from warmup_agent.config import ConfigError
@@ -205,15 +203,13 @@ def cmd_run(args) -> int:
     # GIL switch interval the exporter thread waits behind it, so /readyz and
     # /metrics answer late under load.  1 ms keeps them responsive.
     sys.setswitchinterval(0.001)
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        log.info("signal %d: draining", signum)
+    def on_signal(signum: int) -> None:
         if not agent.sm.state.terminal:  # a second signal, or one after FAILED, only stops
             agent.sm.transition(State.DRAINING)
-        stop.set()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Not a bare signal.signal + Event.wait: see warmup_agent/signals.py for why
+    # that never drained on the GPU hosts.
+    from warmup_agent.signals import SignalWatcher
+    signals = SignalWatcher(on_signal).install()
 
     try:
         state = agent.run()
@@ -226,13 +222,14 @@ def cmd_run(args) -> int:
             log.info("SERVING: /readyz is 200; probing every %gs; SIGTERM drains and exits",
                      cfg["readiness.watch_interval_seconds"])
             agent.watch(cfg["readiness.watch_interval_seconds"])
-            stop.wait()
+            signals.wait_until_stopped()
             return EXIT_OK
         if state == State.DRAINING:
             return EXIT_OK
         return EXIT_FAILED
     finally:
         agent.stop()
+        signals.uninstall()
         _write_record(args.record, agent.record())
         if proxy is not None:
             proxy.stop()

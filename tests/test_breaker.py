@@ -9,6 +9,7 @@ breaker trips on exactly the third consecutive over-threshold window P90, that
 nothing reaches the engine while it is open, that half-open probes re-open on
 a slow probe and close after good ones, and that /readyz and the metrics follow.
 """
+import threading
 import time
 
 import numpy as np
@@ -157,3 +158,17 @@ def test_breaker_disabled_never_degrades(embedded_model):
         a.record_probe(10.0)
     assert a.sm.state == State.SERVING and a.readiness.breaker.trips == 0
     a.stop()
+
+
+def test_stop_waits_for_the_probe_in_flight(agent):
+    """A probe still inside a forward pass when the interpreter finalises aborts the
+    process (exit -6 instead of the drain's 0, seen once in four two-agent CPU runs of
+    bench/bench_two_gpu.py --dry-run): stop() must wait for it."""
+    agent.engine.delay = 0.5
+    calls = len(agent.engine.calls)
+    agent.watch(0.01)
+    wait_until(lambda: len(agent.engine.calls) > calls, timeout=30, what="a probe entering the engine")
+    t0 = time.perf_counter()
+    agent.stop()
+    assert not [t for t in threading.enumerate() if t.name == "readiness-watch"]
+    assert time.perf_counter() - t0 > 0.2          # it waited for the slow probe to finish

@@ -271,10 +271,17 @@ class Agent:
                     self.record_probe(self.send([self.probe_prompt()], "probe"))
                 except Exception:  # noqa: BLE001 - a failed probe must not end the agent
                     log.exception("probe after SERVING failed")
-        threading.Thread(target=loop, name="readiness-watch", daemon=True).start()
+        self._watch_thread = threading.Thread(target=loop, name="readiness-watch", daemon=True)
+        self._watch_thread.start()
 
     def stop(self) -> None:
         self._watch_stop.set()
+        # Wait for a probe in flight: a daemon thread still inside a forward pass when
+        # the interpreter finalises aborts the process ("terminate called without an
+        # active exception", exit -6) instead of the drain's exit 0.
+        watch = getattr(self, "_watch_thread", None)
+        if watch is not None and watch is not threading.current_thread():
+            watch.join(timeout=30)
         self.memory.stop()
         self.sm.stop_watchdog()
         cache = getattr(self, "kernel_cache", None)

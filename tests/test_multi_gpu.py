@@ -90,3 +90,36 @@ def test_two_h200_topology_and_cpu_shares():
     # the agent started with CUDA_VISIBLE_DEVICES=1 finds and pins to GPU 1's CPUs
     assert hardware.visible_gpu(gpus, 0, "1").uuid == UUID1
     assert plan[hardware.visible_gpu(gpus, 0, "1").index] == list(range(16, 32))
+
+
+def test_pinning_covers_threads_started_before_it():
+    """The exporter thread starts before reserve pins: it must move too (checked in
+    /proc, the kernel's view)."""
+    import os
+    import threading
+    before = sorted(os.sched_getaffinity(0))
+    if len(before) < 2:
+        pytest.skip("needs two allowed CPUs")
+    started, release = threading.Event(), threading.Event()
+    tid = {}
+
+    def worker():
+        tid["id"] = threading.get_native_id()
+        started.set()
+        release.wait(10)
+    t = threading.Thread(target=worker)
+    t.start()
+    started.wait(10)
+    try:
+        assert hardware.pin_cpus(before[:1])
+        status = open(f"/proc/self/task/{tid['id']}/status").read()
+        line = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list:"))
+        assert line.split(":")[1].strip() == str(before[0])
+    finally:
+        release.set()
+        t.join()
+        for t_id in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(t_id), before)
+            except OSError:
+                pass

@@ -217,10 +217,22 @@ def assign_cpus(gpus: list[GPUFacts], allowed: list[int]) -> dict[int, list[int]
 
 
 def pin_cpus(cpus: list[int]) -> bool:
-    """Pin this process; False (and a log line) where the kernel refuses."""
+    """Pin every thread of this process; False (and a log line) where the kernel
+    refuses.  sched_setaffinity acts on one thread: the threads started before
+    reserve (the exporter's, the signal watcher, torch's pools) would otherwise
+    keep the whole cpuset and run on the other GPU's CPUs."""
     try:
         os.sched_setaffinity(0, cpus)
-        return True
     except OSError as e:
         log.warning("cannot pin to CPUs %s: %s", cpus, e.strerror)
         return False
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:      # no /proc: this thread and those it starts from now on
+        return True
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return True

@@ -123,3 +123,96 @@ def test_pinning_covers_threads_started_before_it():
                 os.sched_setaffinity(int(t_id), before)
             except OSError:
                 pass
+
+
+# --- bench/bench_two_gpu.py: its parsing and checks, on the constructed answer set ----------------
+def bench():
+    from bench import bench_two_gpu
+    return bench_two_gpu
+
+
+def constructed():
+    import json
+    return json.load(open(bench().CONSTRUCTED))
+
+
+def test_bench_reads_nvidia_smi_as_printed():
+    b, c = bench(), constructed()
+    topo = b.parse_topo(c["nvidia_smi"]["topo_m"]["stdout"])     # header underlined with ANSI codes
+    assert topo == {0: {"links": {1: "NV18"}, "cpu_affinity": list(range(16)), "numa_affinity": 0},
+                    1: {"links": {0: "NV18"}, "cpu_affinity": list(range(16, 32)), "numa_affinity": 1}}
+    q = b.parse_query(c["nvidia_smi"]["q"]["stdout"])
+    assert [(g["bus_id"], g["uuid"], g["minor_number"], g["memory_total_mib"]) for g in q] == \
+        [("0000:00:06.0", H200["uuid"], 0, 143771), ("0000:00:07.0", UUID1, 1, 143771)]
+    assert b.parse_nvlink_status(c["nvidia_smi"]["nvlink_s"]["stdout"]) == \
+        {0: {"links": 18, "active": 18}, 1: {"links": 18, "active": 18}}
+    assert b.cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11] and b.cpu_list("N/A") == []
+    assert (b.nvlink_count("NV18"), b.nvlink_count("SYS"), b.nvlink_count(" X ")) == (18, 0, 0)
+
+
+def test_bench_records_nvml_in_the_format_it_replays():
+    b, c = bench(), constructed()
+    assert b.record_nvml(b.ReplayNVML(c["nvml_answers"]), 32) == c["nvml_answers"]
+
+
+def test_bench_topology_comparison_agrees_and_catches_a_vm_that_hides_peers():
+    b, c = bench(), constructed()
+    result = {}
+    b.host_step(result, c)
+    cmp = result["topology_comparison"]
+    assert cmp["all_match"], cmp["mismatches"]
+    whats = {r["what"] for r in cmp["rows"]}
+    assert {"nvlink_links_to_gpu1", "local_cpus", "numa_node", "uuid_at_bus_id", "nvlinks_active"} <= whats
+    # a VM whose NVLink remote PCI ids are the host's, not the guest's: the agent then
+    # counts the links as going to a switch, and the comparison must say so
+    vm = copy.deepcopy(c)
+    for g in vm["nvml_answers"]:
+        g["links"] = ["00000000:9a:00.0"] * 18
+    b.host_step(result, vm)
+    bad = {(r["gpu"], r["what"]) for r in result["topology_comparison"]["mismatches"]}
+    assert bad == {(0, "nvlink_links_to_gpu1"), (1, "nvlink_links_to_gpu0")}
+
+
+def test_bench_label_check_names_every_wrong_series():
+    b = bench()
+    good = [{"name": "warmup_gpu_memory_used_bytes", "labels": {"gpu": "1", "uuid": UUID1}, "value": 1.0},
+            {"name": "warmup_state", "labels": {"state": "SERVING"}, "value": 1.0}]
+    assert b.check_labels(good, 1, UUID1)["ok"]
+    # the faults of the first two-GPU try: the other GPU's NVML series, the torch index
+    bad = good + [{"name": "warmup_gpu_memory_used_bytes", "labels": {"gpu": "0", "uuid": H200["uuid"]}, "value": 1.0},
+                  {"name": "gpu_fragmentation_rate", "labels": {"gpu": "0"}, "value": 0.5}]
+    r = b.check_labels(bad, 1, UUID1)
+    assert not r["ok"] and [w["name"] for w in r["wrong"]] == ["warmup_gpu_memory_used_bytes", "gpu_fragmentation_rate"]
+    assert not b.check_labels(good[1:], 1, UUID1)["ok"]           # no per-GPU series at all is no pass
+
+
+def test_bench_tax_is_the_first_probe_after_serving_over_the_next_twenty():
+    b = bench()
+    rec = {"probes_seconds": [0.5] * 10 + [0.030] + [0.025] * 10 + [0.027] * 10 + [0.1] * 5, "first_request_tax_ratio": 1.2}
+    t = b.tax_from_record(rec, 10)
+    assert t["tax"] == pytest.approx(0.030 / 0.026)
+    assert "error" in b.tax_from_record(dict(rec, probes_seconds=[0.1] * 20), 10)
+    assert b.p99([1.0, 1.2, 0.9]) == 1.2 and b.p99(list(range(1, 201))) == 198 and b.p99([]) is None
+
+
+@pytest.mark.slow
+def test_bench_dry_run_starts_two_cli_agents_and_writes_its_json(tmp_path):
+    """The H200x2 command's own code on the CPU: two `warmup-agent run` processes at
+    once, SERVING, probes after SERVING, SIGTERM to both, the JSON with every section."""
+    import glob
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "bench/bench_two_gpu.py", "--dry-run", "--out-dir", str(tmp_path)],
+                       cwd=bench().ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = json.load(open(glob.glob(str(tmp_path / "two_gpu_dryrun_cpu_*.json"))[0]))
+    s = out["summary"]
+    assert s["errors"] == [] and out["errors"] == [], s["errors"] + out["errors"]
+    assert s["topology_matches_nvidia_smi"] and s["both_serving_every_start"]
+    assert s["sigterm_exit_codes"] == [0, 0]
+    assert len(s["first_request_taxes"]) == 2 and all(t > 0 for t in s["first_request_taxes"])
+    agents = list(out["pairs"][0]["agents"].values())
+    assert sorted(a["cvd"] for a in agents) == ["0", "1"]
+    assert all(a["sigterm"]["draining_seen_on_startupz"] for a in agents)
+    assert out["provenance"]["commit"] and out["child_env"]["NCCL_NVLS_ENABLE"] == "0"

@@ -47,6 +47,17 @@ def m(name: str, matchers: str = "") -> str:
     return f"{name}{{{SEL}{', ' + matchers if matchers else ''}}}"
 
 
+# Per-GPU series (docs/metrics.md "Per-GPU series"): NVML figures are readings of the
+# whole device, so a GPU two agents share is exported twice; max by the GPU's own
+# labels counts it once, and the legend names the physical GPU, not the pod.
+PER_GPU_BY = "node, gpu, uuid"
+GPU_LEGEND = "{{node}} GPU {{gpu}} {{uuid}}"
+
+
+def per_gpu(expr: str) -> str:
+    return f"max by ({PER_GPU_BY}) ({expr})"
+
+
 def has(*names: str) -> bool:
     """Feature metrics (exporter/catalogue_<feature>.py) get panels once they exist."""
     return all(n in BY_NAME for n in names)
@@ -371,14 +382,15 @@ def warmup_economics(th) -> dict:
         ramp_slope_panel(),
         timeseries(
             "GPU utilisation",
-            "GPU compute utilisation per device over NVML's last sample period (warmup_gpu_utilization_ratio). GPU only.",
-            "percentunit", [target(m("warmup_gpu_utilization_ratio"), "{{pod}} GPU {{gpu}}")]),
+            "GPU compute utilisation per device over NVML's last sample period (warmup_gpu_utilization_ratio), "
+            "one series per physical GPU (gpu = nvidia-smi's index, uuid; docs/metrics.md \"Per-GPU series\"). GPU only.",
+            "percentunit", [target(per_gpu(m("warmup_gpu_utilization_ratio")), GPU_LEGEND)]),
         timeseries(
             "GPU memory used",
             "GPU memory in use per device as a fraction of its size, from NVML "
-            "(warmup_gpu_memory_used_bytes / warmup_gpu_memory_total_bytes). GPU only.",
-            "percentunit", [target(f"{m('warmup_gpu_memory_used_bytes')} / {m('warmup_gpu_memory_total_bytes')}",
-                                   "{{pod}} GPU {{gpu}}")]),
+            "(warmup_gpu_memory_used_bytes / warmup_gpu_memory_total_bytes), one series per physical GPU. GPU only.",
+            "percentunit", [target(f"{per_gpu(m('warmup_gpu_memory_used_bytes'))} / {per_gpu(m('warmup_gpu_memory_total_bytes'))}",
+                                   GPU_LEGEND)]),
         *([timeseries(
             "Water level and user traffic",
             "The autoscaling signal T = a*T_prev + (1-a)*(Q*headroom) (warmup_water_level_requests_per_second, seed 000 "

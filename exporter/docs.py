@@ -40,6 +40,32 @@ def _section(title: str, specs) -> list[str]:
     return lines + [""]
 
 
+def _per_gpu() -> list[str]:
+    """The labelling convention of per-GPU series (issue 15), with the metrics it covers."""
+    follow = [s.name for s in catalogue.CATALOGUE if {"gpu", "uuid"} <= set(s.labels)]
+    other = [s.name for s in catalogue.CATALOGUE if "gpu" in s.labels and "uuid" not in s.labels]
+    lines = [
+        "## Per-GPU series", "",
+        "Run one agent per GPU.  Each agent exports per-GPU series only for the GPUs it owns: those its "
+        "`CUDA_VISIBLE_DEVICES` names, by index or UUID (unset: every GPU of the host).  Every per-GPU series "
+        "carries two labels:", "",
+        "- `gpu`: the physical NVML index, the number `nvidia-smi` shows, not the CUDA index inside the process "
+        "(0 in every agent that sees one GPU);",
+        "- `uuid`: the GPU's UUID, the same across restarts and `CUDA_VISIBLE_DEVICES` orderings.", "",
+        "So with one agent per GPU each GPU's series appear once per node, and `sum by (uuid)` or `sum` over a "
+        "node count every GPU once.  The NVML series (`warmup_gpu_memory_*_bytes`, `warmup_gpu_utilization_ratio`) "
+        "read the whole device, every process on it: where two agents share a GPU both export it, so per-GPU "
+        "queries take `max by (node, gpu, uuid)` (as the dashboards do), which counts it once either way.  Index "
+        "digits in `CUDA_VISIBLE_DEVICES` are read in NVML (PCI bus) order: CUDA's order too with "
+        "`CUDA_DEVICE_ORDER=PCI_BUS_ID`, and in practice for identical GPUs; on a host with mixed GPU models "
+        "name GPUs by UUID.", "",
+        "Follow the convention: " + ", ".join(f"`{n}`" for n in follow) + ".",
+    ]
+    if other:
+        lines.append("Labelled `gpu` only (not yet by UUID): " + ", ".join(f"`{n}`" for n in other) + ".")
+    return lines + [""]
+
+
 def render() -> str:
     feature_names = {s.name for s in catalogue._feature_specs()}
     lines = ["# Metrics reference", "",
@@ -50,6 +76,7 @@ def render() -> str:
              "with their `_total` suffix; histograms also expose `_bucket`, `_sum` and `_count`.", "",
              "Source: " + "; ".join(f"**{k}** = {v}" for k, v in SOURCES.items()) + ".  "
              "Needs: a condition without which the metric is legitimately absent (for example **gpu**: an NVIDIA GPU is visible).", ""]
+    lines += _per_gpu()
     lines += _section("Core", [s for s in catalogue.CATALOGUE if s.name not in feature_names])
     for mod in catalogue._FEATURE_MODULES:
         m = importlib.import_module(f"exporter.{mod}")

@@ -148,3 +148,64 @@ def test_kernel_cache_dashboard_once_its_metrics_exist(monkeypatch, tmp_path):
     exprs = " ".join(e for *_, e in panel_expressions(files["kernel-cache.json"]))
     for n in generate.KERNEL_CACHE_METRICS:
         assert n in exprs, f"kernel-cache dashboard does not show {n}"
+
+
+# --- per-GPU series (docs/metrics.md "Per-GPU series") -----------------------------------------
+PER_GPU_NVML = sorted(n for n, s in BY_NAME.items() if {"gpu", "uuid"} <= set(s.labels) and s.source == "scrape")
+AGGREGATION = re.compile(r"\b(sum|avg|min|max|count|group|stddev|stdvar|topk|bottomk|quantile)\s*"
+                         r"(?:(by|without)\s*\(([^)]*)\))?\s*\(")
+
+
+def per_gpu_problems(expr: str, legend: str) -> list[str]:
+    """A query over NVML per-GPU series keeps one series per physical GPU: every
+    aggregation is by (at least) gpu and uuid, and the legend names both."""
+    if not set(metric_names(expr)) & set(PER_GPU_NVML):
+        return []
+    problems = []
+    for m in AGGREGATION.finditer(expr):
+        kept = {x.strip() for x in (m.group(3) or "").split(",")} if m.group(2) == "by" else set()
+        if not {"gpu", "uuid"} <= kept:
+            problems.append(f"{m.group(0).strip()} drops gpu/uuid")
+    problems += [f"legend lacks {{{{{lab}}}}}" for lab in ("gpu", "uuid") if "{{" + lab + "}}" not in legend]
+    return problems
+
+
+def test_per_gpu_panels_follow_the_convention():
+    checked = 0
+    for name, d in committed().items():
+        for p in d["panels"]:
+            for t in p.get("targets", []):
+                if set(metric_names(t["expr"])) & set(PER_GPU_NVML):
+                    checked += 1
+                    assert not per_gpu_problems(t["expr"], t["legendFormat"]), (name, p["title"], t["expr"])
+    assert checked >= 2      # GPU utilisation, GPU memory used
+
+
+def test_per_gpu_check_catches_node_sums_and_pod_legends():
+    assert per_gpu_problems("sum(warmup_gpu_memory_used_bytes)", "{{gpu}} {{uuid}}")
+    assert per_gpu_problems("sum by (pod) (warmup_gpu_utilization_ratio)", "{{gpu}} {{uuid}}")
+    assert per_gpu_problems("max by (node, gpu, uuid) (warmup_gpu_utilization_ratio)", "{{pod}} GPU {{gpu}}")
+    assert not per_gpu_problems("max by (node, gpu, uuid) (warmup_gpu_utilization_ratio)", "GPU {{gpu}} {{uuid}}")
+    assert not per_gpu_problems("sum(warmup_cost_ratio)", "")
+
+
+def test_gpu_memory_panel_counts_each_gpu_once_on_a_node(tmp_path):
+    """promtool evaluates the panel over one node: agents on GPUs 0 and 1 each
+    export their own GPU, and a third agent shares GPU 1 (both export it)."""
+    d = committed()["warmup-economics.json"]
+    expr = next(substitute(t["expr"]) for p in d["panels"] if p["title"] == "GPU memory used" for t in p["targets"])
+    a, b = "GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+    series = []
+    for pod, gpu, uuid, used in (("p0", "0", a, 40), ("p1", "1", b, 60), ("p2", "1", b, 60)):
+        for metric, v in (("warmup_gpu_memory_used_bytes", used), ("warmup_gpu_memory_total_bytes", 100)):
+            series.append({"series": f'{metric}{{gpu="{gpu}", uuid="{uuid}", node="n1", pod="{pod}", namespace="llm"}}',
+                           "values": f"{v}x5"})
+    test = {"rule_files": [], "evaluation_interval": "1m", "tests": [{"interval": "1m", "input_series": series,
+            "promql_expr_test": [{"expr": expr, "eval_time": "2m", "exp_samples": [
+                {"labels": f'{{gpu="0", node="n1", uuid="{a}"}}', "value": 0.4},
+                {"labels": f'{{gpu="1", node="n1", uuid="{b}"}}', "value": 0.6}]}]}]}
+    path = tmp_path / "per_gpu.test.yaml"
+    path.write_text(yaml.safe_dump(test))
+    promtool = shutil.which("promtool") or pytest.fail("promtool not found: apt-get install prometheus")
+    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -391,7 +391,8 @@ class AgentProc:
             self.ready_seconds = time.time() - self.spawned
         rec = self.record()
         if rec and rec.get("final_state") == "SERVING":
-            self.probes_at_serving = rec["probe_count"]
+            # (a /startupz that timed out under load may have left an older state above)
+            self.probes_at_serving, self.state = rec["probe_count"], "SERVING"
             return True
         return False
 

@@ -211,8 +211,11 @@ def test_bench_dry_run_starts_two_cli_agents_and_writes_its_json(tmp_path):
     assert s["errors"] == [] and out["errors"] == [], s["errors"] + out["errors"]
     assert s["topology_matches_nvidia_smi"] and s["both_serving_every_start"]
     assert s["sigterm_exit_codes"] == [0, 0]
-    assert len(s["first_request_taxes"]) == 2 and all(t > 0 for t in s["first_request_taxes"])
     agents = list(out["pairs"][0]["agents"].values())
+    why = json.dumps([{k: a.get(k) for k in ("cvd", "sigterm", "tax")} for a in agents])
+    assert len(s["first_request_taxes"]) == 2 and all(t > 0 for t in s["first_request_taxes"]), why
     assert sorted(a["cvd"] for a in agents) == ["0", "1"]
-    assert all(a["sigterm"]["draining_seen_on_startupz"] for a in agents)
+    # (DRAINING on /startupz lasts only until the exporter stops: the bench records
+    # whether its poll caught it, but that is a race, not asserted here)
+    assert all(a["sigterm"]["state_when_sent"] == "SERVING" and a["sigterm"]["seconds"] > 0 for a in agents), why
     assert out["provenance"]["commit"] and out["child_env"]["NCCL_NVLS_ENABLE"] == "0"

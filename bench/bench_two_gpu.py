@@ -580,6 +580,8 @@ def run_pair(k: int, args, nv, answers: list[dict], work: str) -> dict:
         out["cpu_sets_local"] = all(i["cpus_local_to_gpu"] for i in infos)
         out["no_memory_on_other_gpu"] = all(len(i["gpus_holding_memory"]) <= 1 for i in infos) and \
             len({i["physical_gpu"] for i in infos}) == 2
+        if not all(i["gpus_holding_memory"] for i in infos):
+            out["no_memory_on_other_gpu"] = None      # NVML showed no memory of an agent: not verified
         out["labels_ok"] = all(i["labels"]["ok"] for i in infos)
         # --- first-request tax: wait for NEXT+1 probes after SERVING on both ----------------------
         t_wait = min(time.time() + 30, hard_deadline(args))
@@ -643,6 +645,7 @@ def summarise(result: dict) -> dict:
         "cpu_sets_local_every_start": bool(pairs) and all(p.get("cpu_sets_local") for p in pairs),
         "no_memory_on_other_gpu_every_start": bool(pairs) and all(p.get("no_memory_on_other_gpu") for p in pairs),
         "labels_right_every_start": bool(pairs) and all(p.get("labels_ok") for p in pairs),
+        "metrics_with_wrong_labels": sorted({w["name"] for a in agents for w in a.get("labels", {}).get("wrong", [])}),
         "labels_same_across_swap": bool(by_gpu) and all(len(set(v)) == 1 for v in by_gpu.values())
         and any(p["cuda_visible_devices"] == ["1", "0"] for p in pairs),
         "sigterm_exit_codes": [d["exit_code"] for d in drains],
@@ -709,15 +712,21 @@ def main() -> int:
     if not args.dry_run:
         def model():
             t = time.time()
-            subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
-                            f"from bench.bench_gpu_cold_start import make_model; make_model({args.model!r})"],
-                           check=True, cwd=ROOT, env=dict(os.environ, **CHILD_ENV, CUDA_VISIBLE_DEVICES="0"), timeout=300)
+            r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
+                                f"from bench.bench_gpu_cold_start import make_model; make_model({args.model!r})"],
+                               cwd=ROOT, env=dict(os.environ, **CHILD_ENV, CUDA_VISIBLE_DEVICES="0"), timeout=300,
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"making the model exited {r.returncode}: {r.stderr[-2000:]}")
             result["model"] = {"path": args.model, "shape": "Qwen2-1.5B", "dtype": "bfloat16", "weights": "random",
                                "make_seconds": time.time() - t}
         step("model", model)
-        import pynvml
-        pynvml.nvmlInit()
-        nv = pynvml
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            nv = pynvml
+        except Exception as e:  # noqa: BLE001 - no per-process memory then; recorded
+            result["errors"].append(f"nvml: {type(e).__name__}: {e}")
     answers = result.get("host", {}).get("nvml_answers", [])
     work = tempfile.mkdtemp(prefix="two-gpu-")
     if args.dry_run:

@@ -97,3 +97,31 @@ def test_nvml_facts_agree_with_torch(tmp_path):
     if out:   # keep the real answers for the record
         with open(os.path.join(out, "nvml_answers_h200.json"), "w") as f:
             json.dump(hardware.topology(gpus) | {"facts": [vars(g) for g in gpus]}, f, indent=2)
+
+
+def test_cli_on_cuda_drains_on_sigterm(tmp_path, data_dir, embedded_model):
+    """Issue 13: on the H200 the CLI never drained (the handler never ran).  The
+    command line on CUDA: SERVING, SIGTERM from outside, DRAINING on /startupz,
+    exit 0 within 5 s."""
+    import signal
+    import threading
+    import time
+    from tests.test_signals import start_agent, watch_states
+    proc, url, log = start_agent(tmp_path, data_dir)
+    try:
+        seen: set = set()
+        w = threading.Thread(target=watch_states, args=(url, proc, seen), daemon=True)
+        w.start()
+        time.sleep(2)   # a probe in flight, as in the failing runs
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        w.join(2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, open(log).read()[-2000:]
+    assert took <= 5, took
+    assert "DRAINING" in seen or "signal 15: draining" in open(log).read()

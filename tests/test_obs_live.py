@@ -93,7 +93,8 @@ def live_rules(tmp_path) -> str:
     rules = yaml.safe_load(alerts_generate.render())
     th = alerts_generate.load_thresholds()
     tree = copy.deepcopy(th.tree)
-    tree["phase_budget_seconds"] = {phase: 0 for phase in tree["phase_budget_seconds"]}
+    tree["phase_budget_seconds"] = {kind: {phase: 0 for phase in phases}
+                                    for kind, phases in tree["phase_budget_seconds"].items()}
     tree["phase_budget_for"] = "0s"
     zeroed = alerts_generate.build(alerts_generate.Thresholds(tree, "live copy"))
     fast = next(r for g in zeroed["groups"] for r in g["rules"] if r["alert"] == "WarmupAgentPhaseOverBudget")

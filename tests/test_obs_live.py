@@ -268,7 +268,7 @@ def test_for_0s_copy_fires_and_reaches_the_webhook(live):
         direct = next(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                       if line.startswith(f'model_loading_phase_duration_seconds{{phase="{phase}"}}'))
         assert a["annotations"]["description"] == (
-            f"/ ({a['labels']['instance']}): stage {phase} took {direct:.2f} s, over its budget in alerts/thresholds.yaml.")
+            f"/ ({a['labels']['instance']}): stage {phase} took {direct:.2f} s, over its budget for this device kind in alerts/thresholds.yaml.")
     # the original (for: 1m, real budgets) is not what was delivered
     assert all(x["labels"].get("copy") == "for-0s" for x in hook.alerts()
                if x["labels"]["alertname"] == "WarmupAgentPhaseOverBudget")

@@ -138,7 +138,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                doc="From torch.cuda.memory_snapshot() of the agent's own process: a free block counts when its segment also holds a "
                    "live block (the allocator can neither release that segment nor reuse the hole for a larger request); a wholly "
                    "free segment does not.  gpu is the physical NVML index, uuid the GPU UUID.  Present with the torch engine on a GPU "
-                   "(and in-process vLLM); absent with the openai engine, whose server is another process (the agent's allocator "
+                   "(and with vllm only when its engine core runs in the agent's process); absent with the openai engine, whose server is another process (the agent's allocator "
                    "holds no GPU memory there), and for a GPU on which the allocator reserves nothing.  Measured on an H200 "
                    "(Qwen2-1.5B shape, default config): 0.0145 freshly warmed (the old 1 - largest free block / free bytes read "
                    "0.586 on the same pod).  Seed 003 alerts above 0.3 (seen rising 12 % -> 43 % in 30 days)."),

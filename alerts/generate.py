@@ -108,6 +108,33 @@ class _Rules:
         }
 
 
+def _phase_budget_expr(r: _Rules, th: Thresholds) -> str:
+    """model_loading_phase_duration_seconds over its budget, where the budget
+    depends on the device kind: a pod whose reserve created a CUDA context
+    exports warmup_reserve_step_duration_seconds{step="cuda_context"} and gets
+    the `cuda` budgets; every other pod (CPU, or a server engine on a GPU host)
+    the `cpu` ones.  A phase with one budget for both is one plain comparison."""
+    budgets = th.tree.get("phase_budget_seconds")
+    kinds = ("cpu", "cuda")
+    if not isinstance(budgets, dict) or set(budgets) != set(kinds) or not all(
+            isinstance(budgets[k], dict) and budgets[k] for k in kinds):
+        raise ThresholdError(f"{th.path}: key 'phase_budget_seconds': expected cpu: and cuda:, each a mapping of phase to seconds")
+    if set(budgets["cpu"]) != set(budgets["cuda"]):
+        raise ThresholdError(f"{th.path}: key 'phase_budget_seconds': cpu and cuda must budget the same phases "
+                             f"(got {sorted(budgets['cpu'])} and {sorted(budgets['cuda'])})")
+    cuda_pod = r.sel("warmup_reserve_step_duration_seconds", step="cuda_context")
+    terms = []
+    for phase in budgets["cpu"]:
+        sel = r.sel("model_loading_phase_duration_seconds", phase=phase)
+        cpu, cuda = (th.get(f"phase_budget_seconds.{k}.{phase}", "number") for k in kinds)
+        if cpu == cuda:
+            terms.append(f"{sel} > {_fmt(cpu)}")
+        else:
+            terms.append(f"({sel} > {_fmt(cpu)} unless on (job, instance) {cuda_pod})")
+            terms.append(f"({sel} > {_fmt(cuda)} and on (job, instance) {cuda_pod})")
+    return " or ".join(terms)
+
+
 # Every description names where the alert comes from.
 _WHO = "{{ $labels.namespace }}/{{ $labels.pod }} ({{ $labels.instance }})"
 
@@ -118,12 +145,7 @@ def build(th: Thresholds) -> dict:
     groups = []
 
     # --- cold start: the warmup itself --------------------------------------------
-    budgets = th.tree.get("phase_budget_seconds")
-    if not isinstance(budgets, dict) or not budgets:
-        raise ThresholdError(f"{th.path}: key 'phase_budget_seconds': expected a mapping of phase to seconds")
-    phase_expr = " or ".join(
-        f'{r.sel("model_loading_phase_duration_seconds", phase=phase)} > {_fmt(g(f"phase_budget_seconds.{phase}", "number"))}'
-        for phase in budgets)
+    phase_expr = _phase_budget_expr(r, th)
     warm_states = "~INIT|PRELOAD|PRIME"
     groups.append({"name": "warmup-agent.cold-start", "rules": [
         r.alert("WarmupAgentColdStartDegradation",
@@ -134,7 +156,7 @@ def build(th: Thresholds) -> dict:
                 f'{{{{ $labels.reason }}}} in the last hour.'),
         r.alert("WarmupAgentPhaseOverBudget", phase_expr, g("phase_budget_for", "duration"), "warning",
                 "A warmup stage took longer than its budget.",
-                f'{_WHO}: stage {{{{ $labels.phase }}}} took {{{{ printf "%.2f" $value }}}} s, over its budget in alerts/thresholds.yaml.'),
+                f'{_WHO}: stage {{{{ $labels.phase }}}} took {{{{ printf "%.2f" $value }}}} s, over its budget for this device kind in alerts/thresholds.yaml.'),
         r.alert("WarmupAgentWarmupStuck",
                 f'sum without (state) ({r.sel("warmup_state", state=warm_states)}) == 1',
                 g("warmup_stuck.for", "duration"), "warning",

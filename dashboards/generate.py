@@ -207,10 +207,12 @@ def cold_start_overview(th) -> dict:
         timeseries(
             "Stage durations (latest warmup)",
             "Seconds each warmup stage took in the latest warmup (model_loading_phase_duration_seconds), stacked: "
-            "reserve (seed phase 1, budget 0.5 s), prewarm, solidify, ready. Averaged over the selected pods; pick one pod to see its own.",
+            f"reserve (seed phase 1, budget {th.get('phase_budget_seconds.cpu.reserve', 'number'):g} s on a CPU pod, "
+            f"{th.get('phase_budget_seconds.cuda.reserve', 'number'):g} s on a pod whose reserve creates a CUDA context and imports torch), "
+            "prewarm, solidify, ready. Averaged over the selected pods; pick one pod to see its own.",
             "s", [target(f"avg by (phase) ({m('model_loading_phase_duration_seconds')})", "{{phase}}")],
             stack=True, bars=True,
-            thresholds=_thresholds((th.get("phase_budget_seconds.reserve", "number"), "red"))),
+            thresholds=_thresholds((th.get("phase_budget_seconds.cpu.reserve", "number"), "red"))),
         stat("Time to ready",
              "Seconds from agent start to SERVING in each pod's latest warmup (warmup_time_to_ready_seconds).",
              "s", [target(f"max by (namespace, pod) ({m('warmup_time_to_ready_seconds')})", "{{pod}}")],

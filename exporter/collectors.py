@@ -105,17 +105,32 @@ def _text(v) -> str:
 
 
 class AllocatorCollector:
-    """gpu_fragmentation_rate from this process's PyTorch caching allocator:
-    1 - largest free block / free reserved bytes, per device it has touched
-    (warmup_agent.gpu.memory.fragmentation_from_snapshot).  Reads torch only if
-    the process already imported it and initialised CUDA.  `snapshot` is
-    injectable so the computation is tested on a recorded snapshot."""
+    """gpu_fragmentation_rate from this process's PyTorch caching allocator, per
+    device it holds memory on: free bytes stranded in segments that still hold a
+    live allocation, over reserved bytes (warmup_agent.gpu.memory.
+    fragmentation_from_snapshot says why this definition).
 
-    def __init__(self, snapshot=None):
+    Where it comes from, per engine: `torch` on a GPU, the agent's own allocator
+    (weights, KV cache, activations, CUDA graphs); `vllm`, the same allocator
+    only when vLLM's engine core runs in the agent's process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0; not measured on a GPU: no vLLM on the
+    H200) -- with vLLM's default engine-core process the agent's allocator
+    holds nothing and the figure is absent.  Absent with `openai` (the
+    server is another process: the agent's allocator holds no GPU memory, so a
+    figure would be a meaningless 0), on a CPU, and for any device on which the
+    allocator reserves nothing.
+
+    Labelled like the NVML series: gpu = physical NVML index, uuid = GPU UUID
+    (not torch's index, which is 0 in every process that sees one GPU).
+    `snapshot` and `gpu_labels` (torch index -> (NVML index, UUID)) are
+    injectable so the computation is tested on recorded snapshots."""
+
+    def __init__(self, snapshot=None, gpu_labels=None):
         self._snapshot = snapshot
+        self._gpu_labels = gpu_labels or _TorchGpuLabels()
 
     def collect(self):
-        from warmup_agent.gpu.memory import fragmentation_from_snapshot
+        from warmup_agent.gpu.memory import fragmentation_from_snapshot, reserved_from_snapshot
         snap = self._snapshot
         if snap is None:
             torch = sys.modules.get("torch")
@@ -128,12 +143,41 @@ class AllocatorCollector:
             except Exception:  # noqa: BLE001
                 return
         try:
+            segments = snap()
+            reserved = reserved_from_snapshot(segments)
             fam = _family("gpu_fragmentation_rate")
-            for dev, rate in sorted(fragmentation_from_snapshot(snap()).items()):
-                fam.add_metric([str(dev)], rate)
+            for dev, rate in sorted(fragmentation_from_snapshot(segments).items()):
+                if reserved.get(dev):           # nothing reserved: no figure, not a 0
+                    fam.add_metric(list(self._gpu_labels(dev)), rate)
             yield fam
         except Exception:  # noqa: BLE001 - never blank the scrape
             log.debug("allocator snapshot failed", exc_info=True)
+
+
+class _TorchGpuLabels:
+    """torch device index -> (physical NVML index, UUID), through the UUID torch
+    reports for the device; resolved once per device.  Without NVML the index
+    is "unknown" (the UUID still identifies the GPU)."""
+
+    def __init__(self):
+        self._cache: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, dev: int) -> tuple[str, str]:
+        if dev not in self._cache:
+            import torch
+            uuid = str(torch.cuda.get_device_properties(dev).uuid)
+            uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+            self._cache[dev] = (_nvml_index(uuid), uuid)
+        return self._cache[dev]
+
+
+def _nvml_index(uuid: str) -> str:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid)))
+    except Exception:  # noqa: BLE001 - no NVML: the UUID alone
+        return "unknown"
 
 
 def register_default_collectors(registry) -> None:

@@ -205,7 +205,7 @@ def test_every_alert_metric_is_in_the_catalogue():
 def test_promtool_input_series_use_catalogue_labels():
     """The unit tests' made-up series carry only labels the real metrics have, so
     a renamed label cannot leave rules that pass their tests but never fire."""
-    for path in sorted(os.listdir(TESTS_DIR)):
+    for path in sorted(p for p in os.listdir(TESTS_DIR) if p.endswith(".test.yaml")):
         with open(os.path.join(TESTS_DIR, path), encoding="utf-8") as f:
             spec = yaml.safe_load(f)
         for t in spec["tests"]:
@@ -229,3 +229,28 @@ def test_bad_threshold_is_one_clear_line(tmp_path):
     assert "warmup_cost_ratio.max" in r.stderr and "'high'" in r.stderr and "a number" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / generate.RULES_FILE).exists()
+
+
+def test_phase_budgets_per_device_kind_are_checked(tmp_path):
+    """phase_budget_seconds needs cpu: and cuda: with the same phases; a mistake is one line."""
+    with open(generate.THRESHOLDS_PATH, encoding="utf-8") as f:
+        tree = yaml.safe_load(f)
+    for broken, words in (({"reserve": 0.5, "prewarm": 120}, "expected cpu: and cuda:"),
+                          ({"cpu": {"reserve": 0.5}, "cuda": {"reserve": 10, "ready": 1}}, "the same phases"),
+                          ({"cpu": {"reserve": 0.5}, "cuda": {"reserve": "slow"}}, "phase_budget_seconds.cuda.reserve")):
+        bad = tmp_path / "thresholds.yaml"
+        bad.write_text(yaml.safe_dump({**tree, "phase_budget_seconds": broken}))
+        r = subprocess.run([sys.executable, "-m", "alerts.generate", "--thresholds", str(bad), "--out", str(tmp_path)],
+                           capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 2 and words in r.stderr, r.stderr
+        assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+
+
+def test_cuda_budget_applies_only_to_pods_with_a_cuda_context():
+    expr = next(a for _, a in all_alerts() if a["alert"] == "WarmupAgentPhaseOverBudget")["expr"]
+    th = generate.load_thresholds()
+    cpu, cuda = th.get("phase_budget_seconds.cpu.reserve", "number"), th.get("phase_budget_seconds.cuda.reserve", "number")
+    assert f'model_loading_phase_duration_seconds{{phase="reserve"}} > {cpu:g} unless on (job, instance) ' \
+           f'warmup_reserve_step_duration_seconds{{step="cuda_context"}}' in expr
+    assert f'model_loading_phase_duration_seconds{{phase="reserve"}} > {cuda:g} and on (job, instance) ' \
+           f'warmup_reserve_step_duration_seconds{{step="cuda_context"}}' in expr

@@ -93,7 +93,8 @@ def live_rules(tmp_path) -> str:
     rules = yaml.safe_load(alerts_generate.render())
     th = alerts_generate.load_thresholds()
     tree = copy.deepcopy(th.tree)
-    tree["phase_budget_seconds"] = {phase: 0 for phase in tree["phase_budget_seconds"]}
+    tree["phase_budget_seconds"] = {kind: {phase: 0 for phase in phases}
+                                    for kind, phases in tree["phase_budget_seconds"].items()}
     tree["phase_budget_for"] = "0s"
     zeroed = alerts_generate.build(alerts_generate.Thresholds(tree, "live copy"))
     fast = next(r for g in zeroed["groups"] for r in g["rules"] if r["alert"] == "WarmupAgentPhaseOverBudget")
@@ -267,7 +268,7 @@ def test_for_0s_copy_fires_and_reaches_the_webhook(live):
         direct = next(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
                       if line.startswith(f'model_loading_phase_duration_seconds{{phase="{phase}"}}'))
         assert a["annotations"]["description"] == (
-            f"/ ({a['labels']['instance']}): stage {phase} took {direct:.2f} s, over its budget in alerts/thresholds.yaml.")
+            f"/ ({a['labels']['instance']}): stage {phase} took {direct:.2f} s, over its budget for this device kind in alerts/thresholds.yaml.")
     # the original (for: 1m, real budgets) is not what was delivered
     assert all(x["labels"].get("copy") == "for-0s" for x in hook.alerts()
                if x["labels"]["alertname"] == "WarmupAgentPhaseOverBudget")

@@ -170,3 +170,30 @@ def test_first_request_tax_gauge_is_first_probe_over_median_of_the_rest(served):
     probes = agent.probes[:agent.stages[-1].detail["probes"]]   # the gate's probes, before any watch probe
     expected = probes[0] / statistics.median(probes[1:])
     assert agent.metrics.registry.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(expected, rel=1e-12)
+
+
+def test_reserve_steps_are_in_the_record_and_the_metrics(served):
+    """Stage 1's sub-steps (issue 13): each in the run record and as
+    warmup_reserve_step_duration_seconds{step} with the same value; together
+    no longer than the stage.  On a CPU host there is no CUDA step."""
+    agent, _, _, _ = served
+    reserve = next(s for s in agent.record()["stages"] if s["name"] == "reserve")
+    steps = reserve["steps_seconds"]
+    assert {"host_facts", "model_check"} <= set(steps) and not {"cuda_init", "cuda_context"} & set(steps)
+    reg = agent.metrics.registry
+    for name, seconds in steps.items():
+        assert reg.get_sample_value("warmup_reserve_step_duration_seconds", {"step": name}) == pytest.approx(seconds, abs=1e-6)
+    assert 0 < sum(steps.values()) <= reserve["duration_seconds"]
+
+
+def test_reserve_step_is_logged(caplog):
+    import logging
+    from types import SimpleNamespace
+    from warmup_agent.stages.reserve import Steps
+    metrics = AgentMetrics()
+    detail = {}
+    with caplog.at_level(logging.INFO, logger="warmup_agent.coldstart"):
+        with Steps(SimpleNamespace(metrics=metrics), detail)("torch_import"):
+            time.sleep(0.01)
+    assert detail["steps_seconds"]["torch_import"] >= 0.01
+    assert any("[COLDSTART] phase1 reserve step step=torch_import duration=" in r.getMessage() for r in caplog.records)

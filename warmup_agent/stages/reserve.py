@@ -12,15 +12,26 @@ plus activation headroom; when that cannot fit, the agent fails at once with
 reason insufficient_gpu_memory and the numbers.  On a CPU host: CPU and memory
 facts; there is no GPU locality to pin to; insufficient_memory when the
 weights alone cannot fit.
+
+Every sub-step is timed (`steps`): the run record's reserve stage carries
+`steps_seconds`, the log a `[COLDSTART] phase1 reserve step` line per step, and
+/metrics `warmup_reserve_step_duration_seconds{step}`.  Issue 13 saw reserve take
+3.0-3.7 s on an H200 of which the CUDA context was only 0.15 s: the steps say
+where the rest goes (host_facts = NVML, pin_cpus, model_check, torch_import,
+cuda_init = driver init and device enumeration, cuda_context, memory_reserve).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import time
 
 from warmup_agent import hardware
 from warmup_agent.engines.torch_engine import check_model_dir, check_safetensors_header, safetensors_files
 from warmup_agent.gpu import sizing
+from warmup_agent.progress import coldstart
 
 log = logging.getLogger("warmup_agent.stages.reserve")
 
@@ -52,11 +63,35 @@ def configure_engine(agent) -> None:
                          graph_max_len=cfg["solidify.graph_max_length"])
 
 
+class Steps:
+    """Times the sub-steps of reserve into detail["steps_seconds"], the log and
+    the warmup_reserve_step_duration_seconds gauge (one clock: perf_counter)."""
+
+    def __init__(self, agent, detail: dict):
+        self._gauge = agent.metrics["warmup_reserve_step_duration_seconds"]
+        self.seconds = detail.setdefault("steps_seconds", {})
+
+    def record(self, name: str, seconds: float) -> None:
+        self.seconds[name] = round(seconds, 6)
+        self._gauge.labels(step=name).set(seconds)
+        coldstart("step", "reserve", 1, step=name, duration=round(seconds, 6))
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(name, time.perf_counter() - t0)
+
+
 def run(agent) -> None:
     cfg = agent.cfg
-    host = hardware.read_host()
-    agent.host_facts = host.as_dict()
     detail = agent.stages[-1].detail
+    step = Steps(agent, detail)
+    with step("host_facts"):            # NVML init, per-GPU facts, NVLink links
+        host = hardware.read_host()
+    agent.host_facts = host.as_dict()
     detail["gpus"] = len(host.gpus)
     device = cfg["model.device"]
     if device == "auto":
@@ -69,19 +104,21 @@ def run(agent) -> None:
     agent.gpu = gpu
     if gpu is not None:
         detail["gpu_uuid"] = gpu.uuid
-        agent.host_facts["topology"] = hardware.topology(host.gpus)
-        if cfg["reserve.pin_cpus"] and gpu.local_cpus:
-            cpus = hardware.assign_cpus(host.gpus, host.allowed_cpus)[gpu.index]
-            detail["pinned_cpus"] = cpus if hardware.pin_cpus(cpus) else None
+        with step("pin_cpus"):
+            agent.host_facts["topology"] = hardware.topology(host.gpus)
+            if cfg["reserve.pin_cpus"] and gpu.local_cpus:
+                cpus = hardware.assign_cpus(host.gpus, host.allowed_cpus)[gpu.index]
+                detail["pinned_cpus"] = cpus if hardware.pin_cpus(cpus) else None
     else:
         detail["pinned_cpus"] = None  # no GPU: no locality to pin to; keep the cgroup's cpuset
 
     model_path = getattr(agent.engine, "model_path", None)
     if not model_path:
         return
-    config = check_model_dir(model_path)
     on_gpu = device.startswith("cuda") and gpu is not None
-    need = _weight_bytes_on_device(model_path, "cuda" if on_gpu else "cpu", cfg["model.dtype"])
+    with step("model_check"):           # config.json and every shard header
+        config = check_model_dir(model_path)
+        need = _weight_bytes_on_device(model_path, "cuda" if on_gpu else "cpu", cfg["model.dtype"])
     detail["weight_bytes"] = need
     if not on_gpu:
         if need > host.memory_available_bytes:
@@ -99,9 +136,22 @@ def run(agent) -> None:
         agent.fail("insufficient_gpu_memory", problem)
     agent.gpu_free_bytes = gpu.memory_free_bytes
     if hasattr(agent.engine, "init_device"):
+        # The first `import torch` of the process lands here (nothing imports it
+        # earlier on a GPU host); timed apart so it is not read as reservation.
+        with step("torch_import"):
+            if "torch" not in sys.modules:
+                import torch  # noqa: F401
+        t0 = time.perf_counter()
         agent.engine.init_device()        # CUDA context, under its deadline
+        total = time.perf_counter() - t0
+        context = agent.engine.context_seconds or 0.0
         detail["cuda_context_seconds"] = agent.engine.context_seconds
+        # init_device = device resolution (torch.cuda.is_available(): cuInit and
+        # device enumeration) + the context (set_device and a first allocation).
+        step.record("cuda_init", max(total - context, 0.0))
+        step.record("cuda_context", context)
         if cfg["reserve.gpu_memory"]:
-            reserved = agent.engine.reserve_memory(plan.total_bytes)
+            with step("memory_reserve"):
+                reserved = agent.engine.reserve_memory(plan.total_bytes)
             detail["reserved_bytes"] = reserved
             agent.metrics["warmup_gpu_memory_reserved_bytes"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)

@@ -1,0 +1,125 @@
+"""Healthy pods replayed through the shipped alert rules with real promtool (issue 13).
+
+Every exposition in alerts/tests/recorded/ is the real /metrics of a healthy pod
+(recorded with `python -m alerts.record`); alerts/replay.py turns each into a
+40-minute promtool test with its series evolving as on a serving pod, and no
+alert may fire.  The converter is checked on its own (the series really evolve)
+and in the other direction: the pre-issue-13 rules fire on an exposition with
+the H200 pod's old figures, so the replay can see an alert when there is one."""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from alerts import generate, replay
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDED = sorted(glob.glob(os.path.join(ROOT, "alerts", "tests", "recorded", "*.prom")))
+CONSTRUCTED = os.path.join(ROOT, "alerts", "tests", "constructed", "h200_torch_before_issue13.prom")
+H200 = os.path.join(ROOT, "alerts", "tests", "recorded", "h200_torch_healthy.prom")
+
+
+@pytest.fixture(autouse=True)
+def _promtool():
+    if not replay.find_promtool():
+        pytest.fail("promtool not found: apt-get install prometheus (see .ci/run)")
+
+
+def test_recordings_are_there():
+    names = {os.path.basename(p) for p in RECORDED}
+    assert {"cpu_torch_healthy.prom", "cpu_vllm_openai_healthy.prom", "h200_torch_healthy.prom"} <= names, names
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[os.path.basename(p) for p in RECORDED])
+def test_no_alert_fires_on_a_recorded_healthy_pod(path):
+    assert replay.replay(path, minutes=40) == []
+
+
+def test_the_replay_evolves_like_a_serving_pod():
+    samples = replay.parse(H200)
+    series = replay.evolve(samples, minutes=40)
+    assert all(len(v) == 41 for v in series.values())          # 0..40 minutes, one value a minute
+
+    def one(name, **labels):
+        hits = [v for s, v in series.items() if s.startswith(name + "{") and all(f'{k}="{x}"' in s for k, x in labels.items())]
+        assert len(hits) == 1, (name, labels, len(hits))
+        return hits[0]
+
+    cost = one("warmup_cost_ratio")
+    recorded_cost = replay._value(samples, "warmup_cost_ratio")
+    assert cost[0] == pytest.approx(recorded_cost)
+    assert all(a > b for a, b in zip(cost, cost[1:])), "the cost ratio decays as the pod serves"
+    # the agent's own formula: busy seconds / uptime, uptime growing by 60 s a minute
+    busy0 = replay._value(samples, "warmup_engine_seconds_total")
+    busy40 = sum(v[-1] for s, v in series.items() if s.startswith("warmup_engine_seconds_total{"))
+    assert cost[-1] == pytest.approx(busy40 / (busy0 / recorded_cost + 2400), rel=1e-9)
+    probes = one("warmup_requests_total", kind="probe")
+    assert probes[-1] - probes[0] == pytest.approx(40 * 60 / 5)      # one probe every 5 s
+    assert one("warmup_requests_total", kind="warmup")[-1] == one("warmup_requests_total", kind="warmup")[0]
+    assert one("warmup_first_token_latency_seconds_count", kind="probe")[-1] > one("warmup_first_token_latency_seconds_count", kind="probe")[0]
+    assert set(one("up")) == {1.0}
+    assert set(one("warmup_state", state="SERVING")) == {1.0}
+
+
+def test_engine_counters_grow_in_the_vllm_recording():
+    path = os.path.join(ROOT, "alerts", "tests", "recorded", "cpu_vllm_openai_healthy.prom")
+    series = replay.evolve(replay.parse(path), minutes=40)
+    finished = [v for s, v in series.items() if s.startswith("warmup_engine_requests_finished_total{")]
+    assert len(finished) == 1 and finished[0][-1] - finished[0][0] == pytest.approx(40 * 60 / 5)   # one per probe
+    assert {v[0] for s, v in series.items() if s.startswith("warmup_engine_up{")} == {1.0}
+
+
+def _old_rules(tmp_path) -> str:
+    """The rules as they were before issue 13: one budget for every device kind
+    (reserve 0.5 s), which generates exactly the old expression."""
+    th = generate.load_thresholds()
+    tree = dict(th.tree)
+    tree["phase_budget_seconds"] = {"cpu": th.tree["phase_budget_seconds"]["cpu"],
+                                    "cuda": th.tree["phase_budget_seconds"]["cpu"]}
+    path = tmp_path / generate.RULES_FILE
+    path.write_text(generate.render(generate.Thresholds(tree, "old")))
+    return str(path)
+
+
+def test_old_rules_fire_on_the_h200_pod_as_issue_13_saw_it(tmp_path):
+    """The H200 pod as the agent reported it before issue 13 (reserve 3.7 s with no
+    steps, fragmentation 0.586 by the old definition): the old rules page twice.
+    The same pod as the agent reports it now (the recording) is quiet."""
+    got = {a for a, _, _ in replay.replay(CONSTRUCTED, minutes=40, rules_path=_old_rules(tmp_path))}
+    assert got == {"WarmupAgentPhaseOverBudget", "WarmupAgentGpuFragmentationHigh"}
+    assert replay.replay(H200, minutes=40) == []
+
+
+def test_the_command_lists_firing_alerts_and_exits_nonzero(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "alerts.replay", CONSTRUCTED, "--rules", _old_rules(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and "WarmupAgentPhaseOverBudget" in lines[0] + lines[1] and "WarmupAgentGpuFragmentationHigh" in r.stdout
+    assert 'phase="reserve"' in r.stdout
+    r = subprocess.run([sys.executable, "-m", "alerts.replay", H200], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "no alert fired in 40 minutes" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_replay_of_35_minutes_at_least(tmp_path):
+    out = tmp_path / "t.yaml"
+    assert replay.replay(H200, minutes=35, out=str(out)) == []
+    spec = yaml.safe_load(out.read_text())
+    assert max(int(c["eval_time"][:-1]) for c in spec["tests"][0]["alert_rule_test"]) == 35
+    alerts = {c["alertname"] for c in spec["tests"][0]["alert_rule_test"]}
+    assert alerts == set(replay.alert_names(replay.os.path.join(ROOT, "alerts", generate.RULES_FILE)))
+    r = subprocess.run([sys.executable, "-m", "alerts.replay", H200, "--minutes", "20"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "expected >= 35" in r.stderr
+
+
+def test_bad_input_is_one_line(tmp_path):
+    bad = tmp_path / "bad.prom"
+    bad.write_text("this is { not an exposition\n")
+    r = subprocess.run([sys.executable, "-m", "alerts.replay", str(bad)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and str(bad) in r.stderr and "Traceback" not in r.stderr

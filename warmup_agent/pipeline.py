@@ -42,7 +42,7 @@ class AgentFailure(Exception):
 class StageTiming:
     name: str
     phase: int
-    start: float                 # seconds since agent start
+    start: float                 # seconds since the clock origin (process start from the CLI)
     end: float | None = None
     status: str = "running"      # running | ok | failed
     detail: dict = field(default_factory=dict)

@@ -214,7 +214,7 @@ def cold_start_overview(th) -> dict:
             stack=True, bars=True,
             thresholds=_thresholds((th.get("phase_budget_seconds.cpu.reserve", "number"), "red"))),
         stat("Time to ready",
-             "Seconds from agent start to SERVING in each pod's latest warmup (warmup_time_to_ready_seconds).",
+             "Seconds from process start to SERVING in each pod's latest warmup (warmup_time_to_ready_seconds).",
              "s", [target(f"max by (namespace, pod) ({m('warmup_time_to_ready_seconds')})", "{{pod}}")],
              decimals=2),
         heatmap(

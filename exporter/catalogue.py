@@ -70,7 +70,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "States left because their deadline passed, by state.",
                labels=("state",), unit="short"),
     MetricSpec("warmup_time_to_ready_seconds", "gauge",
-               "Seconds from agent start to SERVING in the latest warmup (absent until SERVING).",
+               "Seconds from process start to SERVING in the latest warmup, imports and model creation included (absent until SERVING).",
                unit="s"),
     # --- stages -------------------------------------------------------------------
     MetricSpec("model_loading_phase_duration_seconds", "gauge",

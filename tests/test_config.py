@@ -62,10 +62,20 @@ def test_unknown_key_names_the_closest_known_key(tmp_path):
 
 
 def test_unknown_section_and_env_variable(tmp_path):
-    with pytest.raises(ConfigError, match="unknown key 'readyness'"):
+    with pytest.raises(ConfigError, match=r"unknown key 'readyness'; did you mean 'readiness'\?$"):
         config.load(write(tmp_path, "readyness:\n  min_probes: 3\n"), env={})
     with pytest.raises(ConfigError, match="WARMUP_AGENT_READINESS_MIN_PROBE.*did you mean WARMUP_AGENT_READINESS_MIN_PROBES"):
         config.load(env={"WARMUP_AGENT_READINESS_MIN_PROBE": "3"})
+
+
+@pytest.mark.parametrize("text, typo, suggestion", [
+    ("readines:\n  min_probes: 3\n", "readines", "readiness"),        # a section: a section
+    ("enigne: torch\n", "enigne", "engine"),                          # a top-level key
+    ("prewarm:\n  prompt_lenghts: [8]\n", "prewarm.prompt_lenghts", "prewarm.prompt_lengths"),
+])
+def test_a_typo_is_compared_with_names_of_its_own_depth(tmp_path, text, typo, suggestion):
+    with pytest.raises(ConfigError, match=rf"unknown key '{typo}'; did you mean '{suggestion}'\?$"):
+        config.load(write(tmp_path, text), env={})
 
 
 def test_env_value_is_checked_like_a_file_value():

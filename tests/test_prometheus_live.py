@@ -38,9 +38,9 @@ def test_every_catalogue_metric_is_scraped_with_its_type(agent_process, tmp_path
         prom.wait_for_scrape()
         meta = prom.api("/api/v1/targets/metadata")
         types = {m["metric"]: m["type"] for m in meta}
-        # Counters with labels exist as series only once their event happened.
-        event_only = {"model_loading_failures_total", "warmup_illegal_transitions_total",
-                      "warmup_state_deadline_exceeded_total", "warmup_kernel_cache_evictions_total",
+        # Counters with labels exist as series only once their event happened
+        # (failure reasons and illegal transitions are known in advance: they start at 0).
+        event_only = {"warmup_state_deadline_exceeded_total", "warmup_kernel_cache_evictions_total",
                       "warmup_kernel_cache_publish_skipped_total"}
         missing, wrong, no_series = [], [], []
         for spec in CATALOGUE:
@@ -59,7 +59,7 @@ def test_every_catalogue_metric_is_scraped_with_its_type(agent_process, tmp_path
         for spec in CATALOGUE:
             if spec.requires in ("gpu", "engine_metrics", "proxy"):
                 assert not prom.query(spec.name), f"{spec.name} must be absent here ({spec.requires})"
-        assert not prom.query("warmup_illegal_transitions_total"), "a clean warmup makes no illegal transition"
+        assert not prom.query("warmup_illegal_transitions_total > 0"), "a clean warmup makes no illegal transition"
         state = prom.query('warmup_state == 1')
         assert [r["metric"]["state"] for r in state] == ["SERVING"]
     finally:

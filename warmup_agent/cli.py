@@ -165,7 +165,10 @@ def cmd_run(args) -> int:
     except EngineError as e:
         print(f"warmup-agent: {e.message}", file=sys.stderr)
         return EXIT_FAILED
-    agent = Agent(cfg, engine, metrics=metrics, progress=progress)
+    from warmup_agent.procstart import process_started
+    # The clock starts at process start: a first run's imports and embedded model
+    # creation are part of the time to SERVING (the "startup" stage).
+    agent = Agent(cfg, engine, metrics=metrics, progress=progress, process_started=process_started())
     if hasattr(engine, "on_server_exit"):
         # A supervised server that crashes sends the agent back to PRELOAD (readiness
         # false at once); once it answers again the agent re-warms it.

@@ -307,8 +307,16 @@ def _flatten(tree: dict, prefix: str, source: str) -> dict[str, Any]:
     return out
 
 
+def _known_names_at(depth: int) -> list[str]:
+    """Known sections and keys with `depth` dots: a typo is compared with names of
+    its own kind, so `readyness` (a section) suggests `readiness`, not one of the
+    keys inside it."""
+    return sorted({".".join(k.path.split(".")[:depth + 1]) for k in KEYS if k.path.count(".") >= depth})
+
+
 def _unknown(path: str, source: str) -> ConfigError:
-    close = difflib.get_close_matches(path, list(BY_PATH), n=1, cutoff=0.5)
+    close = (difflib.get_close_matches(path, _known_names_at(path.count(".")), n=1, cutoff=0.5)
+             or difflib.get_close_matches(path, list(BY_PATH), n=1, cutoff=0.5))
     hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
     return ConfigError(f"{source}: unknown key '{path}'{hint}", path)
 

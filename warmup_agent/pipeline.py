@@ -42,7 +42,7 @@ class AgentFailure(Exception):
 class StageTiming:
     name: str
     phase: int
-    start: float                 # seconds since agent start
+    start: float                 # seconds since the clock origin (process start from the CLI)
     end: float | None = None
     status: str = "running"      # running | ok | failed
     detail: dict = field(default_factory=dict)
@@ -54,7 +54,8 @@ class StageTiming:
 
 class Agent:
     def __init__(self, cfg, engine: Engine, metrics: AgentMetrics | None = None,
-                 progress: Progress | None = None, clock=time.perf_counter):
+                 progress: Progress | None = None, clock=time.perf_counter,
+                 process_started: float | None = None):
         self.cfg = cfg
         self.engine = engine
         self.metrics = metrics or AgentMetrics()
@@ -68,8 +69,12 @@ class Agent:
         self.window = SlidingWindow(cfg["readiness.window_size"])
         self.memory = MemorySampler()
         self.stages: list[StageTiming] = []
-        self.started = clock()        # agent start: the zero of every timestamp we record
+        self.started = clock()        # the zero of every timestamp we record (see run())
         self._boundary = self.started
+        # When the process started, on `clock` (procstart.process_started()); the CLI
+        # passes it so that a first run's imports and model creation are counted.
+        self.process_started = process_started
+        self.startup: StageTiming | None = None
         self.serving_at: float | None = None
         self.probes: list[float] = []
         self.first_request_seconds: float | None = None
@@ -88,10 +93,18 @@ class Agent:
     # -- the pipeline ----------------------------------------------------------------------
     def run(self) -> State:
         """Run the four stages; return the final state (SERVING or FAILED)."""
-        # The zero of every recorded time is the start of the warmup itself, so the
-        # stage durations add up to the time from run() to SERVING.
-        self.started = self._boundary = self.clock()
-        self.sm.begin(self.started)
+        # The zero of every recorded time is the start of the process when it is
+        # known (the CLI), else the call to run().  The time before run() is the
+        # "startup" stage (phase 0): interpreter, torch/transformers imports, the
+        # embedded model's creation, engine set-up.  Startup plus the four stage
+        # durations add up to the time from that zero to SERVING.
+        run_at = self.started = self._boundary = self.clock()
+        if self.process_started is not None and self.process_started < run_at:
+            self.started = self.process_started
+            self.startup = StageTiming("startup", 0, start=0.0, end=run_at - self.started, status="ok")
+            self.progress.startup_finished(self.startup.duration)
+            coldstart("completed", "startup", 0, duration=round(self.startup.duration, 6), state=self.sm.state.name)
+        self.sm.begin(run_at)  # INIT's deadline covers the agent's own work only
         self.sm.start_watchdog()
         self.memory.start()
         try:
@@ -296,6 +309,15 @@ class Agent:
             "engine": self.cfg["engine"]})
         for p, key in (("p50", "readiness.p50_threshold_seconds"), ("p90", "readiness.p90_threshold_seconds")):
             self.metrics["warmup_readiness_threshold_seconds"].labels(percentile=p).set(self.cfg[key])
+        # Known label values at 0 from the start (Prometheus practice): on-call reads
+        # these first, and increase() or an absent() alert needs the series before the
+        # first event, not from it.
+        from warmup_agent.failures import REASONS
+        from warmup_agent.states import illegal_pairs
+        for reason in REASONS:
+            self.metrics["model_loading_failures_total"].labels(reason=reason)
+        for frm, to in illegal_pairs():
+            self.metrics["warmup_illegal_transitions_total"].labels(**{"from": frm.name, "to": to.name})
         self.metrics["warmup_memory_jitter_ratio"].set_function(self.memory.ratio)
         self.metrics["warmup_cost_ratio"].set_function(self.cost_ratio)
 
@@ -314,6 +336,7 @@ class Agent:
             "state": self.sm.state.name,
             "stage": current,
             "elapsed_seconds": now - self.started,
+            "startup_seconds": None if self.startup is None else self.startup.duration,
             "deadline_remaining_seconds": None if remaining is None else max(0.0, remaining),
             "stages": {s.name: {"phase": s.phase, "status": s.status, "start_seconds": s.start,
                                 "duration_seconds": s.duration} for s in self.stages},
@@ -336,6 +359,8 @@ class Agent:
             "host": self.host_facts,
             "engine_facts": self.engine_facts,
             "started_unix": time.time() - (self.clock() - self.started),
+            # process start to run(), when known; the stages start where it ends
+            "startup_seconds": None if self.startup is None else self.startup.duration,
             "stages": [{"name": s.name, "phase": s.phase, "start_seconds": s.start, "end_seconds": s.end,
                         "duration_seconds": s.duration, "status": s.status, **s.detail} for s in self.stages],
             "time_to_ready_seconds": None if self.serving_at is None else self.serving_at - self.started,

@@ -76,6 +76,28 @@ class Progress:
                 self._last_quarter = quarter
                 self._write(f"{self._stage} {done}/{total} {detail}\n")
 
+    def probe(self, probes: int, in_window: int, needed: int, limit: int, ttft: float) -> None:
+        """One readiness probe.  Shows what the gate needs, `needed` samples in the
+        window (readiness.min_probes), not `limit` (readiness.max_probes, where
+        it gives up): most runs stop at `needed`."""
+        detail = f"ttft={ttft * 1000:.1f}ms"
+        if in_window < needed or probes <= needed:
+            self.step(min(in_window, needed), needed, f"probes {detail}")
+            return
+        # Enough samples but P50/P90 still over a threshold: say so and show the limit.
+        text = f"{probes} probes, P50/P90 over threshold; gives up after {limit} {detail}"
+        if self.tty:
+            now = time.monotonic()
+            if now - self._last_draw >= 0.1:
+                self._last_draw = now
+                self._set_line(f"{self._stage} {text} {now - self._stage_start:.1f}s")
+        elif probes == needed + 1 or probes % max(limit // 4, 1) == 0:
+            self._write(f"{self._stage} {text}\n")
+
+    def startup_finished(self, seconds: float) -> None:
+        """Process start to the first stage: interpreter, imports, model creation."""
+        self._write(f"startup (interpreter, imports, model set-up) done in {seconds:.3f}s\n")
+
     def stage_finished(self, name: str, seconds: float, ok: bool = True) -> None:
         mark = "done" if ok else "FAILED"
         if self.tty:
@@ -114,11 +136,16 @@ class JsonFormatter(logging.Formatter):
 
 
 def summary_table(record: dict) -> str:
-    """The end-of-run table: each stage's time, then first-request against steady time."""
+    """The end-of-run table: each stage's time (from process start when the record
+    has `startup_seconds`), then first-request against steady time."""
     rows = [("stage", "phase", "seconds", "status")]
+    total = 0.0
+    if record.get("startup_seconds") is not None:  # process start to the first stage
+        rows.append(("startup", "0", f"{record['startup_seconds']:.3f}", "ok"))
+        total += record["startup_seconds"]
     for s in record["stages"]:
         rows.append((s["name"], str(s["phase"]), f"{s['duration_seconds']:.3f}", s["status"]))
-    total = sum(s["duration_seconds"] for s in record["stages"])
+        total += s["duration_seconds"] or 0.0
     rows.append(("total", "", f"{total:.3f}", record["final_state"]))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

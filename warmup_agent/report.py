@@ -60,55 +60,106 @@ def window_percentiles(probes: list[float]) -> dict[str, float]:
     return {f"p{round(q * 100)}": nearest_rank(vals, q) for q in (0.5, 0.9, 0.99)} if vals else {}
 
 
-def render_png(record: dict, thresholds: dict[str, float]) -> bytes:
+def timeline(record: dict) -> list[dict]:
+    """The stages to draw: the record's, after a "startup" bar (process start to
+    the first stage) when the record has one."""
+    stages = list(record["stages"])
+    if record.get("startup_seconds") is not None:
+        stages.insert(0, {"name": "startup", "phase": 0, "start_seconds": 0.0,
+                          "duration_seconds": record["startup_seconds"], "status": "ok"})
+    return stages
+
+
+def _duration_label(ax, row: int, start: float, dur: float, xmax: float) -> None:
+    """Put a stage's duration where it cannot leave the axes: after the bar, inside
+    a long bar near the right edge, or before a short one there.  Each stage has
+    its own row, so labels of different stages never share a line."""
+    text = f"{dur:.3f} s"
+    end = start + dur
+    room = 0.13 * xmax  # what "100.000 s" takes at 8 pt on this axis width, with a margin
+    if end + room <= xmax:
+        ax.text(end + 0.01 * xmax, row, text, va="center", ha="left", fontsize=8)
+    elif dur >= room:
+        ax.text(end - 0.01 * xmax, row, text, va="center", ha="right", fontsize=8, color="white")
+    else:
+        ax.text(start - 0.01 * xmax, row, text, va="center", ha="right", fontsize=8)
+
+
+def build_figure(record: dict, thresholds: dict[str, float]):
+    """The report's figure: the stage timeline above, the probes against the
+    thresholds below.  Every label is placed so that none overlaps another or
+    leaves the picture (tests/test_report.py measures it with the renderer)."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")  # no display on servers
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # no display on servers
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, NullFormatter
     except ImportError:
         raise ReportError("warmup-agent report needs matplotlib: pip install 'warmup-agent[report]'") from None
 
-    stages = record["stages"]
+    stages = timeline(record)
     probes = [p * 1000 for p in record["probes_seconds"]]
-    fig, (gantt, lat) = plt.subplots(2, 1, figsize=FIG_SIZE, dpi=DPI, gridspec_kw={"height_ratios": [1, 1.3]})
+    fig = Figure(figsize=FIG_SIZE, dpi=DPI)  # not pyplot: no global figure state to leak
+    FigureCanvasAgg(fig)
+    gantt, lat = fig.subplots(2, 1, gridspec_kw={"height_ratios": [1, 1.3]})
     title = f"warmup-agent run: {record['final_state']}"
     if record.get("time_to_ready_seconds") is not None:
         title += f" in {record['time_to_ready_seconds']:.2f} s"
     fig.suptitle(title)
 
-    # Stage timeline: one bar per stage from its start to its end.
+    # Stage timeline: one bar per stage from its start to its end.  State changes
+    # are dotted lines without text: they fall within milliseconds of each other,
+    # and the stage names on the left already say which state each stage is in.
+    xmax = max([(s.get("start_seconds") or 0.0) + (s.get("duration_seconds") or 0.0) for s in stages] + [1e-3])
     for i, s in enumerate(stages):
         start = s.get("start_seconds") or 0.0
         dur = s.get("duration_seconds") or 0.0
         gantt.barh(i, dur, left=start, color=STAGE_COLOURS.get(s.get("status"), "#4a6fa5"), edgecolor="black")
-        gantt.text(start + dur, i, f" {dur:.3f} s", va="center", fontsize=8)
+        _duration_label(gantt, i, start, dur, xmax)
     for t in record.get("transitions", []):
         gantt.axvline(t["at_seconds"], color="grey", linestyle=":", linewidth=0.8)
-        gantt.text(t["at_seconds"], -0.45, f" {t['state']}", rotation=90, fontsize=7, va="top", color="grey")
+    gantt.set_xlim(0, xmax * 1.02)
+    gantt.set_ylim(len(stages) - 0.5, -0.5)  # first stage on top
     gantt.set_yticks(range(len(stages)), [f"{s.get('phase', '')} {s['name']}" for s in stages])
-    gantt.invert_yaxis()
-    gantt.set_xlabel("seconds since agent start")
-    gantt.set_title("Stage timeline", fontsize=10)
+    gantt.set_xlabel("seconds since process start" if record.get("startup_seconds") is not None
+                     else "seconds since agent start")
+    gantt.set_title("Stage timeline (dotted: state changes)", fontsize=10)
 
-    # Probe latencies against the readiness thresholds.
+    # Probe latencies against the readiness thresholds.  Every line is named in
+    # the legend, which sits outside the plot so it covers no line.
     if probes:
         lat.plot(range(1, len(probes) + 1), probes, marker="o", markersize=3, linewidth=1, label="probe time to first token")
         lat.plot([1], [probes[0]], marker="o", markersize=7, color="#c0392b", linestyle="none", label="first probe")
     for name, colour in (("p50", "#e0a030"), ("p90", "#c0392b")):
-        lat.axhline(thresholds[name] * 1000, color=colour, linestyle="--", label=f"{name} threshold {thresholds[name] * 1000:.0f} ms")
-    for name, v in window_percentiles(record["probes_seconds"]).items():
-        if name in ("p50", "p90"):
-            lat.axhline(v * 1000, color="#4a6fa5", linestyle=":", linewidth=0.8)
-            lat.text(len(probes) + 0.5, v * 1000, f" {name} {v * 1000:.1f} ms", fontsize=7, va="center")
+        lat.axhline(thresholds[name] * 1000, color=colour, linestyle="--",
+                    label=f"{name} threshold {thresholds[name] * 1000:.0f} ms")
+    measured = window_percentiles(record["probes_seconds"])
+    for name, style in (("p50", ":"), ("p90", "-.")):
+        if name in measured:
+            lat.axhline(measured[name] * 1000, color="#4a6fa5", linestyle=style, linewidth=1,
+                        label=f"measured {name} {_ms(measured[name])}")
     lat.set_yscale("log")  # thresholds are often 10-100x the probes: keep both readable
+    values = probes + [thresholds[n] * 1000 for n in ("p50", "p90")]
+    lat.set_ylim(min(values) / 2, max(values) * 2)
+    lat.set_xlim(0.5, max(len(probes), 1) + 0.5)
+    lat.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _ms(v / 1000, "g")))
+    lat.yaxis.set_minor_formatter(NullFormatter())  # minor labels crowd a decade
     lat.set_xlabel("probe")
-    lat.set_ylabel("ms (log)")
+    lat.set_ylabel("time to first token (log)")
     lat.set_title("Readiness probes against the thresholds", fontsize=10)
-    lat.legend(fontsize=7, loc="upper right")
+    lat.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
+    return fig
+
+
+def _ms(seconds: float, spec: str = ".1f") -> str:
+    ms = seconds * 1000
+    return f"{ms:{spec}} ms" if ms < 1000 else f"{ms / 1000:{'.2f' if spec == '.1f' else spec}} s"
+
+
+def render_png(record: dict, thresholds: dict[str, float]) -> bytes:
+    fig = build_figure(record, thresholds)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
-    plt.close(fig)
     return buf.getvalue()
 
 
@@ -124,7 +175,9 @@ def render_html(record: dict, thresholds: dict[str, float], png: bytes) -> str:
     rows = "".join(
         f"<tr><td>{e(str(s.get('phase', '')))}</td><td>{e(s['name'])}</td><td>{e(str(s.get('status', '')))}</td>"
         f"<td>{_fmt(s.get('start_seconds'))}</td><td>{_fmt(s.get('duration_seconds'))}</td></tr>"
-        for s in record["stages"])
+        for s in timeline(record))
+    transition_rows = "".join(f"<tr><td>{e(str(t.get('state')))}</td><td>{_fmt(t.get('at_seconds'))}</td></tr>"
+                              for t in record.get("transitions", []))
     probe_rows = "".join(
         f"<tr><td>{name}</td><td>{_fmt(pct.get(name), 'ms')}</td>"
         f"<td>{_fmt(thresholds.get(name), 'ms') if name in thresholds else '-'}</td></tr>"
@@ -153,6 +206,8 @@ td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:left}}img{{max-width:1
 <img alt="stage timeline and probe latencies" src="data:image/png;base64,{img}">
 <h2>Stages</h2>
 <table id="stages"><tr><th>Phase</th><th>Stage</th><th>Status</th><th>Start</th><th>Duration</th></tr>{rows}</table>
+<h2>State changes</h2>
+<table id="transitions"><tr><th>State</th><th>At</th></tr>{transition_rows}</table>
 <h2>Probe time to first token (exact, all probes)</h2>
 <table id="probes"><tr><th>Percentile</th><th>Measured</th><th>Readiness threshold</th></tr>{probe_rows}</table>
 </body></html>

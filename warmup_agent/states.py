@@ -55,6 +55,14 @@ SEED_ILLEGAL = (
 )
 
 
+def illegal_pairs() -> list[tuple[State, State]]:
+    """Every move between two different states that the table rejects, from a
+    state that is not terminal (the seed's seven among them): the label pairs of
+    warmup_illegal_transitions_total that the agent exports as 0 from start-up."""
+    return [(frm, to) for frm in State if not frm.terminal
+            for to in State if to != frm and to not in TRANSITIONS[frm]]
+
+
 class StateMachine:
     """Holds the current state, applies legal transitions, enforces deadlines.
 

@@ -37,7 +37,7 @@ def run(agent) -> None:
         if agent.first_request_seconds is None:
             agent.first_request_seconds = ttft
         agent.record_probe(ttft)
-        agent.progress.step(i + 1, max_probes, f"ttft={ttft * 1000:.1f}ms")
+        agent.progress.probe(i + 1, len(agent.window), rd.thresholds.min_samples, max_probes, ttft)
         if rd.thresholds.met(agent.window):
             break
         if cfg["readiness.probe_interval_seconds"]:

@@ -108,6 +108,15 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("warmup_first_request_tax_ratio", "gauge",
                "Time to first token of the first probe after warmup divided by the steady (median) probe time; 1.0 means no cold-start tax.",
                unit="short"),
+    MetricSpec("warmup_time_per_output_token_window_seconds", "gauge",
+               "Exact percentile of time per output token (decode) over the readiness sliding window of probes (openai engine).",
+               labels=("percentile",), unit="s",
+               doc="Per probe: (whole answer - time to first token) / (output tokens - 1), the interval between "
+                   "streamed tokens. percentile is p50, p90 or p99, nearest-rank over the window, like "
+                   "warmup_first_token_window_seconds."),
+    MetricSpec("warmup_first_request_total_tax_ratio", "gauge",
+               "Whole-answer time of the first probe after warmup divided by the median of the later probes (openai engine); 1.0 means no cold-start tax on decode either.",
+               unit="short"),
     # --- process ------------------------------------------------------------------
     MetricSpec("warmup_memory_jitter_ratio", "gauge",
                "Resident-memory jitter of the agent process: (max RSS - min RSS) / mean RSS over the sampling window.",

@@ -46,6 +46,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+T_START = time.time()
 
 from bench.provenance import provenance, write_result  # noqa: E402
 
@@ -93,16 +94,25 @@ def chat_messages(model_dir: str, length: int, variant: int) -> tuple[list[dict]
     return TextPrompts.from_model_dir(model_dir, text).messages(length, variant)
 
 
+USAGE = {"stream_options": {"include_usage": True}}   # emptied if a server refuses it
+
+
 def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed chat request; times from sending to the first chunk with text
     and to the end of the stream."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, **SAMPLING}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, **USAGE, **SAMPLING}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
     first, usage, chunks = None, None, 0
-    with urllib.request.urlopen(req, timeout=300) as r:
+    try:
+        r = urllib.request.urlopen(req, timeout=300)
+    except urllib.error.HTTPError as e:
+        if e.code in (400, 422) and USAGE and b"stream_options" in e.read():
+            USAGE.clear()
+            return request(port, model, messages, max_tokens)
+        raise
+    with r:
         for raw in r:
             line = raw.strip()
             if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
@@ -238,36 +248,8 @@ def p99(xs: list[float]) -> float:
     return s[max(1, math.ceil(0.99 * len(s))) - 1]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model directory (created if missing); default /tmp/qwen2-1.5b-random-chat on cuda")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--starts", type=int, default=5, help="cold starts per condition, alternating")
-    ap.add_argument("--steady", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--agent-env", action="append", default=[], metavar="K=V",
-                    help="extra WARMUP_AGENT_* settings for the agent (repeatable)")
-    ap.add_argument("--logs", default=None, help="copy the server and agent logs here")
-    args = ap.parse_args()
-    scratch = tempfile.mkdtemp(prefix="bench-gpu-server-")
-    t = time.time()
-    model_dir = make_model(args.model or ("/tmp/qwen2-1.5b-random-chat" if args.device != "cpu" else os.path.join(scratch, "data")),
-                           args.device)
-    print(f"model {model_dir} ready in {time.time() - t:.1f} s", flush=True)
-    args.requests_file = os.path.join(scratch, "requests.jsonl")
-    write_requests_file(args.requests_file, model_dir, args.max_tokens)
-    runs: dict[str, list] = {"alone": [], "agent": []}
-    for i in range(args.starts):
-        for mode in (("alone", "agent") if i % 2 == 0 else ("agent", "alone")):
-            r = (run_alone if mode == "alone" else run_agent)(args, model_dir, scratch, i)
-            runs[mode].append(r)
-            ready = r.get("spawn_to_ready", r.get("spawn_to_first_answer"))
-            print(f"start {i} {mode}: {'ready' if mode == 'agent' else 'first answer done'} {ready:.2f} s, "
-                  f"first ttft {r['first']['ttft'] * 1e3:.1f} ms / steady {r['steady_ttft_median'] * 1e3:.1f} ms "
-                  f"(tax {r['ttft_tax']:.2f}), first total {r['first']['total'] * 1e3:.0f} ms / steady "
-                  f"{r['steady_total_median'] * 1e3:.0f} ms (tax {r['total_tax']:.2f}), "
-                  f"tokens {r['first']['output_tokens']}, prompt {r['first']['prompt_tokens']}", flush=True)
+def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -> dict:
+    """The figures over the pairs done so far, written to `out`."""
     agent, alone = runs["agent"], runs["alone"]
     pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(agent, alone)]
     figures = {
@@ -297,15 +279,61 @@ def main() -> int:
         "spawn_to_first_answer_alone": [r["spawn_to_first_answer"] for r in alone],
         "spawn_to_health_alone": [r["spawn_to_health"] for r in alone],
         "runs": runs,
-        "starts": args.starts, "steady": args.steady, "device": args.device,
+        "starts_done": len(agent), "stopped_early_for_time": stopped_early, "starts": args.starts, "steady": args.steady, "device": args.device,
         "server": "transformers serve " + _version("transformers"),
         "model": {"dir": model_dir, "shape": "Qwen2-1.5B" if args.device != "cpu" else "embedded tiny Llama",
                   "dtype": "bfloat16", "weights": "random"},
         **provenance(),
         "gpu": _gpu_name(),
     }
-    out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_server_{time.strftime('%Y-%m-%d')}.json")
     write_result(out, result)
+    return figures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model directory (created if missing); default /tmp/qwen2-1.5b-random-chat on cuda")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--starts", type=int, default=5, help="cold starts per condition, alternating")
+    ap.add_argument("--steady", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-seconds", type=float, default=500,
+                    help="start no pair that would end later than this after the script started")
+    ap.add_argument("--agent-env", action="append", default=[], metavar="K=V",
+                    help="extra WARMUP_AGENT_* settings for the agent (repeatable)")
+    ap.add_argument("--logs", default=None, help="copy the server and agent logs here")
+    args = ap.parse_args()
+    scratch = tempfile.mkdtemp(prefix="bench-gpu-server-")
+    t = time.time()
+    model_dir = make_model(args.model or ("/tmp/qwen2-1.5b-random-chat" if args.device != "cpu" else os.path.join(scratch, "data")),
+                           args.device)
+    print(f"model {model_dir} ready in {time.time() - t:.1f} s", flush=True)
+    args.requests_file = os.path.join(scratch, "requests.jsonl")
+    write_requests_file(args.requests_file, model_dir, args.max_tokens)
+    runs: dict[str, list] = {"alone": [], "agent": []}
+    out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_server_{time.strftime('%Y-%m-%d')}.json")
+    stopped_early = False
+    t_pairs = time.time()
+    for i in range(args.starts):
+        # A pair that would not fit the time budget is not started: the JSON then
+        # says how many starts were done (it is also rewritten after every pair).
+        if i and time.time() + (time.time() - t_pairs) / i > T_START + args.budget_seconds:
+            stopped_early = True
+            print(f"stopping after {i} pairs: another would pass the {args.budget_seconds:g} s budget", flush=True)
+            break
+        for mode in (("alone", "agent") if i % 2 == 0 else ("agent", "alone")):
+            r = (run_alone if mode == "alone" else run_agent)(args, model_dir, scratch, i)
+            runs[mode].append(r)
+            ready = r.get("spawn_to_ready", r.get("spawn_to_first_answer"))
+            print(f"start {i} {mode}: {'ready' if mode == 'agent' else 'first answer done'} {ready:.2f} s, "
+                  f"first ttft {r['first']['ttft'] * 1e3:.1f} ms / steady {r['steady_ttft_median'] * 1e3:.1f} ms "
+                  f"(tax {r['ttft_tax']:.2f}), first total {r['first']['total'] * 1e3:.0f} ms / steady "
+                  f"{r['steady_total_median'] * 1e3:.0f} ms (tax {r['total_tax']:.2f}), "
+                  f"tokens {r['first']['output_tokens']}, prompt {r['first']['prompt_tokens']}", flush=True)
+        figures = summarize(args, runs, model_dir, out, stopped_early)
+    if stopped_early:
+        summarize(args, runs, model_dir, out, stopped_early)
     if args.logs:
         os.makedirs(args.logs, exist_ok=True)
         for name in sorted(os.listdir(scratch)):

@@ -42,7 +42,8 @@ from warmup_agent.traffic import _SEED_TEXT, WarmRequest
 
 # Optional fields that make a warmup answer exactly max_tokens long on servers
 # that know them (vLLM); dropped for a server that rejects unknown fields.
-_OPTIONAL_FIELDS = {"ignore_eos": True}
+# stream_options.include_usage gives the token counts; without it chunks are counted.
+_OPTIONAL_FIELDS = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
@@ -485,9 +486,9 @@ class OpenAIEngine(Engine):
         """POST one streamed request; fills model, stream options and the optional
         fields the server accepts.  A 400/422 naming one of our optional fields
         drops it for good and retries once."""
-        full = {"model": self.model, **body, "stream": True, "stream_options": {"include_usage": True}}
+        full = {"model": self.model, **body, "stream": True}
         for k, v in _OPTIONAL_FIELDS.items():
-            if k not in self.rejected_fields and full.get("n", 1) == 1:
+            if k not in self.rejected_fields and (full.get("n", 1) == 1 or k != "ignore_eos"):
                 full.setdefault(k, v)
         try:
             return self._stream(full, api, warmup, prompt_tokens)

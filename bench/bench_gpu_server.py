@@ -202,6 +202,8 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     env.update({"WARMUP_AGENT_PREWARM_REQUESTS_FILE": args.requests_file,
                 "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 32, 64, 128]",
                 "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 2]",
+                # A chat probe of 48 tokens (the template alone is 16): not the client's 83.
+                "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": "48",
                 "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0",
                 "WARMUP_AGENT_DATA_DIR": os.path.join(scratch, "agent-data")})
     if args.device == "cpu":   # the smoke check on a small busy CPU: fewer, shorter requests

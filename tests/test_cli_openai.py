@@ -40,7 +40,9 @@ def test_supervised_vllm_server_reaches_serving_and_exits_clean(tmp_path, embedd
     record = json.loads(rec.read_text())
     assert record["final_state"] == "SERVING" and record["engine"] == "openai"
     assert [t["state"] for t in record["transitions"]] == ["INIT", "PRELOAD", "PRIME", "SERVING"]
-    assert record["warmup_requests"] == 6  # grid [16, 64] x [1, 2]
+    # per API (chat, completions): prefill grid [16, 64] x [1, 2] + greedy and sampled x [1, 2]
+    assert record["warmup_requests"] == 2 * (2 * 3 + 2 * 3)
+    assert record["traffic_profile"]["capabilities"]["token_id_prompts"] is True
     ours = [l for l in r.stderr.splitlines() if "warmup_agent.server:" not in l]  # the server's own log is relayed
     assert not any("Traceback" in l for l in ours)
     assert not no_orphans(f"--port {port}"), "the supervised server outlived the agent"

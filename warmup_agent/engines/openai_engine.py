@@ -215,6 +215,13 @@ class OpenAIEngine(Engine):
     def load_weights(self) -> None:
         """Start the server (or wait for the given one) until healthy, learn the
         served model, then register and warm the LoRA adapters."""
+        self.start_server()
+        self._discover()
+        self.load_lora_adapters()
+
+    def start_server(self) -> None:
+        """Start the server (or wait for the given one) until its health path
+        answers 200, and nothing more: no request reaches it."""
         if self.supervisor is not None:
             # Called again after the supervisor restarted a crashed server (the
             # pipeline re-runs prewarm): the server is ours already, just wait for it.
@@ -233,8 +240,6 @@ class OpenAIEngine(Engine):
             self.supervisor.start()
         else:
             self._wait_remote_healthy()
-        self._discover()
-        self.load_lora_adapters()
 
     def _listed_models(self) -> list[dict]:
         """/v1/models, or [] when the server has none or cannot list them

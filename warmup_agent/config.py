@@ -256,10 +256,10 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="an integer > 0"),
     Key("readiness.probe_max_tokens", "int", 16, "openai engine: output tokens of a readiness probe (a sampled chat request where the server answers chat), so that probes also time decode (time per output token).",
         check=_positive, expected="an integer > 0"),
-    Key("readiness.require_decode", "bool", True, "openai engine: the gate also waits until decode has converged: the time-per-output-token window holds min_probes samples, its P90 is at most tpot_p90_threshold_seconds and at most tpot_convergence_ratio x its P50."),
+    Key("readiness.require_decode", "bool", True, "openai engine: the gate also waits until decode has converged: the time-per-output-token window holds min_probes samples, its P90 is at most tpot_p90_threshold_seconds, and decode is no longer getting faster (tpot_convergence_ratio)."),
     Key("readiness.tpot_p90_threshold_seconds", "float", 0.5, "Gate on decode: the window's P90 time per output token must be at or under this.",
         check=_positive, expected="a number > 0"),
-    Key("readiness.tpot_convergence_ratio", "float", 1.5, "Gate on decode: P90 / P50 of the time-per-output-token window must be at or under this (decode no longer getting faster probe after probe).",
+    Key("readiness.tpot_convergence_ratio", "float", 1.5, "Gate on decode: over the last min_probes probes, the median time per output token of the older half may be at most this x the median of the newer half (decode no longer getting faster probe after probe).",
         check=lambda v: v >= 1, expected="a number >= 1"),
 )
 

@@ -17,6 +17,7 @@ import time
 
 from warmup_agent.readiness import validation
 from warmup_agent.readiness.runtime import attach
+from warmup_agent.readiness.window import nearest_rank
 
 
 def gate_open(window, min_probes: int, p50_max: float, p90_max: float) -> bool:
@@ -27,12 +28,19 @@ def gate_open(window, min_probes: int, p50_max: float, p90_max: float) -> bool:
 
 
 def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> bool:
-    """Decode has converged: enough samples, the P90 time per output token under
-    its threshold and within `ratio` of the P50 (no slow cold steps left in the tail)."""
-    if len(window) < min_probes:
+    """Decode has converged: at least min_probes samples, the window's P90 time per
+    output token at or under `p90_max`, and decode no longer getting faster: over the
+    last min_probes samples, the median of the older half is at most `ratio` x the
+    median of the newer half.  Medians, not a P90/P50 spread: a healthy server on a
+    noisy host has a wide spread forever, but its cold phase ends."""
+    values = window.values()
+    if len(values) < max(min_probes, 2):
         return False
-    q = window.quantiles((0.5, 0.9))
-    return q[0.9] <= p90_max and q[0.9] <= ratio * q[0.5]
+    if nearest_rank(sorted(values), 0.9) > p90_max:
+        return False
+    recent = values[-max(min_probes, 2):]
+    half = len(recent) // 2
+    return statistics.median(recent[:half]) <= ratio * statistics.median(recent[half:])
 
 
 def run(agent) -> None:
@@ -64,7 +72,8 @@ def run(agent) -> None:
             agent.fail("decode_not_converged",
                        f"after {max_probes} probes the time per output token is P50 {t.get(0.5, 0) * 1000:.2f} ms / "
                        f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg['readiness.tpot_p90_threshold_seconds'] * 1000:.0f} ms "
-                       f"and P90 <= {cfg['readiness.tpot_convergence_ratio']:g} x P50")
+                       f"and the older half of the last probes at most {cfg['readiness.tpot_convergence_ratio']:g} x "
+                       f"slower than the newer half")
         agent.fail("readiness_thresholds_not_met",
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
                    f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")

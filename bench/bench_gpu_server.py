@@ -201,7 +201,8 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     env = env_for(scratch)
     env.update({"WARMUP_AGENT_PREWARM_REQUESTS_FILE": args.requests_file,
                 "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 32, 64, 128]",
-                "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 2]",
+                # The client sends one request at a time: the traffic's concurrency is 1.
+                "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
                 # A chat probe of 48 tokens (the template alone is 16): not the client's 83.
                 "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": "48",
                 "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0",
@@ -300,7 +301,7 @@ def main() -> int:
     ap.add_argument("--steady", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--budget-seconds", type=float, default=500,
+    ap.add_argument("--budget-seconds", type=float, default=560,
                     help="start no pair that would end later than this after the script started")
     ap.add_argument("--agent-env", action="append", default=[], metavar="K=V",
                     help="extra WARMUP_AGENT_* settings for the agent (repeatable)")

@@ -189,6 +189,7 @@ class Agent:
             t0 = time.perf_counter()
             results = self.engine.generate(prompts, max_new_tokens=max_new_tokens, warmup=True)
             busy = time.perf_counter() - t0
+        self.last_results = results
         ttft = max(r.first_token_seconds for r in results)
         self.metrics["warmup_requests_total"].labels(kind=kind).inc(len(prompts))
         self.metrics["warmup_first_token_latency_seconds"].labels(kind=kind).observe(ttft)
@@ -226,6 +227,7 @@ class Agent:
             return r.first_token_seconds
         ttft = self.send([self.probe_prompt()], "probe")
         self.record_probe(ttft)
+        self.record_decode(self.last_results[0])     # a 1-token probe: whole answer only
         return ttft
 
     def record_decode(self, r) -> None:

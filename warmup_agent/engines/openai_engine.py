@@ -263,16 +263,13 @@ class OpenAIEngine(Engine):
             # (`transformers serve DIR`) even when /v1/models does not say so.
             if self.model_dir and self.model_dir in ids:
                 candidates = [self.model_dir]
-            elif local and self.command and any(os.path.abspath(w) == local for w in self.command if w.startswith(("/", "."))):
+            elif local and self.command and any(os.path.abspath(w) == local for w in self.command if os.path.isdir(w)):
                 candidates = [self.model_dir] + ids[:1]
             elif ids:
                 candidates = ids[:1]
             else:
                 raise EngineError("no_model_name",
                                   f"no model name: {self.url}/v1/models lists none; set openai.model (WARMUP_AGENT_OPENAI_MODEL)")
-        if self.model and ids and self.model not in ids and not self.command:
-            raise EngineError("model_not_served",
-                              f"openai.model {self.model!r} is not served by {self.url} (it serves: " + ", ".join(ids) + ")")
         wanted = ["chat", "completions"] if self.api_setting == "auto" else [self.api_setting]
         errors: dict[str, str] = {}
         for model in candidates:
@@ -286,6 +283,12 @@ class OpenAIEngine(Engine):
                     errors[api] = e.message
             if self.apis:
                 break
+        if not self.apis and ids and candidates[-1] not in ids:
+            # /v1/models is not authoritative everywhere (transformers serve lists its
+            # hub cache), so the name was asked first; refused, the list is the hint.
+            raise EngineError("model_not_served",
+                              f"openai.model {candidates[-1]!r} is not served by {self.url} (it lists: " + ", ".join(ids)
+                              + "; " + "; ".join(f"{_PATHS[a]}: {m}" for a, m in errors.items()) + ")")
         if not self.apis:
             raise EngineError("no_openai_api", f"{self.url} answers none of the OpenAI APIs: "
                               + "; ".join(f"{_PATHS[a]}: {m}" for a, m in errors.items()))

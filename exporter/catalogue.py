@@ -11,6 +11,7 @@ expressions work as written; everything else carries the `warmup_` prefix.
   - "scrape": read at scrape time (NVML, /proc, the allocator, engine /metrics);
   - "static": set once at start (build info).
 `requires` names a condition without which the metric is legitimately absent
+(decode_probes: probes that generate more than one token, the openai engine)
 ("gpu": only with an NVIDIA GPU visible; "breaker" etc. as features land).
 """
 from __future__ import annotations
@@ -113,6 +114,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                labels=("percentile",), unit="s"),
     MetricSpec("warmup_first_request_tax_ratio", "gauge",
                "Time to first token of the first probe after warmup divided by the steady (median) probe time; 1.0 means no cold-start tax.",
+               unit="short"),
+    MetricSpec("warmup_time_per_output_token_window_seconds", "gauge",
+               "Exact percentile of time per output token (decode) over the readiness sliding window of probes (openai engine).",
+               labels=("percentile",), unit="s",
+               doc="Per probe: (whole answer - time to first token) / (output tokens - 1), the interval between "
+                   "streamed tokens. percentile is p50, p90 or p99, nearest-rank over the window, like "
+                   "warmup_first_token_window_seconds. Only where probes decode (openai engine).",
+               requires="decode_probes"),
+    MetricSpec("warmup_first_request_total_tax_ratio", "gauge",
+               "Whole-answer time of the first probe after warmup divided by the median of the later probes; 1.0 means no cold-start tax on decode either (openai engine probes decode readiness.probe_max_tokens tokens; in-process engines' probes are 1 token).",
                unit="short"),
     # --- process ------------------------------------------------------------------
     MetricSpec("warmup_memory_jitter_ratio", "gauge",

@@ -91,9 +91,17 @@ def test_agent_warms_the_server_then_serves(served):
     assert agent.final_state == State.SERVING, agent.sm.failure_message
     # Warmup happened over the whole grid (2 lengths x batches 1 and 4), and every
     # agent request reached vLLM marked as ours (request id warmup-*), LoRA warmup included.
-    assert agent.warmup_requests == 2 * (1 + 4)
-    marked = sum("Received request cmpl-warmup-" in l for l in lines.lines)
-    assert marked == agent.warmup_requests + len(agent.probes) + len(eng.adapters)
+    # Default traffic profile: both APIs x (prefill grid: 2 lengths x batches 1 and 4,
+    # greedy) + both APIs x (families greedy and sampled x batches 1 and 4, long answers).
+    assert eng.apis == ["chat", "completions"] and eng.token_id_prompts
+    assert agent.warmup_requests == 2 * 2 * (1 + 4) + 2 * 2 * (1 + 4)
+    received = [l for l in lines.lines if "Received request " in l]
+    marked = sum("Received request cmpl-warmup-" in l or "Received request chatcmpl-warmup-" in l for l in received)
+    # + 3 questions asked of the server (chat? completions? token-id prompts?)
+    assert marked == agent.warmup_requests + len(agent.probes) + len(eng.adapters) + 3
+    # Sampled requests reached vLLM as sampled, on both APIs.
+    assert any("chatcmpl-warmup-" in l and "temperature=0.7" in l and "top_p=0.9" in l for l in received)
+    assert any("Received request cmpl-warmup-" in l and "temperature=0.7" in l for l in received)
     # SERVING only after the probes met the thresholds: the state changed after the
     # last probe, with at least min_probes in a window under both thresholds.
     cfg = agent.cfg

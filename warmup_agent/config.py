@@ -246,6 +246,21 @@ KEYS: tuple[Key, ...] = (
     Key("exporter.admin_token_file", "str_or_null", None, "File holding the bearer token (>= 16 characters) for POST /admin/rewarm and POST /admin/drain. Empty: those endpoints do not exist (404)."),
     Key("prewarm.memory_budget_bytes", "int", 0, "Memory the warmup grid may use on top of the loaded model, in bytes (0: no budget). Batch sizes whose measured cost exceeds it are dropped, largest first, instead of failing; a shape that runs out of memory drops its batch size and every larger one.",
         check=_non_negative, expected="an integer >= 0 (bytes)"),
+    # --- any OpenAI-compatible server, traffic profile, decode readiness (issue 19) ---
+    Key("openai.health_path", "str", "/health", "Path of the server's health endpoint, polled until it answers 200 (vLLM, SGLang, TGI, transformers serve: /health).",
+        check=lambda v: bool(v.strip()), expected="a URL path such as /health"),
+    Key("openai.api", "str", "auto", "Which API the warmup speaks: auto (every one the server answers of /v1/chat/completions and /v1/completions; with prewarm.requests_file, the ones its requests use), chat or completions.",
+        choices=("auto", "chat", "completions")),
+    Key("prewarm.requests_file", "str_or_null", None, "JSON Lines of OpenAI request bodies as a gateway logs them (one /v1/chat/completions or /v1/completions body per line). The openai engine learns the endpoint mix, prompt lengths (tokenized), max_tokens and sampling families from it and warms each family at each batch size."),
+    Key("prewarm.max_output_tokens", "int", 64, "openai engine, without a requests file: the longest answer warmed; each sampling family is sent once per batch size with this many output tokens.",
+        check=_positive, expected="an integer > 0"),
+    Key("readiness.probe_max_tokens", "int", 16, "openai engine: output tokens of a readiness probe (a sampled chat request where the server answers chat), so that probes also time decode (time per output token).",
+        check=_positive, expected="an integer > 0"),
+    Key("readiness.require_decode", "bool", True, "openai engine: the gate also waits until decode has converged: the time-per-output-token window holds min_probes samples, its P90 is at most tpot_p90_threshold_seconds, and decode is no longer getting faster (tpot_convergence_ratio)."),
+    Key("readiness.tpot_p90_threshold_seconds", "float", 0.5, "Gate on decode: the window's P90 time per output token must be at or under this.",
+        check=_positive, expected="a number > 0"),
+    Key("readiness.tpot_convergence_ratio", "float", 1.5, "Gate on decode: over the last min_probes probes, the median time per output token of the older half may be at most this x the median of the newer half (decode no longer getting faster probe after probe).",
+        check=lambda v: v >= 1, expected="a number >= 1"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

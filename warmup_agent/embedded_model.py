@@ -19,6 +19,11 @@ RECIPE = "v1"
 SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 
+# A plain role-tagged chat template, so chat warmup (and `transformers serve`'s
+# /v1/chat/completions, which refuses a tokenizer without one) works out of the box.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<s>' + message['role'] + '\\n' + message['content'] + '</s>\\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}")
+
 _CONSONANTS = "bcdfghjklmnprstvwz"
 _VOWELS = "aeiou"
 
@@ -51,7 +56,7 @@ def _train_tokenizer(out_dir: str) -> None:
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                    "unk_token": "<unk>", "pad_token": "</s>", "model_max_length": SHAPE["max_position_embeddings"],
-                   "clean_up_tokenization_spaces": False}, f, indent=2)
+                   "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}, f, indent=2)
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>"}, f, indent=2)
 
@@ -78,6 +83,7 @@ def ensure_embedded_model(data_dir: str) -> str:
     a concurrent agent never leaves a half-written model behind."""
     final = embedded_model_dir(data_dir)
     if os.path.exists(os.path.join(final, ".complete")):
+        add_chat_template(final)
         return final
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
@@ -97,3 +103,18 @@ def ensure_embedded_model(data_dir: str) -> str:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def add_chat_template(model_dir: str, template: str = CHAT_TEMPLATE) -> None:
+    """Give a tokenizer_config.json without a chat template ours (models made
+    before the template was part of the recipe).  Atomic: written aside, renamed."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if cfg.get("chat_template"):
+        return
+    cfg["chat_template"] = template
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    os.replace(tmp, path)

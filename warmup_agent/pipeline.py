@@ -67,6 +67,11 @@ class Agent:
             State.PRIME: cfg["deadlines.prime_seconds"],
         })
         self.window = SlidingWindow(cfg["readiness.window_size"])
+        # Decode beside the first token (issue 19): time per output token of the
+        # probes, and each probe's whole-answer time (the first-request tax on it).
+        self.tpot_window = SlidingWindow(cfg["readiness.window_size"])
+        self.probe_totals: list[float] = []
+        self.profile = None           # traffic.TrafficProfile (openai engine)
         self.memory = MemorySampler()
         self.stages: list[StageTiming] = []
         self.started = clock()        # the zero of every timestamp we record (see run())
@@ -197,6 +202,7 @@ class Agent:
             t0 = time.perf_counter()
             results = self.engine.generate(prompts, max_new_tokens=max_new_tokens, warmup=True)
             busy = time.perf_counter() - t0
+        self.last_results = results
         ttft = max(r.first_token_seconds for r in results)
         self.metrics["warmup_requests_total"].labels(kind=kind).inc(len(prompts))
         self.metrics["warmup_first_token_latency_seconds"].labels(kind=kind).observe(ttft)
@@ -204,6 +210,47 @@ class Agent:
         if kind == "warmup":
             self.warmup_requests += len(prompts)
         return ttft
+
+    def send_requests(self, requests: list, kind: str) -> list:
+        """One batch of traffic-profile requests (traffic.WarmRequest) as agent
+        traffic, for engines that speak the profile (openai); counted like send()."""
+        with self._engine_lock:
+            t0 = time.perf_counter()
+            results = self.engine.generate_requests(requests, warmup=True)
+            busy = time.perf_counter() - t0
+        ttft = max(r.first_token_seconds for r in results)
+        self.metrics["warmup_requests_total"].labels(kind=kind).inc(len(requests))
+        self.metrics["warmup_first_token_latency_seconds"].labels(kind=kind).observe(ttft)
+        self.metrics["warmup_engine_seconds_total"].labels(kind=kind).inc(busy)
+        if kind == "warmup":
+            self.warmup_requests += len(requests)
+        return results
+
+    def probe(self) -> float:
+        """One readiness probe, recorded; returns its time to first token.  With an
+        engine that speaks the traffic profile the probe is a real-looking request
+        (sampled chat where the server answers chat) with readiness.probe_max_tokens
+        output tokens, so decode is timed too; else a 1-token prompt of token ids."""
+        if hasattr(self.engine, "generate_requests") and self.profile is not None:
+            from warmup_agent.traffic import probe_request
+            r = self.send_requests([probe_request(self.profile, self.cfg["readiness.probe_prompt_length"],
+                                                  self.cfg["readiness.probe_max_tokens"])], "probe")[0]
+            self.record_probe(r.first_token_seconds)
+            self.record_decode(r)
+            return r.first_token_seconds
+        ttft = self.send([self.probe_prompt()], "probe")
+        self.record_probe(ttft)
+        self.record_decode(self.last_results[0])     # a 1-token probe: whole answer only
+        return ttft
+
+    def record_decode(self, r) -> None:
+        """Whole-answer time and time per output token of one probe: (total - first
+        token) / (output tokens - 1), the interval between streamed tokens."""
+        self.probe_totals.append(r.total_seconds)
+        if r.output_tokens > 1:
+            self.tpot_window.add((r.total_seconds - r.first_token_seconds) / (r.output_tokens - 1))
+            for q, v in self.tpot_window.quantiles().items():
+                self.metrics["warmup_time_per_output_token_window_seconds"].labels(percentile=percentile_label(q)).set(v)
 
     def probe_prompt(self) -> list[int]:
         """A different prompt for every probe: an engine with prefix caching (vLLM)
@@ -281,7 +328,7 @@ class Agent:
                 if not readiness.due_probe():
                     continue
                 try:
-                    self.record_probe(self.send([self.probe_prompt()], "probe"))
+                    self.probe()
                 except Exception:  # noqa: BLE001 - a failed probe must not end the agent
                     log.exception("probe after SERVING failed")
         self._watch_thread = threading.Thread(target=loop, name="readiness-watch", daemon=True)
@@ -370,6 +417,11 @@ class Agent:
             "first_request_seconds": self.first_request_seconds,
             "steady_first_token_seconds": steady,
             "first_request_tax_ratio": (self.first_request_seconds / steady) if steady and self.first_request_seconds else None,
+            "probe_total_seconds": list(self.probe_totals),
+            "first_request_total_tax_ratio": (self.probe_totals[0] / statistics.median(self.probe_totals[1:])
+                                              if len(self.probe_totals) > 1 else None),
+            "time_per_output_token_window_seconds": {percentile_label(q): v for q, v in self.tpot_window.quantiles().items()},
+            "traffic_profile": getattr(self, "profile_summary", None),
             "readiness_thresholds_seconds": {"p50": self.cfg["readiness.p50_threshold_seconds"],
                                              "p90": self.cfg["readiness.p90_threshold_seconds"]},
             "final_state": self.sm.state.name,

@@ -95,3 +95,178 @@ def warmup_lengths(configured: list[int], drawn: list[int], max_length: int) -> 
     grid up to max_length (0: the longest configured length caps nothing extra)."""
     grid_part = power_of_two_grid(max_length) if max_length else []
     return sorted(set(configured) | set(drawn) | set(grid_part))
+
+
+# --- the traffic profile: what real requests look like (issue 19) ---------------------------
+# A server warms per code path, not only per shape: the sampler (top-p sorting,
+# penalties), logprob gathering, stop-string matching, n > 1 and JSON-schema
+# grammars each have their own first-call cost, and so does every decode step
+# count up to the longest answer.  The profile names those paths ("families"),
+# the endpoints, prompt lengths and answer lengths real traffic uses; prewarm
+# sends each family at each batch size.
+
+# Default sampling parameters per family (a profile learned from a file keeps
+# the parameters it saw instead).  greedy and sampled are the default profile.
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.7, "top_p": 0.9},
+    "top_k": {"temperature": 0.7, "top_k": 40},
+    "penalties": {"temperature": 0.7, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "logprobs": {"temperature": 0.0, "logprobs": True, "top_logprobs": 2},
+    "stop": {"temperature": 0.0, "stop": ["\n\n"]},
+    "n": {"temperature": 0.7, "n": 2},
+    "json_schema": {"temperature": 0.0, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "warmup", "schema": {"type": "object", "properties": {"answer": {"type": "string"}}}}}},
+}
+# Body keys that are not sampling parameters: the rest of a logged body is.
+_NOT_SAMPLING = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+                 "user", "seed", "metadata", "store"}
+ENDPOINTS = ("chat", "completions")
+
+
+def family_of(body: dict) -> str:
+    """The code path a request body takes, most specific first."""
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") in ("json_schema", "json_object"):
+        return "json_schema"
+    if (body.get("n") or 1) > 1:
+        return "n"
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
+        return "logprobs"
+    if body.get("stop"):
+        return "stop"
+    if any(body.get(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")):
+        return "penalties"
+    if body.get("top_k") not in (None, -1, 0):
+        return "top_k"
+    temperature = body.get("temperature", 1.0)   # the OpenAI default is 1.0: sampled
+    return "greedy" if temperature == 0 else "sampled"
+
+
+@dataclass(frozen=True)
+class WarmRequest:
+    """One request of the warmup: endpoint ("chat" or "completions"), exact prompt
+    length in tokens (the chat template's tokens included), answer length and
+    the sampling parameters of its family."""
+    endpoint: str
+    prompt_tokens: int
+    max_tokens: int
+    family: str
+    params: tuple = ()           # sorted (key, json-text) pairs: hashable
+
+    @property
+    def sampling(self) -> dict:
+        import json
+        return {k: json.loads(v) for k, v in self.params}
+
+
+def _frozen(params: dict) -> tuple:
+    import json
+    return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in params.items()))
+
+
+@dataclass
+class TrafficProfile:
+    endpoints: list[str]                 # in order of use, most used first
+    families: dict[str, dict]            # family -> sampling parameters to send
+    prompt_lengths: list[int]            # tokens
+    max_tokens: int                      # longest answer to warm
+    source: str = "default"              # "default" or the requests file
+    requests_seen: int = 0
+
+    def warm_requests(self, batch_sizes: list[int], grid_lengths: list[int], grid_max_tokens: int) -> list[list[WarmRequest]]:
+        """The warmup as batches (a batch is sent concurrently):
+        1. every grid length x batch size, per endpoint, greedy, short answers:
+           the prefill shapes;
+        2. every family x batch size, per endpoint, with the longest answer:
+           each decode path through every step count real answers reach."""
+        batches: list[list[WarmRequest]] = []
+        greedy = self.families.get("greedy", FAMILY_DEFAULTS["greedy"])
+        lengths = sorted(set(grid_lengths) | set(self.prompt_lengths))
+        for ep in self.endpoints:
+            for b in sorted(set(batch_sizes)):
+                for n in lengths:
+                    batches.append([WarmRequest(ep, n, grid_max_tokens, "greedy", _frozen(greedy))] * b)
+        typical = sorted(self.prompt_lengths or lengths)[len(self.prompt_lengths or lengths) // 2]
+        for ep in self.endpoints:
+            for b in sorted(set(batch_sizes)):
+                for fam, params in self.families.items():
+                    if fam == "json_schema" and ep != "chat" and "chat" in self.endpoints:
+                        continue    # response_format is a chat parameter
+                    batches.append([WarmRequest(ep, typical, self.max_tokens, fam, _frozen(params))] * b)
+        return batches
+
+
+def default_profile(endpoints: list[str], max_tokens: int, prompt_lengths: list[int]) -> TrafficProfile:
+    """Without a requests file: greedy and sampled, on every endpoint the server
+    answers, answers up to `max_tokens`."""
+    return TrafficProfile(endpoints=list(endpoints), families={k: dict(FAMILY_DEFAULTS[k]) for k in ("greedy", "sampled")},
+                          prompt_lengths=list(prompt_lengths), max_tokens=max_tokens)
+
+
+def load_requests_file(path: str, count_chat, count_text, max_lengths: int = 8) -> TrafficProfile:
+    """A profile learned from JSON Lines of OpenAI request bodies, as a gateway logs
+    them.  `count_chat(messages)` / `count_text(prompt)` give exact token counts
+    (chat template included).  Raises ValueError with the file and line number."""
+    import json
+    from collections import Counter
+    endpoints: Counter = Counter()
+    families: dict[str, dict] = {}
+    lengths: list[int] = []
+    max_tokens = 0
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the requests file: {e.strerror}") from None
+    with f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                body = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg}); expected one OpenAI request body per line") from None
+            if not isinstance(body, dict) or ("messages" not in body and "prompt" not in body):
+                raise ValueError(f"{path}:{i}: expected a /v1/chat/completions body (messages) or a /v1/completions body (prompt)")
+            if "messages" in body:
+                if not isinstance(body["messages"], list) or not body["messages"]:
+                    raise ValueError(f"{path}:{i}: 'messages' must be a non-empty list")
+                endpoints["chat"] += 1
+                lengths.append(count_chat(body["messages"]))
+            else:
+                endpoints["completions"] += 1
+                prompt = body["prompt"]
+                lengths.append(len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+                               else count_text(prompt if isinstance(prompt, str) else str(prompt)))
+            mt = body.get("max_tokens") or body.get("max_completion_tokens") or 16   # the OpenAI default
+            if not isinstance(mt, int) or mt <= 0:
+                raise ValueError(f"{path}:{i}: max_tokens {mt!r}: expected an integer > 0")
+            max_tokens = max(max_tokens, mt)
+            fam = family_of(body)
+            if fam not in families:
+                families[fam] = {k: v for k, v in body.items() if k not in _NOT_SAMPLING}
+    if not lengths:
+        raise ValueError(f"{path}: no requests; expected one OpenAI request body per line")
+    return TrafficProfile(endpoints=[e for e, _ in endpoints.most_common()], families=families,
+                          prompt_lengths=spread(lengths, max_lengths), max_tokens=max_tokens,
+                          source=path, requests_seen=len(lengths))
+
+
+def spread(values: list[int], k: int) -> list[int]:
+    """At most k distinct values that span the distribution: its quantiles
+    0, 1/(k-1), ..., 1 (min and max always in)."""
+    s = sorted(set(values))
+    if len(s) <= k:
+        return s
+    ordered = sorted(values)
+    picks = {ordered[round(i * (len(ordered) - 1) / (k - 1))] for i in range(k)}
+    return sorted(picks)
+
+
+def probe_request(profile: TrafficProfile, prompt_tokens: int, max_tokens: int) -> WarmRequest:
+    """The readiness probe: what a user most likely sends first -- chat where the
+    profile has it, sampled where it has it."""
+    endpoint = "chat" if "chat" in profile.endpoints else profile.endpoints[0]
+    family = "sampled" if "sampled" in profile.families else next(iter(profile.families))
+    params = dict(profile.families[family])
+    params.pop("n", None)     # one answer per probe: its tokens are timed
+    return WarmRequest(endpoint, prompt_tokens, max_tokens, family, _frozen(params))

@@ -1,11 +1,20 @@
-"""The `openai` engine: an OpenAI-compatible server (vLLM's), over HTTP.
+"""The `openai` engine: any OpenAI-compatible server, over HTTP.
 
 Either the agent starts and supervises the server (`warmup-agent run --engine
 openai -- <server command...>`), or it talks to one already running
-(`openai.url`).  Every request is a streamed `/v1/completions` with the prompt
-given as token ids, so the prompt length is exact and time to first token is
-measured as the client sees it: from sending the request to the first streamed
-chunk.  Agent traffic carries `X-Warmup: true` and a request id starting with
+(`openai.url`).  Requests are streamed `/v1/chat/completions` and
+`/v1/completions`; time to first token is measured as a client sees it, from
+sending the request to the first streamed chunk that carries text, and the
+whole answer to the end of the stream.
+
+What the server can do is learned by asking it, never from its name: which of
+the two APIs answer, whether `/v1/completions` takes token-id prompts (vLLM;
+then prompt lengths are exact by construction), whether it accepts vLLM's
+`ignore_eos` (answers of exactly max_tokens), `/tokenize`, LoRA endpoints and
+`vllm:` metrics.  Text prompts are sized to an exact token length with the
+model's own tokenizer and chat template (engines/text_prompts.py).
+
+Agent traffic carries `X-Warmup: true` and a request id starting with
 `warmup-` (vLLM takes `X-Request-Id` as its request id, so its request log shows
 which requests were ours).
 """
@@ -28,6 +37,14 @@ import uuid
 from typing import Callable
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
+from warmup_agent.engines.text_prompts import TextPrompts
+from warmup_agent.traffic import _SEED_TEXT, WarmRequest
+
+# Optional fields that make a warmup answer exactly max_tokens long on servers
+# that know them (vLLM); dropped for a server that rejects unknown fields.
+# stream_options.include_usage gives the token counts; without it chunks are counted.
+_OPTIONAL_FIELDS = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
@@ -111,7 +128,15 @@ class OpenAIEngine(Engine):
         self.supervisor = None
         self.startup: dict[str, float] = {}
         self.adapters: list[str] = []      # registered LoRA adapter names
+        self.health_path = "/" + cfg["openai.health_path"].lstrip("/")
+        self.api_setting = cfg["openai.api"]   # auto | chat | completions
         self._tokenizer = None
+        self.text: TextPrompts | None = None   # exact-length text prompts (local tokenizer)
+        self.apis: list[str] = []              # "chat", "completions": what the server answers
+        self.token_id_prompts = False          # /v1/completions takes token ids (vLLM)
+        self.rejected_fields: set[str] = set() # our optional fields the server refused (ignore_eos, ...)
+        self.capabilities: dict = {}
+        self._variant = 0
         self._models_info: dict = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="openai-req")
         self._lock = threading.Lock()
@@ -152,6 +177,18 @@ class OpenAIEngine(Engine):
         import psutil
         return int(min(psutil.virtual_memory().available * 0.25, 4 << 30))
 
+    def has_compile_artifacts(self) -> bool:
+        """Whether the supervised server wrote anything into the compile-cache
+        folders server_env() gave it (solidify shares them through the kernel cache)."""
+        if not self.command:
+            return True
+        env = self.server_env()
+        for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            for _, _, files in os.walk(env[var]):
+                if files:
+                    return True
+        return False
+
     def _on_log_line(self, line: str) -> None:
         for key, pattern in _STARTUP_PATTERNS.items():
             m = pattern.search(line)
@@ -163,12 +200,13 @@ class OpenAIEngine(Engine):
     def load_tokenizer(self) -> None:
         """Local tokenizer of the model directory when we know it, else the server's
         /tokenize (checked once the server is up)."""
-        if not self.model_dir or not os.path.isdir(self.model_dir):
+        if self._tokenizer is not None or not self.model_dir or not os.path.isdir(self.model_dir):
             return
         path = os.path.join(self.model_dir, "tokenizer.json")
         if os.path.exists(path):
-            from tokenizers import Tokenizer
-            self._tokenizer = Tokenizer.from_file(path)
+            # The `tokenizers` library alone: no transformers import in the agent.
+            self.text = TextPrompts.from_model_dir(self.model_dir, _SEED_TEXT)
+            self._tokenizer = self.text.tok
         else:
             from transformers import AutoTokenizer
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -177,6 +215,13 @@ class OpenAIEngine(Engine):
     def load_weights(self) -> None:
         """Start the server (or wait for the given one) until healthy, learn the
         served model, then register and warm the LoRA adapters."""
+        self.start_server()
+        self._discover()
+        self.load_lora_adapters()
+
+    def start_server(self) -> None:
+        """Start the server (or wait for the given one) until its health path
+        answers 200, and nothing more: no request reaches it."""
         if self.supervisor is not None:
             # Called again after the supervisor restarted a crashed server (the
             # pipeline re-runs prewarm): the server is ours already, just wait for it.
@@ -184,7 +229,7 @@ class OpenAIEngine(Engine):
         elif self.command:
             from warmup_agent.supervisor import Supervisor
             self.supervisor = Supervisor(
-                self.server_command(), self.url + "/health", env=self.server_env(),
+                self.server_command(), self.url + self.health_path, env=self.server_env(),
                 host=self.host, port=self.port,
                 ready_timeout=self.cfg["openai.ready_timeout_seconds"],
                 backoff_initial=self.cfg["openai.restart_backoff_initial_seconds"],
@@ -195,34 +240,94 @@ class OpenAIEngine(Engine):
             self.supervisor.start()
         else:
             self._wait_remote_healthy()
-        models = self._get_json("/v1/models")["data"]
-        if not models:
-            raise EngineError("no_model_served", f"{self.url}/v1/models lists no model")
-        if self.model is None:
-            self.model = models[0]["id"]
-        info = next((m for m in models if m["id"] == self.model), None)
-        if info is None:
+
+    def _listed_models(self) -> list[dict]:
+        """/v1/models, or [] when the server has none or cannot list them
+        (`transformers serve` lists its hub cache, and fails without one)."""
+        try:
+            data = self._get_json("/v1/models").get("data")
+        except (EngineError, ValueError, AttributeError):
+            return []
+        return [m for m in data if isinstance(m, dict) and m.get("id")] if isinstance(data, list) else []
+
+    def _discover(self) -> None:
+        """Ask the server what it serves and answers: model name, APIs, token-id
+        prompts, vLLM's optional fields.  Every question is a marked 1-token request."""
+        self.load_tokenizer()      # prompts of exact lengths from here on
+        models = self._listed_models()
+        ids = [m["id"] for m in models]
+        candidates = [self.model] if self.model else []
+        if not candidates:
+            local = self.model_dir and os.path.abspath(self.model_dir)
+            # A server started on the model directory serves it under that path
+            # (`transformers serve DIR`) even when /v1/models does not say so.
+            if self.model_dir and self.model_dir in ids:
+                candidates = [self.model_dir]
+            elif local and self.command and any(os.path.abspath(w) == local for w in self.command if os.path.isdir(w)):
+                candidates = [self.model_dir] + ids[:1]
+            elif ids:
+                candidates = ids[:1]
+            else:
+                raise EngineError("no_model_name",
+                                  f"no model name: {self.url}/v1/models lists none; set openai.model (WARMUP_AGENT_OPENAI_MODEL)")
+        wanted = ["chat", "completions"] if self.api_setting == "auto" else [self.api_setting]
+        errors: dict[str, str] = {}
+        for model in candidates:
+            self.model = model
+            self.apis, errors = [], {}
+            for api in wanted:
+                try:
+                    self._ask(api)
+                    self.apis.append(api)
+                except EngineError as e:
+                    errors[api] = e.message
+            if self.apis:
+                break
+        if not self.apis and ids and candidates[-1] not in ids:
+            # /v1/models is not authoritative everywhere (transformers serve lists its
+            # hub cache), so the name was asked first; refused, the list is the hint.
             raise EngineError("model_not_served",
-                              f"openai.model {self.model!r} is not served by {self.url} (it serves: "
-                              + ", ".join(m["id"] for m in models) + ")")
-        self._models_info = info
-        if self.model_dir is None and info.get("root") and os.path.isdir(info["root"]):
+                              f"openai.model {candidates[-1]!r} is not served by {self.url} (it lists: " + ", ".join(ids)
+                              + "; " + "; ".join(f"{_PATHS[a]}: {m}" for a, m in errors.items()) + ")")
+        if not self.apis:
+            raise EngineError("no_openai_api", f"{self.url} answers none of the OpenAI APIs: "
+                              + "; ".join(f"{_PATHS[a]}: {m}" for a, m in errors.items()))
+        info = next((m for m in models if m["id"] == self.model), None)
+        self._models_info = info or {}
+        if self.model_dir is None and info and info.get("root") and os.path.isdir(info["root"]):
             self.model_dir = info["root"]
-        self.load_lora_adapters()
+            self.load_tokenizer()
+        if "completions" in self.apis:
+            try:
+                self._request({"prompt": self.tokenize("token id prompt")[:4] or [1], "max_tokens": 1}, "completions", True)
+                self.token_id_prompts = True
+            except EngineError:
+                self.token_id_prompts = False
+        self.capabilities = {"apis": list(self.apis), "model": self.model, "token_id_prompts": self.token_id_prompts,
+                             "rejected_fields": sorted(self.rejected_fields), "chat_template": bool(self.text and self.text.has_chat_template)}
+        self.log.info("server %s: model %s, APIs %s, token-id prompts %s, rejected optional fields %s",
+                      self.url, self.model, ", ".join(self.apis), self.token_id_prompts, sorted(self.rejected_fields) or "none")
+
+    def _ask(self, api: str) -> None:
+        """One marked 1-token request on `api`; raises EngineError when it is not answered."""
+        if api == "chat":
+            self._request({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}, api, True)
+        else:
+            self._request({"prompt": "Hello", "max_tokens": 1}, api, True)
 
     def _wait_remote_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg["openai.ready_timeout_seconds"]
         last = ""
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError) as e:
                 last = str(getattr(e, "reason", e))
             time.sleep(0.5)
         raise EngineError("server_never_healthy",
-                          f"{self.url}/health did not answer 200 within {self.cfg['openai.ready_timeout_seconds']:g} s"
+                          f"{self.url}{self.health_path} did not answer 200 within {self.cfg['openai.ready_timeout_seconds']:g} s"
                           + (f" (last error: {last})" if last else ""))
 
     def load_lora_adapters(self) -> None:
@@ -334,13 +439,85 @@ class OpenAIEngine(Engine):
 
     def _one_request(self, prompt: list[int], max_new_tokens: int, warmup: bool,
                      model: str | None = None) -> RequestResult:
-        body = {"model": model or self.model, "prompt": list(prompt), "max_tokens": max_new_tokens,
-                "stream": True, "temperature": 0.0, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
-        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+        """A greedy request of these token ids: as ids where the server takes them,
+        else as their text (completions, or one chat message)."""
+        body: dict = {"max_tokens": max_new_tokens, "temperature": 0.0}
+        if model:
+            body["model"] = model
+        if self.token_id_prompts or not self.apis:
+            body["prompt"] = list(prompt)
+            return self._request(body, "completions", warmup, len(prompt))
+        text = self._tokenizer.decode(list(prompt)) if self._tokenizer is not None else _SEED_TEXT[:len(prompt) * 4]
+        if "completions" in self.apis:
+            body["prompt"] = text
+            return self._request(body, "completions", warmup, len(prompt))
+        body["messages"] = [{"role": "user", "content": text}]
+        return self._request(body, "chat", warmup, len(prompt))
+
+    # -- traffic-profile requests ------------------------------------------------------------
+
+    def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
+        """One batch of profile requests, sent concurrently (streamed)."""
+        bodies = [self.body_for(r) for r in requests]
+        futures = [self._pool.submit(self._request, body, r.endpoint, warmup, n) for r, (body, n) in zip(requests, bodies)]
+        return [f.result() for f in futures]
+
+    def body_for(self, r: WarmRequest) -> tuple[dict, int]:
+        """The request body of a WarmRequest and its exact prompt length in tokens."""
+        with self._lock:
+            self._variant += 1
+            variant = self._variant
+        body = {"max_tokens": r.max_tokens, **r.sampling}
+        if r.endpoint == "chat":
+            if self.text is None or not self.text.has_chat_template:
+                # No local template: a one-message chat of n tokens of text; the
+                # server's template adds its own tokens.
+                text = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
+                body["messages"] = [{"role": "user", "content": text}]
+                return body, r.prompt_tokens
+            body["messages"], n = self.text.messages(r.prompt_tokens, variant)
+            return body, n
+        if self.token_id_prompts and self._tokenizer is not None:
+            body["prompt"] = self._ids(r.prompt_tokens, variant)
+            return body, r.prompt_tokens
+        if self.text is not None:
+            body["prompt"], n = self.text.text(r.prompt_tokens, variant)
+            return body, n
+        body["prompt"] = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
+        return body, r.prompt_tokens
+
+    def _ids(self, length: int, variant: int) -> list[int]:
+        from warmup_agent.traffic import PromptFactory
+        return PromptFactory(self.tokenize).prompt(length, variant)
+
+    def _request(self, body: dict, api: str, warmup: bool, prompt_tokens: int | None = None) -> RequestResult:
+        """POST one streamed request; fills model, stream options and the optional
+        fields the server accepts.  A 400/422 naming one of our optional fields
+        drops it for good and retries once."""
+        full = {"model": self.model, **body, "stream": True}
+        for k, v in _OPTIONAL_FIELDS.items():
+            if k not in self.rejected_fields and (full.get("n", 1) == 1 or k != "ignore_eos"):
+                full.setdefault(k, v)
+        try:
+            return self._stream(full, api, warmup, prompt_tokens)
+        except _Rejected as e:
+            dropped = {k for k in _OPTIONAL_FIELDS if k in full and k in e.detail}
+            if not dropped:
+                raise EngineError("request_failed", e.message) from None
+            self.rejected_fields |= dropped
+            for k in dropped:
+                full.pop(k)
+            try:
+                return self._stream(full, api, warmup, prompt_tokens)
+            except _Rejected as e2:
+                raise EngineError("request_failed", e2.message) from None
+
+    def _stream(self, body: dict, api: str, warmup: bool, prompt_tokens: int | None) -> RequestResult:
+        path = _PATHS[api]
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers=self.headers(warmup), method="POST")
         t0 = time.perf_counter()
-        first = None
+        first = first_chunk = None
         usage = None
         chunks = 0
         try:
@@ -353,23 +530,37 @@ class OpenAIEngine(Engine):
                     if data == b"[DONE]":
                         break
                     msg = json.loads(data)
-                    if msg.get("choices"):
-                        chunks += 1
-                        if first is None:
-                            first = time.perf_counter()
+                    if msg.get("error"):
+                        raise EngineError("request_failed", f"POST {self.url}{path}: {str(msg['error'])[:300]}")
+                    for choice in msg.get("choices") or ():
+                        if first_chunk is None:
+                            first_chunk = time.perf_counter()
+                        # The first token is the first chunk with text: a chat stream
+                        # opens with a role-only delta before any token exists.
+                        text = choice.get("text") if api == "completions" else (choice.get("delta") or {}).get("content")
+                        if text:
+                            chunks += 1
+                            if first is None:
+                                first = time.perf_counter()
                     if msg.get("usage"):
                         usage = msg["usage"]
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")[:300]
-            raise EngineError("request_failed", f"POST {self.url}/v1/completions: HTTP {e.code}: {detail}") from None
+            message = f"POST {self.url}{path}: HTTP {e.code}: {detail}"
+            if e.code in (400, 422):
+                raise _Rejected(message, detail) from None
+            raise EngineError("request_failed", message) from None
         except (urllib.error.URLError, OSError) as e:
-            raise EngineError("server_unreachable", f"POST {self.url}/v1/completions: {getattr(e, 'reason', e)}") from None
+            raise EngineError("server_unreachable", f"POST {self.url}{path}: {getattr(e, 'reason', e)}") from None
+        except ValueError as e:
+            raise EngineError("request_failed", f"POST {self.url}{path}: not an event stream ({e})") from None
         end = time.perf_counter()
+        first = first or first_chunk
         if first is None:
-            raise EngineError("request_failed", f"POST {self.url}/v1/completions: stream ended without a token")
+            raise EngineError("request_failed", f"POST {self.url}{path}: stream ended without a token")
         return RequestResult(first_token_seconds=first - t0, total_seconds=end - t0,
-                             prompt_tokens=usage["prompt_tokens"] if usage else len(prompt),
-                             output_tokens=usage["completion_tokens"] if usage else chunks)
+                             prompt_tokens=usage["prompt_tokens"] if usage and usage.get("prompt_tokens") else (prompt_tokens or 0),
+                             output_tokens=usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks)
 
     def _get_json(self, path: str) -> dict:
         try:
@@ -402,6 +593,14 @@ class OpenAIEngine(Engine):
             except (OSError, ValueError):
                 pass
         return {}
+
+
+class _Rejected(Exception):
+    """The server refused a request body (HTTP 400/422)."""
+
+    def __init__(self, message: str, detail: str):
+        super().__init__(message)
+        self.message, self.detail = message, detail
 
 
 def describe_command(command: list[str]) -> str:

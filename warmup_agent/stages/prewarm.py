@@ -13,6 +13,7 @@ utilisation ramp is sampled from here to the end of solidify.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from warmup_agent import memory_budget, traffic
@@ -20,6 +21,8 @@ from warmup_agent.engines.base import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.states import State
 from warmup_agent.traffic import PromptFactory, Shape, grid
+
+log = logging.getLogger("warmup_agent.stages.prewarm")
 
 
 def warmup_lengths(cfg, tokenize) -> list[int]:
@@ -70,6 +73,65 @@ def _start_ramp(agent) -> None:
             agent.ramp.start()
 
 
+def load_profile(agent, lengths: list[int]) -> traffic.TrafficProfile:
+    """The traffic to warm: learned from prewarm.requests_file, else the default
+    (greedy and sampled on every API the server answers), limited to openai.api."""
+    cfg, engine = agent.cfg, agent.engine
+    path = cfg["prewarm.requests_file"]
+    if path:
+        text = getattr(engine, "text", None)
+        if text is None:
+            raise EngineError("invalid_config", f"key 'prewarm.requests_file': prompts are counted with the model's "
+                              f"tokenizer; give --model DIR (model.path) with a tokenizer.json")
+        try:
+            profile = traffic.load_requests_file(path, text.count_chat, text.count_text)
+        except ValueError as e:
+            raise EngineError("invalid_config", f"key 'prewarm.requests_file': {e}") from None
+        except Exception as e:  # noqa: BLE001 - a template error on a logged body
+            raise EngineError("invalid_config", f"key 'prewarm.requests_file': {path}: {type(e).__name__}: {e}") from None
+    else:
+        profile = traffic.default_profile(engine.apis, cfg["prewarm.max_output_tokens"], [])
+    missing = [e for e in profile.endpoints if e not in engine.apis]
+    if missing:
+        log.warning(f"the traffic uses {', '.join(missing)} but the server does not answer it: not warmed")
+    profile.endpoints = [e for e in profile.endpoints if e in engine.apis] or list(engine.apis)
+    return profile
+
+
+def warm_profile(agent, lengths: list[int], batches: list[int], detail: dict, t_start: float) -> None:
+    """Warm the traffic profile: prefill shapes, then each family at each batch size
+    with the longest answer.  A family the server refuses (HTTP 400) is recorded
+    and skipped: user requests of that family fail on it as well, warm or not."""
+    agent.profile = profile = load_profile(agent, lengths)
+    plan = profile.warm_requests(batches, lengths, agent.cfg["prewarm.max_new_tokens"])
+    refused: dict[str, str] = {}
+    warmed = set()
+    for i, batch in enumerate(plan):
+        agent.checkpoint()
+        head = batch[0]
+        if head.family in refused:
+            continue
+        try:
+            agent.send_requests(batch, "warmup")
+            warmed.add((head.prompt_tokens, len(batch)))
+        except EngineError as e:
+            if head.family == "greedy" or e.reason != "request_failed" or "HTTP 4" not in e.message:
+                raise
+            refused[head.family] = e.message
+            log.warning(f"the server refuses sampling family {head.family}: {e.message}")
+        agent.progress.step(i + 1, len(plan), f"{head.endpoint} {head.family} len={head.prompt_tokens} "
+                                               f"batch={len(batch)} out={head.max_tokens}")
+    agent.profile_summary = {
+        "source": profile.source, "requests_seen": profile.requests_seen, "endpoints": profile.endpoints,
+        "families": sorted(f for f in profile.families if f not in refused), "refused_families": refused,
+        "prompt_lengths": profile.prompt_lengths, "max_tokens": profile.max_tokens,
+        "capabilities": dict(getattr(agent.engine, "capabilities", {}))}
+    detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=sorted({r.prompt_tokens for b in plan for r in b}),
+                  batches=batches, profile=agent.profile_summary,
+                  seconds={"traffic": time.perf_counter() - t_start})
+    agent.warmed_shapes = sorted(warmed)
+
+
 def run(agent) -> None:
     cfg, engine = agent.cfg, agent.engine
     detail = agent.stages[-1].detail
@@ -103,6 +165,11 @@ def run(agent) -> None:
     lengths = warmup_lengths(cfg, engine.tokenize)
     batches = warmup_batches(cfg, facts, getattr(agent, "gpu_free_bytes", None), max(lengths))
     max_new = cfg["prewarm.max_new_tokens"]
+    if hasattr(engine, "generate_requests"):
+        warm_profile(agent, lengths, batches, detail, t3)
+        detail["seconds"].update(weights=t1 - t0, tokenizer=t2 - t1, fingerprint=t3 - t2)
+        agent.move(State.PRIME)
+        return
     try:
         batches = _fit_budget(agent, lengths, batches, max_new)
         shapes = grid(lengths, batches)

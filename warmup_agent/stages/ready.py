@@ -17,6 +17,7 @@ import time
 
 from warmup_agent.readiness import validation
 from warmup_agent.readiness.runtime import attach
+from warmup_agent.readiness.window import nearest_rank
 
 
 def gate_open(window, min_probes: int, p50_max: float, p90_max: float) -> bool:
@@ -26,29 +27,62 @@ def gate_open(window, min_probes: int, p50_max: float, p90_max: float) -> bool:
     return q[0.5] <= p50_max and q[0.9] <= p90_max
 
 
+def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> bool:
+    """Decode has converged: at least min_probes samples, the window's P90 time per
+    output token at or under `p90_max`, and decode no longer getting faster: over the
+    last min_probes samples, the median of the older half is at most `ratio` x the
+    median of the newer half.  Medians, not a P90/P50 spread: a healthy server on a
+    noisy host has a wide spread forever, but its cold phase ends."""
+    values = window.values()
+    if len(values) < max(min_probes, 2):
+        return False
+    if nearest_rank(sorted(values), 0.9) > p90_max:
+        return False
+    recent = values[-max(min_probes, 2):]
+    half = len(recent) // 2
+    return statistics.median(recent[:half]) <= ratio * statistics.median(recent[half:])
+
+
 def run(agent) -> None:
     cfg = agent.cfg
     rd = attach(agent)
     detail = agent.stages[-1].detail
     max_probes = cfg["readiness.max_probes"]
+    # Decode is gated only where probes time it (engines that speak the traffic profile).
+    gate_decode = cfg["readiness.require_decode"] and agent.profile is not None
+
+    def decode_ok() -> bool:
+        return not gate_decode or decode_converged(agent.tpot_window, cfg["readiness.min_probes"],
+                                                   cfg["readiness.tpot_p90_threshold_seconds"],
+                                                   cfg["readiness.tpot_convergence_ratio"])
     for i in range(max_probes):
         agent.checkpoint()
-        ttft = agent.send([agent.probe_prompt()], "probe")
+        ttft = agent.probe()
         if agent.first_request_seconds is None:
             agent.first_request_seconds = ttft
-        agent.record_probe(ttft)
         agent.progress.probe(i + 1, len(agent.window), rd.thresholds.min_samples, max_probes, ttft)
-        if rd.thresholds.met(agent.window):
+        if rd.thresholds.met(agent.window) and decode_ok():
             break
         if cfg["readiness.probe_interval_seconds"]:
             time.sleep(cfg["readiness.probe_interval_seconds"])
     else:
         q = agent.window.quantiles((0.5, 0.9))
+        if rd.thresholds.met(agent.window):
+            t = agent.tpot_window.quantiles((0.5, 0.9))
+            agent.fail("decode_not_converged",
+                       f"after {max_probes} probes the time per output token is P50 {t.get(0.5, 0) * 1000:.2f} ms / "
+                       f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg['readiness.tpot_p90_threshold_seconds'] * 1000:.0f} ms "
+                       f"and the older half of the last probes at most {cfg['readiness.tpot_convergence_ratio']:g} x "
+                       f"slower than the newer half")
         agent.fail("readiness_thresholds_not_met",
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
                    f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
     steady = statistics.median(agent.probes[1:]) if len(agent.probes) > 1 else agent.probes[0]
     agent.metrics["warmup_first_request_tax_ratio"].set(agent.first_request_seconds / steady)
+    if len(agent.probe_totals) > 1:
+        # The same tax on the whole answer: first probe's total / median of the later ones.
+        agent.metrics["warmup_first_request_total_tax_ratio"].set(
+            agent.probe_totals[0] / statistics.median(agent.probe_totals[1:]))
     detail.update(probes=len(agent.probes))
     if cfg["validation.enabled"]:
         validate(agent, detail)

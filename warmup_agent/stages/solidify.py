@@ -45,7 +45,11 @@ def run(agent) -> None:
     mode = agent.cfg["solidify.mode"]
     # Opened on every run (cheap with a local tier only) so its metrics and the
     # shared tier's state are visible; only compilation fills it.
-    cache = open_kernel_cache(agent) if mode != "none" else None
+    # A server engine whose server compiled nothing into the cache folders it was
+    # given (`transformers serve`, eager) has nothing to share: skip the cache,
+    # whose namespace costs a torch import (seconds on a GPU host) on the way to SERVING.
+    wanted = mode != "none" and getattr(agent.engine, "has_compile_artifacts", lambda: True)()
+    cache = open_kernel_cache(agent) if wanted else None
     previous, agent.kernel_cache = getattr(agent, "kernel_cache", None), cache   # the agent closes it at stop
     if previous is not None:  # a re-warm opens a fresh one
         previous.close()

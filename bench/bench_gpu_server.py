@@ -1,0 +1,369 @@
+"""A real GPU server, alone and under the agent: `transformers serve` on the H200 (issue 19).
+
+One command on the GPU host (see the docstring's end for the wheels it needs):
+    python bench/bench_gpu_server.py --starts 5 --out bench/results/gpu_server_h200.json
+
+Creates a Qwen2-1.5B-shaped model with random bf16 weights (no download; its
+tokenizer, trained locally, has a chat template), then alternates cold starts:
+  alone: `transformers serve DIR --device cuda`; the client's first request goes
+         out as soon as the server's /health answers 200;
+  agent: `python -m warmup_agent run --engine openai --model DIR -- transformers serve ...`;
+         the client's first request goes out as soon as the agent's /readyz answers 200.
+The client is outside both: this process, plain HTTP.  Every request is the
+same realistic one: streamed chat, sampled (temperature 0.7, top_p 0.9), 64
+output tokens (max_tokens; random weights practically never sample EOS, and
+the token counts are recorded), a prompt whose templated length (83 tokens) is
+in none of the agent's warmup lengths (checked against the agent's record).
+After the first request, STEADY more give the steady figures.
+
+Figures (per the issue):
+  gpu_server_first_ttft_tax_p99   p99 over agent starts of first TTFT / median steady TTFT
+  gpu_server_first_total_tax_p99  the same on the whole answer (last token)
+  gpu_server_ready_over_alone     median over pairs of (agent spawn -> /readyz 200) /
+                                  (alone spawn -> end of its first whole answer)
+  *_alone                         the two taxes of the server alone
+p99 is nearest-rank (numpy "inverted_cdf"): with 5 starts it is the worst start.
+
+CPU smoke check (here): python bench/bench_gpu_server.py --device cpu --starts 1 --steady 3 --max-tokens 4
+(uses the agent's embedded model instead of the 1.5B one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+T_START = time.time()
+
+from bench.provenance import provenance, write_result  # noqa: E402
+
+PROMPT_TOKENS = 83          # templated length of the first request; not a warmup length
+SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+# What the agent is told real traffic looks like (prewarm.requests_file): chat,
+# sampled, answers up to 64 tokens, prompts of these (templated) lengths.
+PROFILE_LENGTHS = (40, 57, 150, 230)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def transformers_cli() -> list[str]:
+    """`transformers` next to this Python, else on PATH, else its module."""
+    here = os.path.join(os.path.dirname(sys.executable), "transformers")
+    if os.path.exists(here):
+        return [here]
+    found = shutil.which("transformers")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; main()"]
+
+
+def make_model(path: str, device: str) -> str:
+    """The 1.5B-shaped model on a GPU; the embedded model on the CPU (smoke check)."""
+    from warmup_agent.embedded_model import add_chat_template, ensure_embedded_model
+    if device == "cpu":
+        return ensure_embedded_model(path)
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
+                    f"from bench.bench_gpu_cold_start import make_model; make_model({path!r})"], check=True, cwd=ROOT)
+    add_chat_template(path)
+    return path
+
+
+# --- the outside client ------------------------------------------------------------------
+def chat_messages(model_dir: str, length: int, variant: int) -> tuple[list[dict], int]:
+    from warmup_agent.engines.text_prompts import TextPrompts
+    # Different words from the agent's warmup text: the client is not the agent.
+    text = ("A customer asks why their order from last week has not arrived yet and whether "
+            "they can still change the delivery address to their office downtown. ")
+    return TextPrompts.from_model_dir(model_dir, text).messages(length, variant)
+
+
+USAGE = {"stream_options": {"include_usage": True}}   # emptied if a server refuses it
+
+
+def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat request; times from sending to the first chunk with text
+    and to the end of the stream."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, **USAGE, **SAMPLING}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    t0 = time.perf_counter()
+    first, usage, chunks = None, None, 0
+    try:
+        r = urllib.request.urlopen(req, timeout=300)
+    except urllib.error.HTTPError as e:
+        if e.code in (400, 422) and USAGE and b"stream_options" in e.read():
+            USAGE.clear()
+            return request(port, model, messages, max_tokens)
+        raise
+    with r:
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            msg = json.loads(line[5:])
+            for c in msg.get("choices") or ():
+                if (c.get("delta") or {}).get("content"):
+                    chunks += 1
+                    first = first or time.perf_counter()
+            usage = msg.get("usage") or usage
+    end = time.perf_counter()
+    return {"ttft": (first or end) - t0, "total": end - t0, "end_unix": time.time(),
+            "output_tokens": (usage or {}).get("completion_tokens", chunks), "prompt_tokens": (usage or {}).get("prompt_tokens")}
+
+
+def measure(port: int, model: str, model_dir: str, steady_n: int, max_tokens: int) -> dict:
+    msgs = [chat_messages(model_dir, PROMPT_TOKENS, v) for v in range(steady_n + 1)]
+    first = request(port, model, msgs[0][0], max_tokens)
+    steady = [request(port, model, m, max_tokens) for m, _ in msgs[1:]]
+    st_ttft = statistics.median(s["ttft"] for s in steady)
+    st_total = statistics.median(s["total"] for s in steady)
+    return {"first": first, "steady_ttft_median": st_ttft, "steady_total_median": st_total,
+            "ttft_tax": first["ttft"] / st_ttft, "total_tax": first["total"] / st_total,
+            "prompt_tokens_local": msgs[0][1], "steady": steady}
+
+
+def wait_http(url: str, deadline: float, proc: subprocess.Popen, interval: float = 0.02) -> float:
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered 200")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.time()
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(interval)
+    raise RuntimeError(f"{url} did not answer 200 in time")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def server_cmd(model_dir: str, port: int, device: str) -> list[str]:
+    return transformers_cli() + ["serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--device", device]
+
+
+def env_for(scratch: str) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    # `transformers serve` lists its hub cache under /v1/models and fails without one.
+    hub = os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")
+    os.makedirs(hub, exist_ok=True)
+    env["TMPDIR"] = scratch
+    return env
+
+
+def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
+    port = free_port()
+    log = open(os.path.join(scratch, f"alone-{i}.log"), "w")
+    t0 = time.time()
+    proc = subprocess.Popen(server_cmd(model_dir, port, args.device), env=env_for(scratch), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
+    try:
+        t_health = wait_http(f"http://127.0.0.1:{port}/health", t0 + 300, proc)
+        out = measure(port, model_dir, model_dir, args.steady, args.max_tokens)
+    finally:
+        stop(proc)
+        log.close()
+    out.update(spawn_to_health=t_health - t0, spawn_to_first_answer=out["first"]["end_unix"] - t0)
+    return out
+
+
+def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
+    port, listen = free_port(), free_port()
+    record = os.path.join(scratch, f"agent-{i}.json")
+    env = env_for(scratch)
+    env.update({"WARMUP_AGENT_PREWARM_REQUESTS_FILE": args.requests_file,
+                "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 32, 64, 128]",
+                # The client sends one request at a time: the traffic's concurrency is 1.
+                "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
+                # A chat probe of 48 tokens (the template alone is 16): not the client's 83.
+                "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": "48",
+                "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0",
+                "WARMUP_AGENT_DATA_DIR": os.path.join(scratch, "agent-data")})
+    if args.device == "cpu":   # the smoke check on a small busy CPU: fewer, shorter requests
+        env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[16, 64]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1]",
+                   WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS="4", WARMUP_AGENT_READINESS_MIN_PROBES="3")
+    env.update(kv.split("=", 1) for kv in args.agent_env)
+    cmd = [sys.executable, "-m", "warmup_agent", "run", "--no-progress", "--engine", "openai", "--model", model_dir,
+           "--listen", f"127.0.0.1:{listen}", "--record", record, "--"] + server_cmd(model_dir, port, args.device)
+    log = open(os.path.join(scratch, f"agent-{i}.log"), "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    try:
+        t_ready = wait_http(f"http://127.0.0.1:{listen}/readyz", t0 + 400, proc)
+        out = measure(port, model_dir, model_dir, args.steady, args.max_tokens)
+        with urllib.request.urlopen(f"http://127.0.0.1:{listen}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+    finally:
+        stop(proc, 60)
+        log.close()
+    with open(record) as f:
+        rec = json.load(f)
+    prewarm = next(s for s in rec["stages"] if s["name"] == "prewarm")
+    out.update(spawn_to_ready=t_ready - t0, warmed_lengths=prewarm.get("lengths"), profile=prewarm.get("profile"),
+               warmup_requests=rec.get("warmup_requests"), probes=rec.get("probe_count"),
+               agent_time_to_ready=rec.get("time_to_ready_seconds"),
+               stage_seconds={s["name"]: s["duration_seconds"] for s in rec["stages"]},
+               agent_first_request_tax=rec.get("first_request_tax_ratio"),
+               agent_first_request_total_tax=rec.get("first_request_total_tax_ratio"),
+               agent_tpot_window=rec.get("time_per_output_token_window_seconds"),
+               metrics_lines=[l for l in metrics.splitlines() if l.startswith(("warmup_first_request", "warmup_time_per_output"))])
+    return out
+
+
+def write_requests_file(path: str, model_dir: str, max_tokens: int) -> None:
+    """The traffic the agent is told about, as a gateway would log it."""
+    with open(path, "w") as f:
+        for n, length in enumerate(PROFILE_LENGTHS):
+            msgs, _ = chat_messages(model_dir, length, 100 + n)
+            f.write(json.dumps({"model": "m", "messages": msgs, "max_tokens": max_tokens, "stream": True, **SAMPLING}) + "\n")
+
+
+def p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[max(1, math.ceil(0.99 * len(s))) - 1]
+
+
+def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -> dict:
+    """The figures over the pairs done so far, written to `out`."""
+    agent, alone = runs["agent"], runs["alone"]
+    pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(agent, alone)]
+    figures = {
+        "gpu_server_first_ttft_tax_p99": p99([r["ttft_tax"] for r in agent]),
+        "gpu_server_first_total_tax_p99": p99([r["total_tax"] for r in agent]),
+        "gpu_server_ready_over_alone": statistics.median(pairs),
+        "gpu_server_first_ttft_tax_p99_alone": p99([r["ttft_tax"] for r in alone]),
+        "gpu_server_first_total_tax_p99_alone": p99([r["total_tax"] for r in alone]),
+    }
+    prompt_in_grid = [PROMPT_TOKENS in (r.get("warmed_lengths") or []) for r in agent]
+    short = [r["first"]["output_tokens"] for r in agent + alone if r["first"]["output_tokens"] != args.max_tokens]
+    result = {
+        "benchmark": "gpu_server",
+        **figures,
+        "targets": {"gpu_server_first_ttft_tax_p99": 1.10, "gpu_server_first_total_tax_p99": 1.10,
+                    "gpu_server_ready_over_alone": 1.10},
+        "definitions": {
+            "gpu_server_first_ttft_tax_p99": "p99 (nearest rank) over agent cold starts of: first request's time to first token after /readyz / median of the next STEADY identical-shape requests",
+            "gpu_server_first_total_tax_p99": "the same on the whole answer (stream end)",
+            "gpu_server_ready_over_alone": "median over pairs of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, first request sent at /health 200)",
+        },
+        "request": {"api": "/v1/chat/completions", "stream": True, **SAMPLING, "max_tokens": args.max_tokens,
+                    "prompt_tokens_templated": PROMPT_TOKENS, "prompt_in_agent_warmup_lengths": prompt_in_grid,
+                    "first_answers_not_max_tokens": short},
+        "ready_over_alone_pairs": pairs,
+        "spawn_to_ready_agent": [r["spawn_to_ready"] for r in agent],
+        "spawn_to_first_answer_alone": [r["spawn_to_first_answer"] for r in alone],
+        "spawn_to_health_alone": [r["spawn_to_health"] for r in alone],
+        "runs": runs,
+        "starts_done": len(agent), "stopped_early_for_time": stopped_early, "starts": args.starts, "steady": args.steady, "device": args.device,
+        "server": "transformers serve " + _version("transformers"),
+        "model": {"dir": model_dir, "shape": "Qwen2-1.5B" if args.device != "cpu" else "embedded tiny Llama",
+                  "dtype": "bfloat16", "weights": "random"},
+        **provenance(),
+        "gpu": _gpu_name(),
+    }
+    write_result(out, result)
+    return figures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model directory (created if missing); default /tmp/qwen2-1.5b-random-chat on cuda")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--starts", type=int, default=5, help="cold starts per condition, alternating")
+    ap.add_argument("--steady", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-seconds", type=float, default=560,
+                    help="start no pair that would end later than this after the script started")
+    ap.add_argument("--agent-env", action="append", default=[], metavar="K=V",
+                    help="extra WARMUP_AGENT_* settings for the agent (repeatable)")
+    ap.add_argument("--logs", default=None, help="copy the server and agent logs here")
+    args = ap.parse_args()
+    scratch = tempfile.mkdtemp(prefix="bench-gpu-server-")
+    t = time.time()
+    model_dir = make_model(args.model or ("/tmp/qwen2-1.5b-random-chat" if args.device != "cpu" else os.path.join(scratch, "data")),
+                           args.device)
+    print(f"model {model_dir} ready in {time.time() - t:.1f} s", flush=True)
+    args.requests_file = os.path.join(scratch, "requests.jsonl")
+    write_requests_file(args.requests_file, model_dir, args.max_tokens)
+    runs: dict[str, list] = {"alone": [], "agent": []}
+    out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_server_{time.strftime('%Y-%m-%d')}.json")
+    stopped_early = False
+    t_pairs = time.time()
+    for i in range(args.starts):
+        # A pair that would not fit the time budget is not started: the JSON then
+        # says how many starts were done (it is also rewritten after every pair).
+        if i and time.time() + (time.time() - t_pairs) / i > T_START + args.budget_seconds:
+            stopped_early = True
+            print(f"stopping after {i} pairs: another would pass the {args.budget_seconds:g} s budget", flush=True)
+            break
+        for mode in (("alone", "agent") if i % 2 == 0 else ("agent", "alone")):
+            r = (run_alone if mode == "alone" else run_agent)(args, model_dir, scratch, i)
+            runs[mode].append(r)
+            ready = r.get("spawn_to_ready", r.get("spawn_to_first_answer"))
+            print(f"start {i} {mode}: {'ready' if mode == 'agent' else 'first answer done'} {ready:.2f} s, "
+                  f"first ttft {r['first']['ttft'] * 1e3:.1f} ms / steady {r['steady_ttft_median'] * 1e3:.1f} ms "
+                  f"(tax {r['ttft_tax']:.2f}), first total {r['first']['total'] * 1e3:.0f} ms / steady "
+                  f"{r['steady_total_median'] * 1e3:.0f} ms (tax {r['total_tax']:.2f}), "
+                  f"tokens {r['first']['output_tokens']}, prompt {r['first']['prompt_tokens']}", flush=True)
+        figures = summarize(args, runs, model_dir, out, stopped_early)
+    if stopped_early:
+        summarize(args, runs, model_dir, out, stopped_early)
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
+        for name in sorted(os.listdir(scratch)):
+            if name.endswith(".log") and (name.startswith("agent-0") or name.startswith("alone-0")):
+                shutil.copy(os.path.join(scratch, name), args.logs)
+    print(json.dumps(figures, indent=2))
+    print(f"wrote {out}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def _version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _gpu_name() -> str | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

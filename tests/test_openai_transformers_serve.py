@@ -1,0 +1,194 @@
+"""The openai engine supervising a real `transformers serve` (CPU, embedded model).
+
+A server unlike vLLM: text prompts only, no /tokenize, no metrics, unknown
+request fields refused.  The agent must learn that by asking, warm it with chat
+and completions of exact token lengths, mark every request, and reach SERVING
+with the decode window filled.  A recording relay between agent and server
+shows what went over the wire (transformers serve logs no request ids).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from tests import transformers_server as ts
+from tests.http_relay import Relay
+from tests.servers import free_port
+from warmup_agent import config
+from warmup_agent.engines.openai_engine import OpenAIEngine
+from warmup_agent.pipeline import Agent
+from warmup_agent.states import State
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ts.available(), reason="needs transformers[serving] (make test-setup)")]
+
+LENGTHS = [24, 48]
+BATCHES = [1, 2]
+PROBE_LEN = 20
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, embedded_model):
+    root = tmp_path_factory.mktemp("tserve")
+    port = free_port()
+    relay = Relay(port)
+    cfg = config.load(env={"WARMUP_AGENT_DATA_DIR": str(root / "data"), "WARMUP_AGENT_ENGINE": "openai",
+                           "WARMUP_AGENT_MODEL_PATH": embedded_model,
+                           "WARMUP_AGENT_OPENAI_URL": relay.url,
+                           "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
+                           "WARMUP_AGENT_OPENAI_READY_TIMEOUT_SECONDS": "240",
+                           "WARMUP_AGENT_OPENAI_DRAIN_SECONDS": "5",
+                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": json.dumps(LENGTHS),
+                           "WARMUP_AGENT_PREWARM_BATCH_SIZES": json.dumps(BATCHES),
+                           "WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS": "4",
+                           "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "4",
+                           "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": str(PROBE_LEN),
+                           "WARMUP_AGENT_READINESS_MIN_PROBES": "5",
+                           # Decode on two shared cores is noisy: the gate's ratio stays loose here.
+                           "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
+                           "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
+    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
+                       base_env=ts.server_env(str(root)), model_path=embedded_model)
+    agent = Agent(cfg, eng)
+    state = agent.run()
+    agent.stop()
+    yield eng, agent, state, relay, port
+    eng.close()
+    relay.stop()
+
+
+def test_reaches_serving_after_asking_what_the_server_answers(served):
+    eng, agent, state, _, _ = served
+    assert state == State.SERVING, (agent.sm.failure_reason, agent.sm.failure_message)
+    assert eng.apis == ["chat", "completions"]
+    assert eng.model == eng.model_dir               # served under the directory it was started on
+    assert not eng.token_id_prompts                 # "prompt must be a string"
+    assert "ignore_eos" in eng.rejected_fields      # "Unexpected fields in the request"
+    # Default profile: per API, the prefill grid (2 lengths x batches 1, 2) and the
+    # families greedy and sampled at batches 1, 2 with the longest answer.
+    assert agent.warmup_requests == 2 * 2 * (1 + 2) + 2 * 2 * (1 + 2)
+    profile = agent.stages[1].detail["profile"]
+    assert profile["families"] == ["greedy", "sampled"] and profile["endpoints"] == ["chat", "completions"]
+
+
+def test_every_agent_request_is_marked_on_the_wire(served):
+    eng, agent, _, relay, _ = served
+    posts = relay.posts()
+    assert posts and all(p["warmup"] == "true" and p["request_id"].startswith("warmup-") for p in posts)
+    # warmup + probes + 3 questions (chat? completions? token ids?) + the one retry
+    # after the server refused ignore_eos.
+    assert len(posts) == agent.warmup_requests + len(agent.probes) + 3 + 1
+    # Both families reached the server as sent, on both APIs.
+    bodies = [json.loads(p["body"]) for p in posts]
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        sent = [b for p, b in zip(posts, bodies) if p["path"] == path]
+        assert any(b.get("temperature") == 0.7 and b.get("top_p") == 0.9 and b["max_tokens"] == 4 for b in sent)
+        assert any(b.get("temperature") == 0.0 for b in sent)
+
+
+def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, embedded_model):
+    """Checked with transformers' own apply_chat_template, not the agent's renderer."""
+    from transformers import AutoTokenizer
+    _, _, _, relay, _ = served
+    tok = AutoTokenizer.from_pretrained(embedded_model)
+    chat, text = [], []
+    for p in relay.posts():
+        b = json.loads(p["body"])
+        if p["path"] == "/v1/chat/completions" and b["messages"][0]["content"] != "Hello":
+            ids = tok.apply_chat_template(b["messages"], tokenize=True, add_generation_prompt=True)
+            chat.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        elif p["path"] == "/v1/completions" and isinstance(b["prompt"], str) and b["prompt"] != "Hello":
+            text.append(len(tok(b["prompt"], add_special_tokens=False)["input_ids"]))
+    assert chat and set(chat) <= set(LENGTHS) | {PROBE_LEN}
+    assert PROBE_LEN in chat                          # probes are chat requests
+    assert text and set(text) <= set(LENGTHS)
+
+
+def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
+    eng, agent, _, _, _ = served
+    reg = agent.metrics.registry
+    tpots = agent.tpot_window.values()
+    assert len(tpots) == len(agent.probes) >= 5
+    for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
+        exact = float(np.quantile(np.array(tpots), q, method="inverted_cdf"))
+        assert reg.get_sample_value("warmup_time_per_output_token_window_seconds", {"percentile": label}) == exact
+    totals = agent.probe_totals
+    assert reg.get_sample_value("warmup_first_request_total_tax_ratio") == pytest.approx(
+        totals[0] / float(np.median(totals[1:])), rel=1e-12)
+    # A probe's times against the wall clock around it: the first token comes
+    # before the end, the end before the call returned; TPOT is the rest per token.
+    t0 = time.perf_counter()
+    ttft = agent.probe()
+    wall = time.perf_counter() - t0
+    total = agent.probe_totals[-1]
+    assert 0 < ttft < total <= wall
+    assert agent.tpot_window.values()[-1] == pytest.approx((total - ttft) / 3, rel=1e-9)   # 4 tokens out
+
+
+def test_outside_clients_first_chat_request_is_answered(served):
+    _, agent, state, _, port = served
+    assert state == State.SERVING
+    body = {"model": agent.engine.model, "messages": [{"role": "user", "content": "What is a warm start?"}],
+            "max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "stream": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        events = [json.loads(l[5:]) for l in r.read().splitlines() if l.startswith(b"data:") and b"[DONE]" not in l]
+    text = "".join((c.get("delta") or {}).get("content") or "" for e in events for c in e.get("choices", []))
+    assert text
+
+
+def test_first_request_tax_on_time_to_first_token_is_exported_exactly(served):
+    _, agent, _, _, _ = served
+    reg = agent.metrics.registry
+    first = agent.first_request_seconds
+    assert reg.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(
+        first / statistics.median(agent.probes[1:agent.stages[-1].detail["probes"]]), rel=1e-12)
+
+
+def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refuses(tmp_path, embedded_model):
+    """A gateway log with chat only: sampled, penalties, stop and top_k (which
+    transformers serve refuses: 'Unexpected fields').  The agent warms chat only,
+    each family it accepts at each batch size, records top_k as refused, serves."""
+    chat = lambda c, **kw: json.dumps({"model": "m", "messages": [{"role": "user", "content": c}], "max_tokens": 3, **kw})  # noqa: E731
+    log = tmp_path / "requests.jsonl"
+    log.write_text("\n".join([chat("bazo kite lumo", temperature=0.7, top_p=0.9),
+                              chat("rasivu tenapo", temperature=0.7, presence_penalty=0.5),
+                              chat("kite lumo", temperature=0, stop=["\n\n"]),
+                              chat("lumo", temperature=0.7, top_k=20)]) + "\n")
+    port = free_port()
+    relay = Relay(port)
+    cfg = config.load(env={"WARMUP_AGENT_DATA_DIR": str(tmp_path / "data"), "WARMUP_AGENT_ENGINE": "openai",
+                           "WARMUP_AGENT_MODEL_PATH": embedded_model, "WARMUP_AGENT_OPENAI_URL": relay.url,
+                           "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
+                           "WARMUP_AGENT_PREWARM_REQUESTS_FILE": str(log),
+                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[24]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 2]",
+                           "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "3", "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": "20",
+                           "WARMUP_AGENT_READINESS_MIN_PROBES": "4", "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
+                           "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
+    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
+                       base_env=ts.server_env(str(tmp_path)), model_path=embedded_model)
+    try:
+        agent = Agent(cfg, eng)
+        state = agent.run()
+        agent.stop()
+        assert state == State.SERVING, (agent.sm.failure_reason, agent.sm.failure_message)
+        profile = agent.stages[1].detail["profile"]
+        assert profile["endpoints"] == ["chat"] and profile["max_tokens"] == 3 and profile["requests_seen"] == 4
+        assert profile["families"] == ["penalties", "sampled", "stop"]
+        assert "top_k" in profile["refused_families"] and "Unexpected fields" in profile["refused_families"]["top_k"]
+        warm = [json.loads(p["body"]) for p in relay.posts()
+                if p["path"] == "/v1/chat/completions" and json.loads(p["body"])["max_tokens"] == 3]
+        # each accepted family at batch 1 and 2 (probes are sampled, 3 tokens too)
+        assert sum(b.get("presence_penalty") == 0.5 for b in warm) == 1 + 2
+        assert sum(b.get("stop") == ["\n\n"] for b in warm) == 1 + 2
+        assert not [p for p in relay.posts() if p["path"] == "/v1/completions" and p["body"] and
+                    json.loads(p["body"])["max_tokens"] != 1]     # completions only asked, never warmed
+    finally:
+        eng.close()
+        relay.stop()

@@ -170,7 +170,10 @@ class OpenAIEngine(Engine):
             from tokenizers import Tokenizer
             self._tokenizer = Tokenizer.from_file(path)
         else:
-            from transformers import AutoTokenizer
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:  # the small install (no [torch] extra): the server's /tokenize sizes prompts
+                return
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenize("warm the tokenizer caches")
 

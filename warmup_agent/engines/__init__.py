@@ -13,11 +13,18 @@ _NEEDS = {"torch": (("torch", "transformers"), "torch"),
           "vllm": (("vllm", "torch", "transformers"), "vllm")}
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-removed package counts as missing
+        return False
+
+
 def check_installed(name: str) -> None:
     """Raise a one-line ConfigError (exit 2) naming the extra when engine `name`
     cannot be imported here; checked before anything loads a model."""
     needs, extra = _NEEDS.get(name, ((), ""))
-    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    missing = [m for m in needs if not _importable(m)]
     if missing:
         raise ConfigError(f"key 'engine': engine {name} needs {' and '.join(missing)}, which this installation lacks: "
                           f"pip install 'warmup-agent[{extra}]', or use engine openai", "engine")

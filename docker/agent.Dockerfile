@@ -36,11 +36,12 @@ COPY exporter /src/exporter
 # The agent with its core dependencies and the redis extra (shared kernel cache tier).
 RUN python -m pip install --no-cache-dir "/src[redis]" \
  && rm -rf /src
+COPY docker/agent-config.yaml /etc/warmup-agent/sidecar.yaml
 
 USER 1000:1000
 WORKDIR /tmp
 # /metrics, /healthz, /readyz, /startupz
 EXPOSE 9400
 ENTRYPOINT ["warmup-agent"]
-# Warm and gate the OpenAI-compatible server on localhost:8000 (openai.url's default).
-CMD ["run", "--engine", "openai", "--listen", "0.0.0.0:9400"]
+# Warm and gate the OpenAI-compatible server on localhost:8000 (docker/agent-config.yaml).
+CMD ["run", "--config", "/etc/warmup-agent/sidecar.yaml"]

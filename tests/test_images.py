@@ -135,6 +135,10 @@ def test_image_metadata(name):
     assert "9400" in " ".join(a for w, a in ins if w == "EXPOSE")
     (entrypoint,) = [json.loads(a) for w, a in ins if w == "ENTRYPOINT"]
     assert entrypoint[0] == "warmup-agent"
+    (cmd,) = [json.loads(a) for w, a in ins if w == "CMD"]
+    if "--config" in entrypoint + cmd:   # the default config file is one the image copies in
+        argv = entrypoint + cmd
+        assert argv[argv.index("--config") + 1] in [dest for _, dest in copies(path)]
     env = " ".join(a for w, a in ins if w == "ENV")
     assert "HOME=/tmp" in env and "XDG_CACHE_HOME=/var/cache/warmup-agent" in env, \
         "writes go to the chart's /tmp and cache volumes (read-only root filesystem)"
@@ -247,6 +251,7 @@ def test_sidecar_image_install_steps_warm_vllm_without_torch(tmp_path, helm_env,
         r = subprocess.run([py, "-c", f"import {module}"], capture_output=True, text=True)
         assert r.returncode != 0, f"{module} must not be in the sidecar image"
     check_cli(venv, chart_config(helm_env, tmp_path, "--set", "mode=sidecar"))
+    check_cli(venv, ROOT / "docker" / "agent-config.yaml")   # the image's own default (its CMD)
     r = subprocess.run([str(venv / "bin" / "warmup-agent"), "run", "--once", "--engine", "torch"],
                        capture_output=True, text=True, cwd="/")
     assert r.returncode == 2 and "warmup-agent[torch]" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
@@ -264,6 +269,7 @@ def test_sidecar_image_install_steps_warm_vllm_without_torch(tmp_path, helm_env,
                            env=agent_env(tmp_path, WARMUP_AGENT_OPENAI_URL=f"http://127.0.0.1:{port}"),
                            capture_output=True, text=True, timeout=400, cwd="/")
         assert r.returncode == 0, r.stderr[-3000:]
+        assert "No module named" not in r.stderr, "nothing on the way tried to import torch"
         record = json.loads(rec.read_text())
         assert record["final_state"] == "SERVING" and record["warmup_requests"] == 2
     finally:

@@ -89,5 +89,6 @@ def test_openai_engine_runs_to_a_named_failure_without_torch(tmp_path):
                                 "WARMUP_AGENT_OPENAI_READY_TIMEOUT_SECONDS": "1"})
     assert r.returncode == 3, r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "blocked by the test" not in r.stderr
+    assert "No module named" not in r.stderr
     record = json.loads(rec.read_text())
     assert record["final_state"] == "FAILED" and record["failure_reason"] == "server_never_healthy"

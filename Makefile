@@ -6,7 +6,7 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 TEST_APT := prometheus prometheus-alertmanager redis-server openssl util-linux
 
-.PHONY: help setup run test-setup test lint-generated regenerate clean
+.PHONY: help setup run test-setup test lint-generated regenerate clean images
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -17,7 +17,7 @@ $(VPY):
 	$(VPY) -m pip install -q 'torch==2.13.0'
 
 setup: $(VPY)  ## create .venv and install the agent (CPU torch)
-	$(VPY) -m pip install -q -e '.[redis,report]'
+	$(VPY) -m pip install -q -e '.[torch,redis,report]'
 
 run: setup  ## set up, then warm the embedded default model and serve on 127.0.0.1:9400 (Ctrl-C stops)
 	$(VENV)/bin/warmup-agent run
@@ -43,6 +43,9 @@ regenerate:  ## regenerate alert rules, dashboards, docs/metrics.md and the char
 	$(VPY) -m exporter.docs
 	$(VPY) -m warmup_agent.config
 	$(VPY) tools/sync_chart_files.py
+
+images:  ## build the container images of docker/ (needs docker or DOCKER=podman; REGISTRY=... PUSH=1 to push)
+	docker/build.sh $(if $(PUSH),--push)
 
 clean:  ## remove build outputs and caches (keeps the venvs)
 	rm -rf build dist *.egg-info .pytest_cache .cache

@@ -238,7 +238,7 @@ def test_sidecar_mode_runs_stock_vllm_and_points_the_agent_at_it(rendered):
     docs = rendered["sidecar"]
     server, agent = pod_spec(docs)["containers"]
     assert (server["name"], agent["name"]) == ("server", "warmup-agent")
-    assert server["image"] == "vllm/vllm-openai:v0.8.5"
+    assert server["image"] == "vllm/vllm-openai:v0.32.0"
     assert server["command"][:3] == ["vllm", "serve", "Qwen/Qwen2-1.5B-Instruct"]
     assert agent["command"] == ["warmup-agent", "run", "--config", "/etc/warmup-agent/config.yaml"]
     cfg = yaml.safe_load(agent_config_text(docs))

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if args.command == "run":
+        from warmup_agent import reaper
+        reaper.init_if_pid1()  # PID 1 of a container: fork, stay behind as init (reaper.py)
     try:
         if args.command == "check-config":
             return cmd_check_config(args)
@@ -135,6 +138,8 @@ def cmd_run(args) -> int:
     progress = Progress(sys.stderr, enabled=not args.no_progress)
     _setup_logging(cfg["log.level"], cfg["log.format"], progress)
     log = logging.getLogger("warmup_agent")
+    from warmup_agent.engines import check_installed
+    check_installed(cfg["engine"])  # a missing [torch]/[vllm] extra: one line, exit 2
 
     if server_command and cfg["engine"] != "openai":
         raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg['engine']})", "engine")

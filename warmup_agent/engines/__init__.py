@@ -1,7 +1,33 @@
 """Engine adapters behind one interface (see base.py)."""
 from __future__ import annotations
 
+import importlib.util
+
+from warmup_agent.config import ConfigError
 from warmup_agent.engines.base import Engine, EngineError
+
+# What each in-process engine imports beyond the core install, and the extra that
+# brings it.  The openai engine needs nothing more: it is what the small install
+# (no torch, no transformers; the sidecar image of docker/) runs.
+_NEEDS = {"torch": (("torch", "transformers"), "torch"),
+          "vllm": (("vllm", "torch", "transformers"), "vllm")}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-removed package counts as missing
+        return False
+
+
+def check_installed(name: str) -> None:
+    """Raise a one-line ConfigError (exit 2) naming the extra when engine `name`
+    cannot be imported here; checked before anything loads a model."""
+    needs, extra = _NEEDS.get(name, ((), ""))
+    missing = [m for m in needs if not _importable(m)]
+    if missing:
+        raise ConfigError(f"key 'engine': engine {name} needs {' and '.join(missing)}, which this installation lacks: "
+                          f"pip install 'warmup-agent[{extra}]', or use engine openai", "engine")
 
 
 def create(cfg, model_path: str | None, server_command: list[str] | None = None) -> Engine:

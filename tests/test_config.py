@@ -123,6 +123,7 @@ def test_cli_port_in_use_is_a_config_error(tmp_path, embedded_model, data_dir):
 
 def test_docs_config_md_is_current():
     import os
+
     from tests.conftest import ROOT
     with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:
         assert f.read() == config.reference_markdown(), "docs/config.md is stale: run `python -m warmup_agent.config`"

@@ -106,7 +106,7 @@ def promtool_parse(tmp_path, dashboards: dict[str, dict]):
     """All panel expressions as recording rules: promtool check rules parses each one."""
     rules = []
     for name, d in dashboards.items():
-        for pid, title, ref, expr in panel_expressions(d):
+        for pid, _title, ref, expr in panel_expressions(d):
             rules.append({"record": f"dash:{re.sub(r'[^a-z]', '_', name.lower())}:p{pid}{ref}", "expr": substitute(expr)})
     path = tmp_path / "panels.rules.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))

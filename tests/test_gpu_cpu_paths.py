@@ -197,6 +197,7 @@ def test_fragmentation_from_a_recorded_snapshot():
 
 def test_allocator_collector_exports_the_snapshot_rate():
     from prometheus_client import CollectorRegistry
+
     from exporter.collectors import AllocatorCollector
     reg = CollectorRegistry()
     reg.register(AllocatorCollector(snapshot=lambda: SNAPSHOT))
@@ -208,7 +209,7 @@ def test_ramp_slope_is_the_least_squares_fit():
     import numpy as np
     t = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25]
     y = [0.0, 0.0, 0.1, 0.3, 0.3, 0.6]
-    assert least_squares_slope(list(zip(t, y))) == pytest.approx(np.polyfit(t, y, 1)[0])
+    assert least_squares_slope(list(zip(t, y, strict=True))) == pytest.approx(np.polyfit(t, y, 1)[0])
     assert least_squares_slope([(1.0, 0.5)]) is None
 
 

@@ -296,7 +296,7 @@ def test_redis_killed_mid_run_and_restarted(tmp_path, redis_server, monkeypatch)
 
 
 def test_slow_redis_times_out_to_local(tmp_path, redis_server):
-    a = _published(tmp_path, redis_server)
+    _published(tmp_path, redis_server)
     b = make_pod(tmp_path, "b", redis_server.url, socket_timeout=0.3, retry_interval=60)
     # Redis stalls every client for 5 s (Redis 7.0 pauses even UNPAUSE: let it expire).
     client(redis_server).execute_command("CLIENT", "PAUSE", "5000", "ALL")

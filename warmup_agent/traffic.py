@@ -26,7 +26,7 @@ class Shape:
 def grid(prompt_lengths: list[int], batch_sizes: list[int]) -> list[Shape]:
     """Every (length, batch) pair, small first: a failure on a huge shape should
     not come before the common shapes are warm."""
-    return [Shape(l, b) for b, l in itertools.product(sorted(set(batch_sizes)), sorted(set(prompt_lengths)))]
+    return [Shape(n, b) for b, n in itertools.product(sorted(set(batch_sizes)), sorted(set(prompt_lengths)))]
 
 
 class PromptFactory:

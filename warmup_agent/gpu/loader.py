@@ -142,16 +142,6 @@ def build_meta_skeleton(config_path: str, dtype):
     return model, expected, tied
 
 
-def build_skeleton(config_path: str, dtype, device):
-    """The model with uninitialised parameters on `device`; non-persistent buffers
-    rebuilt from the config.  Returns (model, expected shapes, tied names)."""
-    model, expected, tied = build_meta_skeleton(config_path, dtype)
-    model = model.to_empty(device=device)
-    _rebuild_nonpersistent(model, device)
-    model.tie_weights()
-    return model.eval(), expected, tied
-
-
 def allocate(slots: list[TensorSlot], dtype, device) -> dict:
     """Uninitialised destination tensors for the checkpoint, by name: floating
     tensors in the target dtype, others as stored.  Needs no model, so weights can
@@ -183,7 +173,7 @@ def bind(model, tensors: dict, device):
 
 
 def _rebuild_nonpersistent(model, device) -> None:
-    for parent_name, parent in list(model.named_modules()):
+    for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if not getattr(child, "_non_persistent_buffers_set", None):
                 continue

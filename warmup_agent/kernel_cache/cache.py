@@ -22,8 +22,8 @@ from typing import Callable, TypeVar
 from urllib.parse import urlsplit
 
 from warmup_agent.kernel_cache import namespace as nsmod
-from warmup_agent.kernel_cache.local import ENV_VARS, KINDS, LocalTier, safe_relpath
 from warmup_agent.kernel_cache import shared as shared_mod
+from warmup_agent.kernel_cache.local import ENV_VARS, KINDS, LocalTier, safe_relpath
 from warmup_agent.kernel_cache.shared import CHANNEL, REDIS_ERRORS, SharedTier, SharedUnavailable
 from warmup_agent.kernel_cache.signing import entry_key, load_secret, sign, verify
 
@@ -191,11 +191,11 @@ class KernelCache:
         for batch in _batches(wanted, lambda item: item[1].size):
             keys = [self.shared.key("blob", e.digest) for _rel, e in batch]
             try:
-                blobs = self.shared.call("fetch entries", lambda c: c.mget(keys))
+                blobs = self.shared.call("fetch entries", lambda c: c.mget(keys))  # noqa: B023 - called at once
             except SharedUnavailable:
                 self._request("shared", "error", len(batch))
                 continue
-            for (rel, entry), data in zip(batch, blobs):
+            for (rel, entry), data in zip(batch, blobs, strict=True):
                 if data is None:  # expired or evicted by Redis
                     self._request("shared", "miss")
                 elif (hashlib.sha256(data).hexdigest() != entry.digest or not verify(
@@ -270,7 +270,7 @@ class KernelCache:
                 count += 1
             pipe.expire(index_key, s.ttl_seconds)
             try:
-                self.shared.call("publish", lambda c: pipe.execute())
+                self.shared.call("publish", lambda c: pipe.execute())  # noqa: B023 - called at once
             except SharedUnavailable:
                 break
             written += count
@@ -480,7 +480,7 @@ class KernelCache:
             names = c.zrevrange(self.shared.namespaces_key, 0, -1, withscores=True)
             infos = c.mget([self.shared.key("info", namespace=n.decode()) for n, _ in names]) if names else []
             return [{"namespace": n.decode(), "last_publish": score,
-                     "components": json.loads(i) if i else None} for (n, score), i in zip(names, infos)]
+                     "components": json.loads(i) if i else None} for (n, score), i in zip(names, infos, strict=True)]
         return self.shared.call("list namespaces", read)
 
     @property
@@ -501,7 +501,7 @@ class KernelCache:
                 e = _Entry.parse(raw)
                 if e:
                     sizes[e.digest] = e.size
-        return {k: len(ix) for k, ix in zip(KINDS, indexes)}, sum(sizes.values())
+        return {k: len(ix) for k, ix in zip(KINDS, indexes, strict=True)}, sum(sizes.values())
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _after_change(self, evict: bool = True) -> None:

@@ -4,8 +4,8 @@ and the head), into pinned staging buffers, copied to the device on a side
 stream while the next chunk is being read (double-buffered, overlapped).
 
 The model skeleton is built on the meta device (no memory, no random init),
-materialised uninitialised on the target device (`to_empty`), and every
-parameter is then overwritten from the checkpoint.  Non-persistent buffers
+and the tensors read from the checkpoint become its parameters without a copy
+(`bind`: `load_state_dict(assign=True)`).  Non-persistent buffers
 (rotary inverse frequencies) are not in a checkpoint: their modules are rebuilt
 from the config.  On a CPU, or when a tensor's stored dtype differs from the
 target dtype, the plain path reads each tensor and copies it with a cast.

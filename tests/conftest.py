@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
+
 # Built once and reused across test sessions: creating it trains a tokenizer (~5 s).
 TEST_DATA = os.environ.get("WARMUP_TEST_DATA", os.path.join(ROOT, ".cache", "test-data"))
 

@@ -14,8 +14,8 @@ import yaml
 from alerts import generate
 from alerts.promql import base_name, label_problems, metric_names
 from exporter.catalogue import BY_NAME
+from tests.helpers.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALERTS = os.path.join(ROOT, "alerts")
 RULES = os.path.join(ALERTS, generate.RULES_FILE)
 TESTS_DIR = os.path.join(ALERTS, "tests")

@@ -18,8 +18,8 @@ from dashboards import generate
 from dashboards.exprs import panel_expressions, substitute
 from exporter import catalogue_cache
 from exporter.catalogue import BY_NAME
+from tests.helpers.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASH_DIR = os.path.join(ROOT, "dashboards")
 UIDS = {"cold-start-overview.json": "warmup-cold-start", "warmup-economics.json": "warmup-economics",
         "kernel-cache.json": "warmup-kernel-cache"}

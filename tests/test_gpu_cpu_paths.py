@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.paths import ROOT
 from warmup_agent import hardware, traffic
 from warmup_agent.engines.base import EngineError
 from warmup_agent.gpu import sizing
@@ -19,7 +20,6 @@ from warmup_agent.gpu.deadline import run_with_deadline
 from warmup_agent.gpu.memory import fragmentation_from_snapshot
 from warmup_agent.gpu.ramp import RampSampler, least_squares_slope
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200 = json.load(open(os.path.join(ROOT, "bench", "results", "gpu_nvml_answers_h200.json")))["facts"][0]
 
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import ROOT_PATH as ROOT
+
 HELM = ROOT / ".tools" / "helm"
 
 

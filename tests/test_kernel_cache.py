@@ -19,13 +19,13 @@ import redis
 
 from exporter.metrics import AgentMetrics
 from tests import servers
+from tests.helpers.paths import ROOT
 from tests.servers import Redis, free_port, wait_until
 from warmup_agent import config
 from warmup_agent.kernel_cache import CHANNEL, KernelCache, Settings
 from warmup_agent.kernel_cache import namespace as nsmod
 from warmup_agent.kernel_cache.signing import load_secret
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"0123456789abcdef0123456789abcdef"
 RUNTIME = {"torch": "2.13.0", "triton": None, "vllm": None, "cuda": None, "compute_capability": None}
 COMPONENTS = nsmod.components({"hidden_size": 128, "layers": 2}, {"mode": "default"}, RUNTIME)

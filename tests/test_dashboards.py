@@ -116,10 +116,12 @@ def promtool_parse(tmp_path, dashboards: dict[str, dict]):
     assert f"SUCCESS: {len(rules)} rules found" in r.stdout
 
 
+@pytest.mark.slow  # promtool
 def test_every_panel_expression_parses(tmp_path):
     promtool_parse(tmp_path, committed())
 
 
+@pytest.mark.slow  # promtool
 def test_promtool_parse_catches_a_broken_expression(tmp_path):
     """The parse check can fail: one unbalanced parenthesis is reported."""
     d = json.loads(json.dumps(committed()["cold-start-overview.json"]))
@@ -136,6 +138,7 @@ def test_generator_fails_loudly_on_a_missing_metric(monkeypatch, capsys, tmp_pat
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # promtool
 def test_kernel_cache_dashboard_once_its_metrics_exist(monkeypatch, tmp_path):
     """Before the kernel-cache feature registers its specs, check that the dashboard
     it will get is well formed and parses."""

@@ -311,6 +311,7 @@ def test_slow_redis_times_out_to_local(tmp_path, redis_server):
     assert local_files(b) == {("triton", "H2/k.cubin"): b"x" * 10}
 
 
+@pytest.mark.slow  # a real redis-server
 def test_full_redis_degrades_publish(tmp_path):
     (tmp_path / "r").mkdir()
     server = Redis(tmp_path / "r", ["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])

@@ -39,7 +39,7 @@ class PromptFactory:
         # Rotate by `variant` so prompts in one batch differ (no accidental cache hits).
         base = self._tokens
         start = variant % len(base)
-        out = []
+        out: list[int] = []
         while len(out) < length:
             out.extend(base[start:])
             start = 0

@@ -229,7 +229,7 @@ def _load_plain(dest, slots) -> LoadReport:
     import numpy as np
     import torch
     total = 0
-    fds = {}
+    fds: dict[str, int] = {}
     staging = None
     try:
         with torch.no_grad():
@@ -242,7 +242,7 @@ def _load_plain(dest, slots) -> LoadReport:
                     if staging is None or staging.nbytes < s.nbytes:
                         staging = np.empty(max(s.nbytes, max(x.nbytes for x in slots)), dtype=np.uint8)
                     raw = staging[:s.nbytes]
-                    _pread_into(fd, memoryview(raw), s.offset)
+                    _pread_into(fd, raw.data, s.offset)
                     d.copy_(torch.from_numpy(raw).view(getattr(torch, s.dtype)).reshape(s.shape))
                 total += s.nbytes
     finally:

@@ -6,7 +6,7 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 TEST_APT := prometheus prometheus-alertmanager redis-server openssl util-linux
 
-.PHONY: help setup run test-setup test lint-generated regenerate clean images
+.PHONY: help setup run test-setup test test-fast lint regenerate clean images
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -36,6 +36,13 @@ test-setup: $(VPY)  ## install everything the tests need: apt servers, test extr
 
 test: test-setup  ## set up, then run the whole test suite
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast:  ## the unit tests only: no apt, no servers, no model (under a minute; needs .[test] installed)
+	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint:  ## ruff and mypy, as configured in pyproject.toml (CI runs this before the tests)
+	$(VPY) -m ruff check .
+	$(VPY) -m mypy
 
 regenerate:  ## regenerate alert rules, dashboards, docs/metrics.md and the chart's copies of them
 	$(VPY) -m alerts.generate

@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # a script, not a package: make warmup_agent and tests importable
 from bench.provenance import commit  # noqa: E402

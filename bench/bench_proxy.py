@@ -23,7 +23,6 @@ import os
 import sys
 import time
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.provenance import provenance, write_result  # noqa: E402

@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED = {"/metrics": {200}, "/readyz": {200, 503}, "/healthz": {200}, "/startupz": {200}}
 

@@ -35,7 +35,7 @@ def _section(title: str, specs) -> list[str]:
             meaning += " Buckets: " + ", ".join(f"{b:g}" for b in s.buckets) + "."
         if s.seed_name:
             meaning += " *Name kept verbatim from the seed articles.*"
-        lines.append(f"| `{s.name}` | {s.type} | {', '.join(f'`{l}`' for l in s.labels) or '-'} | "
+        lines.append(f"| `{s.name}` | {s.type} | {', '.join(f'`{label}`' for label in s.labels) or '-'} | "
                      f"{s.unit or '-'} | {s.source} | {s.requires or '-'} | {_cell(meaning)} |")
     return lines + [""]
 

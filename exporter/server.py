@@ -107,7 +107,7 @@ class ExporterServer:
             admin_token = webconfig.read_token(cfg["exporter.admin_token_file"], "exporter.admin_token_file")
         self.admin_token = admin_token
 
-        self.auth = None
+        self.auth: webconfig.BasicAuth | _PasswordAuth | None = None
         ctx = None
         if web_config is not None:
             ctx = web_config.tls.context() if web_config.tls else None
@@ -139,7 +139,7 @@ class ExporterServer:
         return self.auth is None or self.auth.check(header)
 
     def admin_authorized(self, header: str | None) -> bool:
-        if not header or not header.startswith("Bearer "):
+        if not header or not header.startswith("Bearer ") or self.admin_token is None:
             return False
         return hmac.compare_digest(header[7:].strip().encode(), self.admin_token.encode())
 

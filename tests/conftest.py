@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
+
 # Built once and reused across test sessions: creating it trains a tokenizer (~5 s).
 TEST_DATA = os.environ.get("WARMUP_TEST_DATA", os.path.join(ROOT, ".cache", "test-data"))
 
@@ -42,3 +43,21 @@ def run_agent(*args: str, env: dict | None = None, timeout: float = 300) -> subp
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("WARMUP_AGENT_")}
     full_env.update(env or {})
     return subprocess.run(agent_cmd(*args), cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+# `make test-fast` runs `-m "not slow"`.  A test is slow when it starts a real server,
+# an agent process, a vLLM server, helm or promtool, or takes over 5 s here.  Tests
+# marked by hand carry `@pytest.mark.slow`; these fixtures mark every test that uses
+# them, directly or through another fixture, so a new test that loads the model or
+# starts Redis or Helm is never in the fast loop by mistake.
+SLOW_FIXTURES = {
+    "embedded_model",   # builds or loads the model: imports transformers, then usually a whole warmup
+    "redis_server",     # a real redis-server (tests/test_kernel_cache.py)
+    "helm_env",         # the Helm binary (tests/test_helm_chart.py)
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -14,8 +14,8 @@ import yaml
 from alerts import generate
 from alerts.promql import base_name, label_problems, metric_names
 from exporter.catalogue import BY_NAME
+from tests.helpers.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALERTS = os.path.join(ROOT, "alerts")
 RULES = os.path.join(ALERTS, generate.RULES_FILE)
 TESTS_DIR = os.path.join(ALERTS, "tests")
@@ -56,6 +56,7 @@ def test_committed_rules_equal_fresh_generation():
         "alerts/warmup-agent.rules.yaml is stale: run `.venv/bin/python -m alerts.generate` and commit"
 
 
+@pytest.mark.slow  # promtool
 def test_promtool_check_rules():
     r = run_promtool("check", "rules", RULES)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -63,6 +64,7 @@ def test_promtool_check_rules():
     assert f"SUCCESS: {n} rules found" in r.stdout
 
 
+@pytest.mark.slow  # promtool
 @pytest.mark.parametrize("group", [g["name"] for g in load_rules()["groups"]])
 def test_promtool_unit_tests_per_group(group):
     path = test_file(group)
@@ -108,6 +110,7 @@ def _minutes(d: str) -> float:
     return n * {"s": 1 / 60, "m": 1, "h": 60}[unit]
 
 
+@pytest.mark.slow  # promtool
 def test_unit_tests_bite_when_for_is_dropped(tmp_path):
     """With every `for` set to 0s, every group's not-yet-firing case must fail:
     the promtool tests really pin the `for` durations."""
@@ -124,6 +127,7 @@ def test_unit_tests_bite_when_for_is_dropped(tmp_path):
         assert r.returncode != 0, f"{g['name']}: tests still pass with for: 0s"
 
 
+@pytest.mark.slow  # promtool
 def test_unit_tests_bite_when_thresholds_move(tmp_path):
     """Thresholds raised 100x: every firing case must fail."""
     th = generate.load_thresholds()

@@ -168,6 +168,7 @@ CONFIG_CASES = [
 ]
 
 
+@pytest.mark.slow  # an agent process
 @pytest.mark.parametrize("text,expected", CONFIG_CASES, ids=[c[1][:30] for c in CONFIG_CASES])
 def test_bad_config_through_the_cli_is_exit_2_and_one_line(text, expected, tmp_path):
     path = tmp_path / "agent.yaml"

@@ -122,7 +122,7 @@ def test_trip_freeze_half_open_reopen_close(agent):
 
     # Frozen: no engine call between each open and the following half-open, which
     # came no earlier than the configured freeze.
-    for (s1, t1, _), (s2, t2, _) in zip(events, events[1:]):
+    for (s1, t1, _), (s2, t2, _) in zip(events, events[1:], strict=False):
         if s1 == BreakerState.OPEN:
             assert s2 == BreakerState.HALF_OPEN and t2 - t1 >= OPEN
             assert not [c for c in agent.engine.calls if t1 < c < t2], "the main engine was called while frozen"

@@ -4,6 +4,7 @@ no process behind; a server command that cannot start is exit code 3 with a reas
 import json
 
 import psutil
+import pytest
 
 from tests.conftest import run_agent
 from tests.servers import free_port
@@ -48,6 +49,7 @@ def test_supervised_vllm_server_reaches_serving_and_exits_clean(tmp_path, embedd
     assert not no_orphans(f"--port {port}"), "the supervised server outlived the agent"
 
 
+@pytest.mark.slow  # an agent process
 def test_server_command_that_cannot_start_is_exit_3(tmp_path, data_dir):
     rec = tmp_path / "run.json"
     r = run_agent("run", "--once", "--no-progress", "--engine", "openai", "--data-dir", data_dir,

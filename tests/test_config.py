@@ -105,6 +105,7 @@ def test_reference_yaml_is_a_valid_config_with_every_key(tmp_path):
             assert cfg[k.path] == k.default
 
 
+@pytest.mark.slow  # an agent process
 def test_cli_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path):
     path = write(tmp_path, "readiness:\n  p90_threshold_seconds: -1\n")
     for args in (("check-config", path), ("run", "--once", "--config", path)):
@@ -115,6 +116,7 @@ def test_cli_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path):
         assert len(lines) == 1 and "readiness.p90_threshold_seconds" in lines[0] and "-1" in lines[0], r.stderr
 
 
+@pytest.mark.slow  # an agent process
 def test_cli_check_config_accepts_a_valid_file(tmp_path):
     r = run_agent("check-config", write(tmp_path, "readiness:\n  min_probes: 3\n"), timeout=60)
     assert r.returncode == 0 and "valid" in r.stdout
@@ -133,6 +135,7 @@ def test_cli_port_in_use_is_a_config_error(tmp_path, embedded_model, data_dir):
 
 def test_docs_config_md_is_current():
     import os
+
     from tests.conftest import ROOT
     with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:
         assert f.read() == config.reference_markdown(), "docs/config.md is stale: run `python -m warmup_agent.config`"

@@ -18,8 +18,8 @@ from dashboards import generate
 from dashboards.exprs import panel_expressions, substitute
 from exporter import catalogue_cache
 from exporter.catalogue import BY_NAME
+from tests.helpers.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASH_DIR = os.path.join(ROOT, "dashboards")
 UIDS = {"cold-start-overview.json": "warmup-cold-start", "warmup-economics.json": "warmup-economics",
         "kernel-cache.json": "warmup-kernel-cache"}
@@ -106,7 +106,7 @@ def promtool_parse(tmp_path, dashboards: dict[str, dict]):
     """All panel expressions as recording rules: promtool check rules parses each one."""
     rules = []
     for name, d in dashboards.items():
-        for pid, title, ref, expr in panel_expressions(d):
+        for pid, _title, ref, expr in panel_expressions(d):
             rules.append({"record": f"dash:{re.sub(r'[^a-z]', '_', name.lower())}:p{pid}{ref}", "expr": substitute(expr)})
     path = tmp_path / "panels.rules.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
@@ -116,10 +116,12 @@ def promtool_parse(tmp_path, dashboards: dict[str, dict]):
     assert f"SUCCESS: {len(rules)} rules found" in r.stdout
 
 
+@pytest.mark.slow  # promtool
 def test_every_panel_expression_parses(tmp_path):
     promtool_parse(tmp_path, committed())
 
 
+@pytest.mark.slow  # promtool
 def test_promtool_parse_catches_a_broken_expression(tmp_path):
     """The parse check can fail: one unbalanced parenthesis is reported."""
     d = json.loads(json.dumps(committed()["cold-start-overview.json"]))
@@ -136,6 +138,7 @@ def test_generator_fails_loudly_on_a_missing_metric(monkeypatch, capsys, tmp_pat
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # promtool
 def test_kernel_cache_dashboard_once_its_metrics_exist(monkeypatch, tmp_path):
     """Before the kernel-cache feature registers its specs, check that the dashboard
     it will get is well formed and parses."""

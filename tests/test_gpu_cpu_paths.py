@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.paths import ROOT
 from warmup_agent import hardware, traffic
 from warmup_agent.engines.base import EngineError
 from warmup_agent.gpu import sizing
@@ -19,7 +20,6 @@ from warmup_agent.gpu.deadline import run_with_deadline
 from warmup_agent.gpu.memory import fragmentation_from_snapshot, old_fragmentation_from_snapshot
 from warmup_agent.gpu.ramp import RampSampler, least_squares_slope
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200 = json.load(open(os.path.join(ROOT, "bench", "results", "gpu_nvml_answers_h200.json")))["facts"][0]
 
 
@@ -251,6 +251,7 @@ def test_fragmentation_rises_as_free_memory_splits_between_live_blocks():
 
 def test_allocator_collector_exports_the_snapshot_rate_by_nvml_index_and_uuid():
     from prometheus_client import CollectorRegistry
+
     from exporter.collectors import AllocatorCollector
     reg = CollectorRegistry()
     snap = SNAPSHOT + [{"device": 2, "total_size": 0, "blocks": []}]   # torch device 2 holds nothing
@@ -266,7 +267,7 @@ def test_ramp_slope_is_the_least_squares_fit():
     import numpy as np
     t = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25]
     y = [0.0, 0.0, 0.1, 0.3, 0.3, 0.6]
-    assert least_squares_slope(list(zip(t, y))) == pytest.approx(np.polyfit(t, y, 1)[0])
+    assert least_squares_slope(list(zip(t, y, strict=True))) == pytest.approx(np.polyfit(t, y, 1)[0])
     assert least_squares_slope([(1.0, 0.5)]) is None
 
 

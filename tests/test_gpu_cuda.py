@@ -2,8 +2,8 @@
 with `python -m pytest tests/test_gpu_cuda.py`).  Each compares the GPU path with
 an independent reference: from_pretrained, the eager decode, the allocator's
 own snapshot, NVML against torch."""
-import os
 import json
+import os
 
 import pytest
 
@@ -106,6 +106,7 @@ def test_cli_on_cuda_drains_on_sigterm(tmp_path, data_dir, embedded_model):
     import signal
     import threading
     import time
+
     from tests.test_signals import start_agent, watch_states
     proc, url, log = start_agent(tmp_path, data_dir)
     try:

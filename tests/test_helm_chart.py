@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.paths import ROOT_PATH as ROOT
 from tools import sync_chart_files
 from warmup_agent import config as agent_config
 
-ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "warmup-agent"
 HELM = ROOT / ".tools" / "helm"
 EXAMPLES = sorted((ROOT / "examples").glob("values-*.yaml"))

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import ROOT_PATH as ROOT
+
 HELM = ROOT / ".tools" / "helm"
 
 
@@ -15,6 +15,7 @@ def run(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # helm
 def test_fetch_helm_is_idempotent_and_pins_the_version():
     if not HELM.is_file():
         pytest.fail(f"{HELM} is missing: run `.venv/bin/python tools/fetch_helm.py` first", pytrace=False)

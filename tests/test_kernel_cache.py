@@ -19,13 +19,13 @@ import redis
 
 from exporter.metrics import AgentMetrics
 from tests import servers
+from tests.helpers.paths import ROOT
 from tests.servers import Redis, free_port, wait_until
 from warmup_agent import config
 from warmup_agent.kernel_cache import CHANNEL, KernelCache, Settings
 from warmup_agent.kernel_cache import namespace as nsmod
 from warmup_agent.kernel_cache.signing import load_secret
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"0123456789abcdef0123456789abcdef"
 RUNTIME = {"torch": "2.13.0", "triton": None, "vllm": None, "cuda": None, "compute_capability": None}
 COMPONENTS = nsmod.components({"hidden_size": 128, "layers": 2}, {"mode": "default"}, RUNTIME)
@@ -296,7 +296,7 @@ def test_redis_killed_mid_run_and_restarted(tmp_path, redis_server, monkeypatch)
 
 
 def test_slow_redis_times_out_to_local(tmp_path, redis_server):
-    a = _published(tmp_path, redis_server)
+    _published(tmp_path, redis_server)
     b = make_pod(tmp_path, "b", redis_server.url, socket_timeout=0.3, retry_interval=60)
     # Redis stalls every client for 5 s (Redis 7.0 pauses even UNPAUSE: let it expire).
     client(redis_server).execute_command("CLIENT", "PAUSE", "5000", "ALL")
@@ -311,6 +311,7 @@ def test_slow_redis_times_out_to_local(tmp_path, redis_server):
     assert local_files(b) == {("triton", "H2/k.cubin"): b"x" * 10}
 
 
+@pytest.mark.slow  # a real redis-server
 def test_full_redis_degrades_publish(tmp_path):
     (tmp_path / "r").mkdir()
     server = Redis(tmp_path / "r", ["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])

@@ -6,8 +6,8 @@ import re
 
 from exporter import docs
 from exporter.catalogue import CATALOGUE
+from tests.helpers.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(ROOT, "docs", "metrics.md")
 
 
@@ -43,12 +43,8 @@ def test_seed_names_are_marked():
 
 
 def test_every_metric_the_readme_names_is_in_the_catalogue():
-    import os
-    import re
-
     from exporter.catalogue import BY_NAME
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     # a metric is written `name` or `name{labels}`; `warmup_engine_*` (a prefix) and
     # paths such as `warmup_agent/...` are not metric names

@@ -102,9 +102,9 @@ def test_crash_restarts_with_backoff_and_calls_back(tmp_path):
         for crash in (1, 2):
             old = sup.pid
             os.kill(old, signal.SIGKILL)
-            wait_until(lambda: len(exits) == crash, 10, what="on_server_exit")
+            wait_until(lambda: len(exits) == crash, 10, what="on_server_exit")  # noqa: B023 - polled at once
             assert exits[-1] == -signal.SIGKILL
-            wait_until(lambda: len(readies) == crash + 1, 20, what="on_server_ready after restart")
+            wait_until(lambda: len(readies) == crash + 1, 20, what="on_server_ready after restart")  # noqa: B023
             assert readies[-1] != old and sup.healthy()
         assert sup.restarts == 2
     finally:

@@ -62,7 +62,7 @@ def test_stage_durations_add_up_to_wall_clock_within_2_percent(served):
     total = sum(s.duration for s in agent.stages)
     assert abs(total - wall) <= 0.02 * wall, (total, wall)
     # contiguous: each stage starts where the previous ended
-    for a, b in zip(agent.stages, agent.stages[1:]):
+    for a, b in zip(agent.stages, agent.stages[1:], strict=False):
         assert b.start == pytest.approx(a.end, abs=1e-9)
     assert agent.record()["time_to_ready_seconds"] == pytest.approx(total, rel=0.01)
 

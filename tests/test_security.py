@@ -260,6 +260,7 @@ def test_bad_web_config_is_one_line(tmp_path, text, expected):
     assert "plaintext-password" not in str(e.value)
 
 
+@pytest.mark.slow  # an agent process
 def test_cli_bad_web_config_and_short_token_exit_2(tmp_path, data_dir):
     web = _write(tmp_path / "web.yml", "basic_auth_users:\n  alice: plaintext-password\n")
     short = _write(tmp_path / "token", "short")

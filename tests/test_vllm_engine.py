@@ -76,7 +76,7 @@ def test_inprocess_vllm_engine_warms_and_serves(tmp_path):
     assert sum(s.startswith("warmup-") for s in seen) == r["warmup_requests"] + r["probes"] + 1
     assert sum(s.startswith("req-") for s in seen) == 2
     assert len(seen) == r["warmup_requests"] + r["probes"] + 1 + 2
-    for prompt_tokens, output_tokens, ttft, total in r["results"]:
+    for _prompt_tokens, output_tokens, ttft, total in r["results"]:
         assert output_tokens == 3 and 0 < ttft < total
     assert [x[0] for x in r["results"]] == [10, 20]
     assert r["max_context"] == 256

@@ -93,7 +93,8 @@ def read_gpus(nvml=None, cpu_count: int | None = None) -> tuple[list[GPUFacts], 
 
 def _nvlinks(nv, h) -> tuple[int | None, dict[str, int]]:
     """Active NVLink links and, per peer PCI bus id, how many of them lead there."""
-    active, peers = 0, {}
+    active = 0
+    peers: dict[str, int] = {}
     for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
         try:
             state = nv.nvmlDeviceGetNvLinkState(h, link)
@@ -170,7 +171,7 @@ def topology(gpus: list[GPUFacts]) -> dict:
     links[i][j] is the number of active NVLink links from GPU i to GPU j (0: none)."""
     by_bus = {g.pci_bus_id: g.index for g in gpus}
     links = {g.index: {o.index: 0 for o in gpus if o.index != g.index} for g in gpus}
-    switch_links = {}
+    switch_links: dict[int, int] = {}
     for g in gpus:
         for bus, n in g.nvlink_peers.items():
             if bus in by_bus and by_bus[bus] != g.index:

@@ -12,6 +12,8 @@ from collections import deque
 
 import psutil
 
+from warmup_agent.periodic import Periodic
+
 
 def jitter_ratio(samples: list[int]) -> float:
     if not samples:
@@ -26,8 +28,7 @@ class MemorySampler:
         self._samples: deque[tuple[float, int]] = deque()
         self._proc = psutil.Process()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Periodic(interval, self.sample, name="memory-sampler")
 
     def sample(self) -> int:
         rss = self._proc.memory_info().rss
@@ -47,14 +48,7 @@ class MemorySampler:
 
     def start(self) -> None:
         self.sample()
-
-        def loop():
-            while not self._stop.wait(self.interval):
-                self.sample()
-        self._thread = threading.Thread(target=loop, name="memory-sampler", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1)
+        self._loop.stop(timeout=1)

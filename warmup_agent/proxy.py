@@ -42,6 +42,12 @@ _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
         "transfer-encoding", "upgrade", "host", "content-length"}
 
 
+def _no_delay(conn: http.client.HTTPConnection) -> None:
+    """Headers and body leave as separate small writes; with Nagle the second would
+    wait for the first one's ACK (up to 40 ms against a delayed ACK)."""
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class Upstream:
     """Base URL of an OpenAI-compatible server, with a keep-alive connection per thread."""
 
@@ -78,7 +84,7 @@ class Upstream:
             try:
                 if conn.sock is None:
                     conn.connect()
-                    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    _no_delay(conn)
                 conn.request(method, self.prefix + path, body=body, headers=headers)
                 return conn.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
@@ -206,6 +212,7 @@ def _make_handler(proxy: RoutingProxy):
                                    f"the model server is {proxy.agent.sm.state.name}; retry in {retry} s",
                                    {"Retry-After": str(retry)})
             upstream = proxy.main if route == "main" else proxy.fallback
+            assert upstream is not None, "route() answers fallback only when there is one"
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
             headers["Host"] = f"{upstream.host}:{upstream.port}"
             if body:

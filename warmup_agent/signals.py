@@ -78,6 +78,7 @@ class SignalWatcher:
 
     def _watch(self) -> None:
         rsock = self._rsock
+        assert rsock is not None, "the watcher starts after the socket pair exists"
         while True:
             try:
                 data = rsock.recv(64)

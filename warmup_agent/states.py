@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Callable
 
+from warmup_agent.periodic import Periodic
+
 log = logging.getLogger("warmup_agent.states")
 
 
@@ -85,8 +87,7 @@ class StateMachine:
         self.failure_message: str | None = None
         self.fingerprint: str | None = None   # weight fingerprint taken at PRELOAD
         self._listeners: list[Callable[[State, State], None]] = []
-        self._watchdog: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._watchdog: Periodic | None = None
         self._publish()
 
     def begin(self, at: float) -> None:
@@ -181,15 +182,13 @@ class StateMachine:
             return reason
 
     def start_watchdog(self, interval: float = 0.05) -> None:
-        self._stop.clear()  # a re-warm starts it again after the first run stopped it
-
-        def loop():
-            while not self._stop.wait(interval):
-                self.check_deadline()
-        self._watchdog = threading.Thread(target=loop, name="state-deadline-watchdog", daemon=True)
+        """Check the deadline every `interval` seconds; a re-warm starts it again
+        after the first run stopped it, and a second start replaces the first."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._watchdog = Periodic(interval, self.check_deadline, name="state-deadline-watchdog")
         self._watchdog.start()
 
     def stop_watchdog(self) -> None:
-        self._stop.set()
         if self._watchdog is not None:
-            self._watchdog.join(timeout=1)
+            self._watchdog.stop(timeout=1)

@@ -205,6 +205,7 @@ class Supervisor:
         return proc
 
     def _pump(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None, "the server is started with stdout=PIPE"
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:

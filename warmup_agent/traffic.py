@@ -26,7 +26,7 @@ class Shape:
 def grid(prompt_lengths: list[int], batch_sizes: list[int]) -> list[Shape]:
     """Every (length, batch) pair, small first: a failure on a huge shape should
     not come before the common shapes are warm."""
-    return [Shape(l, b) for b, l in itertools.product(sorted(set(batch_sizes)), sorted(set(prompt_lengths)))]
+    return [Shape(n, b) for b, n in itertools.product(sorted(set(batch_sizes)), sorted(set(prompt_lengths)))]
 
 
 class PromptFactory:
@@ -39,7 +39,7 @@ class PromptFactory:
         # Rotate by `variant` so prompts in one batch differ (no accidental cache hits).
         base = self._tokens
         start = variant % len(base)
-        out = []
+        out: list[int] = []
         while len(out) < length:
             out.extend(base[start:])
             start = 0

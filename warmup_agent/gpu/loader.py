@@ -4,8 +4,8 @@ and the head), into pinned staging buffers, copied to the device on a side
 stream while the next chunk is being read (double-buffered, overlapped).
 
 The model skeleton is built on the meta device (no memory, no random init),
-materialised uninitialised on the target device (`to_empty`), and every
-parameter is then overwritten from the checkpoint.  Non-persistent buffers
+and the tensors read from the checkpoint become its parameters without a copy
+(`bind`: `load_state_dict(assign=True)`).  Non-persistent buffers
 (rotary inverse frequencies) are not in a checkpoint: their modules are rebuilt
 from the config.  On a CPU, or when a tensor's stored dtype differs from the
 target dtype, the plain path reads each tensor and copies it with a cast.
@@ -142,16 +142,6 @@ def build_meta_skeleton(config_path: str, dtype):
     return model, expected, tied
 
 
-def build_skeleton(config_path: str, dtype, device):
-    """The model with uninitialised parameters on `device`; non-persistent buffers
-    rebuilt from the config.  Returns (model, expected shapes, tied names)."""
-    model, expected, tied = build_meta_skeleton(config_path, dtype)
-    model = model.to_empty(device=device)
-    _rebuild_nonpersistent(model, device)
-    model.tie_weights()
-    return model.eval(), expected, tied
-
-
 def allocate(slots: list[TensorSlot], dtype, device) -> dict:
     """Uninitialised destination tensors for the checkpoint, by name: floating
     tensors in the target dtype, others as stored.  Needs no model, so weights can
@@ -183,7 +173,7 @@ def bind(model, tensors: dict, device):
 
 
 def _rebuild_nonpersistent(model, device) -> None:
-    for parent_name, parent in list(model.named_modules()):
+    for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if not getattr(child, "_non_persistent_buffers_set", None):
                 continue
@@ -239,7 +229,7 @@ def _load_plain(dest, slots) -> LoadReport:
     import numpy as np
     import torch
     total = 0
-    fds = {}
+    fds: dict[str, int] = {}
     staging = None
     try:
         with torch.no_grad():
@@ -252,7 +242,7 @@ def _load_plain(dest, slots) -> LoadReport:
                     if staging is None or staging.nbytes < s.nbytes:
                         staging = np.empty(max(s.nbytes, max(x.nbytes for x in slots)), dtype=np.uint8)
                     raw = staging[:s.nbytes]
-                    _pread_into(fd, memoryview(raw), s.offset)
+                    _pread_into(fd, raw.data, s.offset)
                     d.copy_(torch.from_numpy(raw).view(getattr(torch, s.dtype)).reshape(s.shape))
                 total += s.nbytes
     finally:

@@ -7,8 +7,9 @@ interval; the slope is the least-squares fit of utilisation (0..1) against time
 """
 from __future__ import annotations
 
-import threading
 import time
+
+from warmup_agent.periodic import Periodic
 
 
 def least_squares_slope(samples: list[tuple[float, float]]) -> float | None:
@@ -28,8 +29,7 @@ class RampSampler:
     def __init__(self, nvml, handle, interval: float = 0.05, clock=time.perf_counter):
         self._nvml, self._handle, self.interval, self._clock = nvml, handle, interval, clock
         self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Periodic(interval, self.sample, name="gpu-ramp-sampler")
         self.errors = 0
 
     @classmethod
@@ -52,17 +52,10 @@ class RampSampler:
 
     def start(self) -> "RampSampler":
         self.sample()
-
-        def loop():
-            while not self._stop.wait(self.interval):
-                self.sample()
-        self._thread = threading.Thread(target=loop, name="gpu-ramp-sampler", daemon=True)
-        self._thread.start()
+        self._loop.start()
         return self
 
     def stop(self) -> float | None:
         """Stop sampling; return the slope in 1/s over what was sampled."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+        self._loop.stop(timeout=2)
         return least_squares_slope(list(self.samples))

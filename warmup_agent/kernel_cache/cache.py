@@ -18,12 +18,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
 from warmup_agent.kernel_cache import namespace as nsmod
-from warmup_agent.kernel_cache.local import ENV_VARS, KINDS, LocalTier, safe_relpath
 from warmup_agent.kernel_cache import shared as shared_mod
+from warmup_agent.kernel_cache.local import ENV_VARS, KINDS, LocalTier, safe_relpath
 from warmup_agent.kernel_cache.shared import CHANNEL, REDIS_ERRORS, SharedTier, SharedUnavailable
 from warmup_agent.kernel_cache.signing import entry_key, load_secret, sign, verify
 
@@ -74,7 +74,8 @@ class _Entry:
 
 
 def _batches(items, size_of):
-    batch, total = [], 0
+    batch: list = []
+    total = 0
     for item in items:
         if batch and total + size_of(item) > BATCH_BYTES:
             yield batch
@@ -116,6 +117,18 @@ class KernelCache:
                            self.off_reason)
         if self.shared is None:
             self._gauge("warmup_kernel_cache_degraded", 1)
+
+    @property
+    def _tier(self) -> SharedTier:
+        """The shared tier, for the code that runs only while it is on."""
+        assert self.shared is not None, "shared-tier code ran with the shared tier off"
+        return self.shared
+
+    @property
+    def _secret(self) -> bytes:
+        """The signing secret: the shared tier is never on without one."""
+        assert self.settings.secret is not None, "shared-tier code ran without a secret"
+        return self.settings.secret
 
     # --- construction -----------------------------------------------------------
     @classmethod
@@ -162,9 +175,9 @@ class KernelCache:
         return {key: self.counts[key] - before[key] for key in self.counts if self.counts[key] != before[key]}
 
     def _restore_kind(self, kind: str) -> None:
-        index_key = self.shared.key("index", kind)
+        index_key = self._tier.key("index", kind)
         try:
-            index = self.shared.call("read index", lambda c: c.hgetall(index_key))
+            index = self._tier.call("read index", lambda c: c.hgetall(index_key))
         except SharedUnavailable:
             self._request("shared", "error")
             return
@@ -189,24 +202,24 @@ class KernelCache:
 
         fetched = []
         for batch in _batches(wanted, lambda item: item[1].size):
-            keys = [self.shared.key("blob", e.digest) for _rel, e in batch]
+            keys = [self._tier.key("blob", e.digest) for _rel, e in batch]
             try:
-                blobs = self.shared.call("fetch entries", lambda c: c.mget(keys))
+                blobs = self._tier.call("fetch entries", lambda c: c.mget(keys))  # noqa: B023 - called at once
             except SharedUnavailable:
                 self._request("shared", "error", len(batch))
                 continue
-            for (rel, entry), data in zip(batch, blobs):
+            for (rel, entry), data in zip(batch, blobs, strict=True):
                 if data is None:  # expired or evicted by Redis
                     self._request("shared", "miss")
                 elif (hashlib.sha256(data).hexdigest() != entry.digest or not verify(
-                        self.settings.secret, entry_key(self.namespace, kind, rel, entry.mode), data, entry.signature)):
+                        self._secret, entry_key(self.namespace, kind, rel, entry.mode), data, entry.signature)):
                     self._reject(kind, rel, "signature or digest mismatch")
                 else:
                     self.local.write(kind, rel, data, entry.mode)
                     self._request("shared", "hit")
                     fetched.append(entry.digest)
         # Entries in use stay alive: refresh the TTL of what we read.
-        self._refresh_ttl([index_key] + [self.shared.key("blob", d) for d in fetched])
+        self._refresh_ttl([index_key] + [self._tier.key("blob", d) for d in fetched])
 
     def _reject(self, kind: str, rel: str, why: str) -> None:
         self._request("shared", "rejected")
@@ -229,9 +242,9 @@ class KernelCache:
 
     def _publish_kind(self, kind: str) -> int:
         s = self.settings
-        index_key = self.shared.key("index", kind)
+        index_key = self._tier.key("index", kind)
         try:
-            index = self.shared.call("read index", lambda c: c.hgetall(index_key))
+            index = self._tier.call("read index", lambda c: c.hgetall(index_key))
         except SharedUnavailable:
             return 0
         known = {f.decode("utf-8", "replace"): (_Entry.parse(v) or _Entry("", 0, 0, "")).digest for f, v in index.items()}
@@ -255,7 +268,7 @@ class KernelCache:
 
         written = 0
         for batch in _batches(todo, lambda item: item[1].st_size):
-            pipe = self.shared.client.pipeline(transaction=False)
+            pipe = self._tier.client.pipeline(transaction=False)
             count = 0
             for rel, st in batch:
                 try:
@@ -264,13 +277,13 @@ class KernelCache:
                     continue
                 mode = st.st_mode & 0o777
                 digest = hashlib.sha256(data).hexdigest()
-                entry = _Entry(digest, len(data), mode, sign(s.secret, entry_key(self.namespace, kind, rel, mode), data))
-                pipe.set(self.shared.key("blob", digest), data, ex=s.ttl_seconds)
+                entry = _Entry(digest, len(data), mode, sign(self._secret, entry_key(self.namespace, kind, rel, mode), data))
+                pipe.set(self._tier.key("blob", digest), data, ex=s.ttl_seconds)
                 pipe.hset(index_key, rel, entry.encode())
                 count += 1
             pipe.expire(index_key, s.ttl_seconds)
             try:
-                self.shared.call("publish", lambda c: pipe.execute())
+                self._tier.call("publish", lambda c: pipe.execute())  # noqa: B023 - called at once
             except SharedUnavailable:
                 break
             written += count
@@ -284,11 +297,11 @@ class KernelCache:
 
         def register(c):
             pipe = c.pipeline(transaction=False)
-            pipe.set(self.shared.key("info"), info, ex=s.ttl_seconds)
-            pipe.zadd(self.shared.namespaces_key, {self.namespace: time.time()})
+            pipe.set(self._tier.key("info"), info, ex=s.ttl_seconds)
+            pipe.zadd(self._tier.namespaces_key, {self.namespace: time.time()})
             pipe.execute()
         try:
-            self.shared.call("register namespace", register)
+            self._tier.call("register namespace", register)
         except SharedUnavailable:
             pass
 
@@ -299,7 +312,7 @@ class KernelCache:
                 pipe.expire(k, self.settings.ttl_seconds)
             pipe.execute()
         try:
-            self.shared.call("refresh ttl", refresh)
+            self._tier.call("refresh ttl", refresh)
         except SharedUnavailable:
             pass
 
@@ -350,13 +363,13 @@ class KernelCache:
             result = fn()
             self.publish()
             try:
-                self.shared.call("mark done", lambda c: c.set(done_key, token, ex=self.settings.ttl_seconds))
+                self._tier.call("mark done", lambda c: c.set(done_key, token, ex=self.settings.ttl_seconds))
             except SharedUnavailable:
                 pass  # losers compile themselves at their deadline
             return result
         finally:
             try:
-                self.shared.release(lock_key, token)
+                self._tier.release(lock_key, token)
             except SharedUnavailable:
                 pass  # the lock expires by itself
 
@@ -386,9 +399,9 @@ class KernelCache:
             if batch:
                 deleted += c.unlink(*batch)
             if all_namespaces:
-                c.unlink(self.shared.namespaces_key)
+                c.unlink(self._tier.namespaces_key)
             else:
-                c.zrem(self.shared.namespaces_key, self.namespace)
+                c.zrem(self._tier.namespaces_key, self.namespace)
             c.publish(CHANNEL, json.dumps({"prefix": self.settings.prefix, "namespace": target,
                                            "reason": "purge", "from": socket.gethostname()}))
             return deleted
@@ -413,7 +426,7 @@ class KernelCache:
 
     def _listen(self) -> None:
         while not self._stop.is_set():
-            pubsub = self.shared.client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._tier.client.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(CHANNEL)
                 self.subscribed.set()
@@ -452,7 +465,7 @@ class KernelCache:
     def stats(self) -> dict:
         """What the cache holds and has done, for `warmup-agent cache stats` and the report."""
         local_files = {k: len(self.local.files(k)) for k in KINDS}
-        out = {
+        out: dict[str, Any] = {
             "namespace": self.namespace,
             "components": self.components,
             "local": {"dir": self.local.base, "bytes": self.local.total_bytes(), "files": local_files,
@@ -477,10 +490,10 @@ class KernelCache:
             return []
 
         def read(c):
-            names = c.zrevrange(self.shared.namespaces_key, 0, -1, withscores=True)
-            infos = c.mget([self.shared.key("info", namespace=n.decode()) for n, _ in names]) if names else []
+            names = c.zrevrange(self._tier.namespaces_key, 0, -1, withscores=True)
+            infos = c.mget([self._tier.key("info", namespace=n.decode()) for n, _ in names]) if names else []
             return [{"namespace": n.decode(), "last_publish": score,
-                     "components": json.loads(i) if i else None} for (n, score), i in zip(names, infos)]
+                     "components": json.loads(i) if i else None} for (n, score), i in zip(names, infos, strict=True)]
         return self.shared.call("list namespaces", read)
 
     @property
@@ -492,16 +505,16 @@ class KernelCache:
         def read(c):
             pipe = c.pipeline(transaction=False)
             for k in KINDS:
-                pipe.hgetall(self.shared.key("index", k))
+                pipe.hgetall(self._tier.key("index", k))
             return pipe.execute()
-        indexes = self.shared.call("read indexes", read)
+        indexes = self._tier.call("read indexes", read)
         sizes = {}
         for index in indexes:
             for raw in index.values():
                 e = _Entry.parse(raw)
                 if e:
                     sizes[e.digest] = e.size
-        return {k: len(ix) for k, ix in zip(KINDS, indexes)}, sum(sizes.values())
+        return {k: len(ix) for k, ix in zip(KINDS, indexes, strict=True)}, sum(sizes.values())
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _after_change(self, evict: bool = True) -> None:

@@ -147,7 +147,7 @@ class LocalTier:
         for ns in os.listdir(self.root):
             for kind in KINDS:
                 top = os.path.join(self.root, ns, kind)
-                for dirpath, dirs, names in os.walk(top, topdown=False):
+                for dirpath, _dirs, _names in os.walk(top, topdown=False):
                     if dirpath != top and not os.listdir(dirpath):
                         try:
                             os.rmdir(dirpath)

@@ -28,7 +28,7 @@ try:
     from redis.retry import Retry
     REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 except ImportError:  # the `redis` extra is not installed: the shared tier stays off
-    redis = None
+    redis = None  # type: ignore[assignment]
     REDIS_ERRORS = (OSError,)
 
 log = logging.getLogger("warmup_agent.kernel_cache")

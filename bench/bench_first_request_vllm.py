@@ -37,8 +37,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests import vllm_server  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from tests.helpers import vllm_server  # noqa: E402
+from tests.helpers.servers import free_port  # noqa: E402
 from warmup_agent import config  # noqa: E402
 from warmup_agent.engines.openai_engine import OpenAIEngine  # noqa: E402
 from warmup_agent.pipeline import Agent  # noqa: E402

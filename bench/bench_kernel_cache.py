@@ -134,7 +134,7 @@ def main() -> int:
         server = None
         redis_url = args.redis_url
         if redis_url is None:
-            from tests.servers import Redis
+            from tests.helpers.servers import Redis
             os.makedirs(os.path.join(scratch, "redis"))
             server = Redis(os.path.join(scratch, "redis"))
             redis_url = server.url

@@ -37,7 +37,7 @@ def main() -> int:
     p.add_argument("--data-dir", help="where the embedded model lives (default: the agent's)")
     p.add_argument("--out")
     args = p.parse_args()
-    from tests.servers import free_port
+    from tests.helpers.servers import free_port
     work = tempfile.mkdtemp(prefix="bench-load-")
     port = free_port()
     agent = loadgen.start_agent(port, work, {"WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "1"}, args.data_dir)

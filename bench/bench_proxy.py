@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.provenance import provenance, write_result  # noqa: E402
-from tests.servers import SSEStandIn  # noqa: E402
+from tests.helpers.servers import SSEStandIn  # noqa: E402
 
 EVENTS = [b'data: {"choices":[{"index":0,"text":" tok%d"}]}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
 

@@ -33,7 +33,7 @@ def main() -> int:
     p.add_argument("--data-dir")
     p.add_argument("--out")
     args = p.parse_args()
-    from tests.servers import free_port
+    from tests.helpers.servers import free_port
     work = tempfile.mkdtemp(prefix="bench-soak-")
     port = free_port()
     agent = loadgen.start_agent(port, work, {"WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "1"}, args.data_dir)

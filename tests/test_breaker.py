@@ -17,7 +17,7 @@ import pytest
 
 from exporter.metrics import AgentMetrics
 from exporter.server import ExporterServer
-from tests.servers import http_get, wait_until
+from tests.helpers.servers import http_get, wait_until
 from warmup_agent import config
 from warmup_agent.engines.torch_engine import TorchEngine
 from warmup_agent.pipeline import Agent

@@ -7,8 +7,8 @@ import psutil
 import pytest
 
 from tests.conftest import run_agent
-from tests.servers import free_port
-from tests.vllm_server import server_command, server_env
+from tests.helpers.servers import free_port
+from tests.helpers.vllm_server import server_command, server_env
 
 
 def outside_chat(port: int, model: str) -> str:
@@ -69,7 +69,7 @@ def test_killed_server_drops_readiness_restarts_and_serves_again(tmp_path, embed
     import time
 
     from tests.conftest import ROOT, agent_cmd
-    from tests.servers import http_get, wait_until
+    from tests.helpers.servers import http_get, wait_until
     port, listen = free_port(), free_port()
     env = server_env(str(tmp_path))
     env = {k: v for k, v in env.items() if not k.startswith("WARMUP_AGENT_")}
@@ -110,9 +110,9 @@ def test_supervised_transformers_serve_reaches_serving_and_answers_an_outside_ch
 
     import pytest
 
-    from tests import transformers_server as ts
+    from tests.helpers import transformers_server as ts
     from tests.conftest import ROOT, agent_cmd
-    from tests.servers import http_get, wait_until
+    from tests.helpers.servers import http_get, wait_until
     if not ts.available():
         pytest.skip("needs transformers[serving] (make test-setup)")
     port, listen = free_port(), free_port()
@@ -153,7 +153,7 @@ def _static_server(tmp_path, files: dict[str, str]):
     import subprocess
     import sys
 
-    from tests.servers import http_get, wait_until
+    from tests.helpers.servers import http_get, wait_until
     root = tmp_path / "www"
     for path, text in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import requests
 
 from bench import loadgen
 from tests.conftest import ROOT, agent_cmd
-from tests.servers import Redis, free_port, wait_until
+from tests.helpers.servers import Redis, free_port, wait_until
 from warmup_agent import config
 
 SECRET = "faults-secret-0123456789abcdef"

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, agent_cmd
-from tests.servers import free_port, http_get, stop_process
+from tests.helpers.servers import free_port, http_get, stop_process
 from warmup_agent.failures import REASONS
 from warmup_agent.states import SEED_ILLEGAL, illegal_pairs
 

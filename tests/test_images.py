@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.servers import free_port, stop_process
+from tests.helpers.servers import free_port, stop_process
 from tests.test_helm_chart import agent_config_text, helm_env, pod_spec, render  # noqa: F401 - helm_env is a fixture
-from tests.vllm_server import server_command, server_env, vllm_python
+from tests.helpers.vllm_server import server_command, server_env, vllm_python
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))

@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from exporter.metrics import AgentMetrics
-from tests import servers
+from tests.helpers import servers
 from tests.helpers.paths import ROOT
-from tests.servers import Redis, free_port, wait_until
+from tests.helpers.servers import Redis, free_port, wait_until
 from warmup_agent import config
 from warmup_agent.kernel_cache import CHANNEL, KernelCache, Settings
 from warmup_agent.kernel_cache import namespace as nsmod

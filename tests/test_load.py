@@ -4,7 +4,7 @@ benchmark's business, not a test's (the CI machine is shared)."""
 from __future__ import annotations
 
 from bench import loadgen
-from tests.servers import free_port
+from tests.helpers.servers import free_port
 
 
 def test_metrics_and_readyz_under_load_while_warming(tmp_path, embedded_model, data_dir):

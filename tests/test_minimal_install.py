@@ -81,7 +81,7 @@ def test_engine_without_its_extra_is_one_line_exit_2(tmp_path, engine, extra):
 def test_openai_engine_runs_to_a_named_failure_without_torch(tmp_path):
     """The whole run path (config, exporter, pipeline, engine) without torch: a server that
     never answers is FAILED with its reason, exit 3 -- not an ImportError."""
-    from tests.servers import free_port
+    from tests.helpers.servers import free_port
     rec = tmp_path / "run.json"
     r = _run_without_torch(tmp_path, "--engine", "openai", "--record", str(rec),
                            "--proxy-listen", f"127.0.0.1:{free_port()}",

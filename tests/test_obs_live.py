@@ -28,7 +28,7 @@ from dashboards import generate as dash_generate
 from dashboards.exprs import panel_expressions, substitute
 from exporter.catalogue import BY_NAME
 from tests.conftest import ROOT, agent_cmd
-from tests.servers import Alertmanager, Prometheus, free_port, http_get, stop_process, wait_until
+from tests.helpers.servers import Alertmanager, Prometheus, free_port, http_get, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
 

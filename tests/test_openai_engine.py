@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from exporter.engine_metrics import EngineMetricsCollector, fetch_engine_stats
-from tests import vllm_server
-from tests.servers import free_port, wait_until
+from tests.helpers import vllm_server
+from tests.helpers.servers import free_port, wait_until
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
 from warmup_agent.engines.openai_engine import OpenAIEngine

@@ -16,7 +16,7 @@ import textwrap
 import psutil
 import pytest
 
-from tests.servers import free_port, wait_until
+from tests.helpers.servers import free_port, wait_until
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
 from warmup_agent.engines.openai_engine import OpenAIEngine, fix_vllm_command, option

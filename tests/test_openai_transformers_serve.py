@@ -16,9 +16,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tests import transformers_server as ts
+from tests.helpers import transformers_server as ts
 from tests.http_relay import Relay
-from tests.servers import free_port
+from tests.helpers.servers import free_port
 from warmup_agent import config
 from warmup_agent.engines.openai_engine import OpenAIEngine
 from warmup_agent.pipeline import Agent

@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT, agent_cmd
-from tests.servers import free_port, http_get, wait_until
-from tests.vllm_server import server_command, server_env
+from tests.helpers.servers import free_port, http_get, wait_until
+from tests.helpers.vllm_server import server_command, server_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                                 reason="needs root and unshare (util-linux) for a PID namespace")

@@ -8,7 +8,7 @@ import pytest
 
 from exporter.catalogue import CATALOGUE
 from tests.conftest import ROOT, agent_cmd
-from tests.servers import Prometheus, free_port, http_get, require_binary, wait_until
+from tests.helpers.servers import Prometheus, free_port, http_get, require_binary, wait_until
 
 EXPECTED_TYPE = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "info": "gauge"}
 

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.metrics import AgentMetrics
-from tests import vllm_server
-from tests.servers import SSEStandIn, free_port, http_get, stop_process, wait_until
+from tests.helpers import vllm_server
+from tests.helpers.servers import SSEStandIn, free_port, http_get, stop_process, wait_until
 from warmup_agent import config
 from warmup_agent.engines.torch_engine import TorchEngine
 from warmup_agent.pipeline import Agent

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.servers import free_port, http_get
+from tests.helpers.servers import free_port, http_get
 
 README = os.path.join(ROOT, "README.md")
 QUICK_START = "Two commands on a fresh machine"

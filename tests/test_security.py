@@ -22,8 +22,8 @@ import redis
 import requests
 
 from tests.conftest import ROOT, agent_cmd, run_agent
-from tests.servers import Redis, free_port, wait_until
-from tests.tls_helpers import make_ca, make_leaf
+from tests.helpers.servers import Redis, free_port, wait_until
+from tests.helpers.tls import make_ca, make_leaf
 from warmup_agent import config, webconfig
 from warmup_agent.config import ConfigError
 

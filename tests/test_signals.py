@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, agent_cmd
-from tests.servers import free_port, http_get, wait_until
+from tests.helpers.servers import free_port, http_get, wait_until
 
 SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
 

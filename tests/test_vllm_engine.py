@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests import vllm_server
+from tests.helpers import vllm_server
 
 pytestmark = pytest.mark.slow
 

@@ -225,7 +225,16 @@ def main() -> int:
         from bench.bench_gpu_cold_start import make_model
         make_model(args.model)
         extra = ["--model", args.model]
+    device = {}
+    try:
+        import torch
+        if torch.cuda.is_available():
+            device = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    except ImportError:
+        pass
     runs = {"torch": one_run(args, "torch", extra, None, out_dir)}
+    # Written now too, so a run cut short during the server part keeps the torch figures.
+    write_result(args.out, {**provenance(), **device, **summarise(runs), "runs": runs})
     if args.server_command:
         sport = free_port()
         if args.model == "embedded":
@@ -235,13 +244,6 @@ def main() -> int:
             model = args.model
         server = shlex.split(args.server_command.format(model=model, port=sport))
         runs["openai"] = one_run(args, "openai", ["--engine", "openai", "--model", model], server, out_dir)
-    device = {}
-    try:
-        import torch
-        if torch.cuda.is_available():
-            device = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    except ImportError:
-        pass
     result = {**provenance(), **device, **summarise(runs), "runs": runs}
     write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("sigterm_exit_seconds", "sigterm_exit_code",

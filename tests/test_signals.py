@@ -106,3 +106,41 @@ def test_sigterm_during_warmup_stops_the_run(tmp_path, data_dir, embedded_model)
     assert rc == 0, text[-2000:]
     assert "-> DRAINING" in text, text[-2000:]
     assert "-> SERVING" not in text.split("-> DRAINING", 1)[1]
+
+
+def test_sigterm_while_waiting_for_a_starting_server(tmp_path, data_dir, embedded_model):
+    """SIGTERM during PRELOAD while the supervised server is still starting: the
+    agent stops waiting for its /health (it used to wait out
+    openai.ready_timeout_seconds, 600 s here), stops the server and exits 0."""
+    import sys
+    import uuid
+    port, marker = free_port(), f"never-healthy-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "agent.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMUP_AGENT_")}
+    env.update(WARMUP_AGENT_OPENAI_URL=f"http://127.0.0.1:{port}", WARMUP_AGENT_OPENAI_READY_TIMEOUT_SECONDS="600")
+    # A "server" that never listens: its /health never answers.
+    server = [sys.executable, "-c", "import time; time.sleep(600)", marker]
+    proc = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", embedded_model,
+                                      "--data-dir", data_dir, "--listen", "127.0.0.1:0", "--", *server),
+                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+    def server_running() -> bool:
+        return subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0
+    try:
+        wait_until(lambda: server_running() or proc.poll() is not None, 120, what="server started by the agent")
+        time.sleep(1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["pkill", "-f", marker])
+    text = log.read_text()
+    assert rc == 0, text[-2000:]
+    assert took < 5, f"exited {took:.1f} s after SIGTERM\n{text[-2000:]}"
+    assert "-> DRAINING" in text and "-> FAILED" not in text, text[-2000:]
+    wait_until(lambda: not server_running(), 5, what="the server process gone")
+    assert "Traceback" not in text

@@ -212,8 +212,13 @@ def cmd_run(args) -> int:
     # /metrics answer late under load.  1 ms keeps them responsive.
     sys.setswitchinterval(0.001)
     def on_signal(signum: int) -> None:
-        if not agent.sm.state.terminal:  # a second signal, or one after FAILED, only stops
+        was = agent.sm.state
+        if not was.terminal:  # a second signal, or one after FAILED, only stops
             agent.sm.transition(State.DRAINING)
+        if was in (State.INIT, State.PRELOAD, State.PRIME):
+            # Still warming: a server that is starting would otherwise be waited for
+            # up to openai.ready_timeout_seconds before the drain could finish.
+            engine.interrupt()
     # Not a bare signal.signal + Event.wait: see warmup_agent/signals.py for why
     # that never drained on the GPU hosts.
     from warmup_agent.signals import SignalWatcher

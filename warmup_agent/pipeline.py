@@ -159,6 +159,8 @@ class Agent:
             timing.status = "ok"
         except EngineError as e:
             timing.status = "failed"
+            if self.sm.state == State.DRAINING:  # the engine stopped waiting because we drain
+                raise AgentFailure("draining", "stopped by a signal") from None
             self.sm.fail(e.reason, e.message)
             raise AgentFailure(e.reason, e.message) from None
         except AgentFailure:

@@ -93,5 +93,11 @@ class Engine(abc.ABC):
     def weight_fingerprint(self) -> str:
         """A digest of the weights as loaded, re-checked before SERVING."""
 
+    def interrupt(self) -> None:
+        """The agent started draining during warmup (SIGTERM in PRELOAD): stop any
+        wait that would otherwise run to its own timeout, such as a server that is
+        still starting.  Called from the signal-watcher thread.  In-process engines
+        have no such wait: the pipeline stops at the next stage boundary."""
+
     def close(self) -> None:
         """Release the engine (threads, child processes, device memory)."""

@@ -126,6 +126,7 @@ class OpenAIEngine(Engine):
         self.model_dir: str | None = (model_path or cfg["model.path"]
                                       or (option(self.command, "--model") if self.command else None))
         self.supervisor = None
+        self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
         self.startup: dict[str, float] = {}
         self.adapters: list[str] = []      # registered LoRA adapter names
         self.health_path = "/" + cfg["openai.health_path"].lstrip("/")
@@ -225,6 +226,8 @@ class OpenAIEngine(Engine):
     def start_server(self) -> None:
         """Start the server (or wait for the given one) until its health path
         answers 200, and nothing more: no request reaches it."""
+        if self._interrupted.is_set():
+            raise EngineError("stopped", "stopped before the server became healthy")
         if self.supervisor is not None:
             # Called again after the supervisor restarted a crashed server (the
             # pipeline re-runs prewarm): the server is ours already, just wait for it.
@@ -322,16 +325,25 @@ class OpenAIEngine(Engine):
         deadline = time.monotonic() + self.cfg["openai.ready_timeout_seconds"]
         last = ""
         while time.monotonic() < deadline:
+            if self._interrupted.is_set():
+                raise EngineError("stopped", "stopped before the server became healthy")
             try:
                 with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError) as e:
                 last = str(getattr(e, "reason", e))
-            time.sleep(0.5)
+            self._interrupted.wait(0.5)
         raise EngineError("server_never_healthy",
                           f"{self.url}{self.health_path} did not answer 200 within {self.cfg['openai.ready_timeout_seconds']:g} s"
                           + (f" (last error: {last})" if last else ""))
+
+    def interrupt(self) -> None:
+        """SIGTERM during warmup: stop waiting for the server; a supervised one that
+        is still starting is stopped (its start() then raises 'stopped')."""
+        self._interrupted.set()
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
     def load_lora_adapters(self) -> None:
         """Register each adapter of `lora.adapters` (POST /v1/load_lora_adapter) and

@@ -71,7 +71,7 @@ def parse(path: str) -> list[tuple[str, str, dict, float]]:
 
 
 def _value(samples, name: str, **labels) -> float | None:
-    vals = [v for _, n, l, v in samples if n == name and all(l.get(k) == x for k, x in labels.items())]
+    vals = [v for _, n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())]
     return sum(vals) if vals else None
 
 

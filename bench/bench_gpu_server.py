@@ -234,7 +234,7 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
                agent_first_request_tax=rec.get("first_request_tax_ratio"),
                agent_first_request_total_tax=rec.get("first_request_total_tax_ratio"),
                agent_tpot_window=rec.get("time_per_output_token_window_seconds"),
-               metrics_lines=[l for l in metrics.splitlines() if l.startswith(("warmup_first_request", "warmup_time_per_output"))])
+               metrics_lines=[line for line in metrics.splitlines() if line.startswith(("warmup_first_request", "warmup_time_per_output"))])
     return out
 
 
@@ -254,7 +254,7 @@ def p99(xs: list[float]) -> float:
 def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -> dict:
     """The figures over the pairs done so far, written to `out`."""
     agent, alone = runs["agent"], runs["alone"]
-    pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(agent, alone)]
+    pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(agent, alone, strict=False)]
     figures = {
         "gpu_server_first_ttft_tax_p99": p99([r["ttft_tax"] for r in agent]),
         "gpu_server_first_total_tax_p99": p99([r["total_tax"] for r in agent]),

@@ -88,7 +88,7 @@ def parse_topo(text: str) -> dict:
         if not m:
             continue
         cells = [c.strip() for c in ln.split("\t")]
-        row = dict(zip(cols[1:], cells[1:])) if cols[0] == "" else dict(zip(cols, cells))
+        row = dict(zip(cols[1:], cells[1:], strict=False)) if cols[0] == "" else dict(zip(cols, cells, strict=False))
         i = int(m.group(1))
         numa = row.get("NUMA Affinity", "")
         out[i] = {"links": {int(c[3:]): v for c, v in row.items() if re.fullmatch(r"GPU\d+", c) and int(c[3:]) != i},

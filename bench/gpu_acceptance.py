@@ -190,7 +190,7 @@ def evaluate(result_path: str, promtool: str | None) -> int:
     """Replay the scrapes recorded by a run on a host without promtool."""
     res = json.load(open(result_path))
     base = os.path.dirname(os.path.abspath(result_path))
-    for label, run in res["runs"].items():
+    for run in res["runs"].values():
         if run.get("scrape_file"):
             run["alerts"] = replay_alerts(os.path.join(base, run["scrape_file"]), promtool)
             run["alerts"]["evaluated_on"] = provenance()

@@ -203,7 +203,7 @@ def cold_start_overview(th) -> dict:
             "The agent's state machine per pod (warmup_state): INIT -> PRELOAD -> PRIME -> SERVING, "
             "DEGRADED while the fallback serves, DRAINING, FAILED (terminal). A pod is in the Service only while SERVING.",
             [target(f"sum by (namespace, pod) ({state_code})", "{{namespace}}/{{pod}}")],
-            _value_mappings(zip(STATES, STATE_COLOURS)), w=24, h=7),
+            _value_mappings(zip(STATES, STATE_COLOURS, strict=True)), w=24, h=7),
         timeseries(
             "Stage durations (latest warmup)",
             "Seconds each warmup stage took in the latest warmup (model_loading_phase_duration_seconds), stacked: "
@@ -280,7 +280,7 @@ def cold_start_overview(th) -> dict:
             "Breaker state", "The latency breaker per pod (warmup_breaker_state): closed, half-open, open "
             "(P90 over threshold on 3 probes in a row; the fallback serves while open).",
             [target(f"sum by (namespace, pod) ({code})", "{{namespace}}/{{pod}}")],
-            _value_mappings(zip(breaker_states, ("green", "yellow", "red"))), w=24, h=6))
+            _value_mappings(zip(breaker_states, ("green", "yellow", "red"), strict=True)), w=24, h=6))
     if has("warmup_weight_load_bytes_per_second"):
         panels.append(stat(
             "Weight load throughput",

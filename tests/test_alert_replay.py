@@ -53,7 +53,7 @@ def test_the_replay_evolves_like_a_serving_pod():
     cost = one("warmup_cost_ratio")
     recorded_cost = replay._value(samples, "warmup_cost_ratio")
     assert cost[0] == pytest.approx(recorded_cost)
-    assert all(a > b for a, b in zip(cost, cost[1:])), "the cost ratio decays as the pod serves"
+    assert all(a > b for a, b in zip(cost, cost[1:], strict=False)), "the cost ratio decays as the pod serves"
     # the agent's own formula: busy seconds / uptime, uptime growing by 60 s a minute
     busy0 = replay._value(samples, "warmup_engine_seconds_total")
     busy40 = sum(v[-1] for s, v in series.items() if s.startswith("warmup_engine_seconds_total{"))

@@ -110,8 +110,8 @@ def test_supervised_transformers_serve_reaches_serving_and_answers_an_outside_ch
 
     import pytest
 
-    from tests.helpers import transformers_server as ts
     from tests.conftest import ROOT, agent_cmd
+    from tests.helpers import transformers_server as ts
     from tests.helpers.servers import http_get, wait_until
     if not ts.available():
         pytest.skip("needs transformers[serving] (make test-setup)")

@@ -67,6 +67,7 @@ def test_a_wholly_free_segment_is_not_fragmentation():
 def test_collector_labels_by_nvml_index_and_uuid():
     pynvml = pytest.importorskip("pynvml")
     from prometheus_client import CollectorRegistry
+
     from exporter.collectors import AllocatorCollector
     x = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")   # the allocator holds memory on this device
     reg = CollectorRegistry()

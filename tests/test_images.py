@@ -24,15 +24,15 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from tests.helpers.servers import free_port, stop_process
-from tests.test_helm_chart import agent_config_text, helm_env, pod_spec, render  # noqa: F401 - helm_env is a fixture
 from tests.helpers.vllm_server import server_command, server_env, vllm_python
+from tests.test_helm_chart import agent_config_text, helm_env, pod_spec, render  # noqa: F401 - helm_env is a fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import transformers_server as ts
-from tests.http_relay import Relay
 from tests.helpers.servers import free_port
+from tests.http_relay import Relay
 from warmup_agent import config
 from warmup_agent.engines.openai_engine import OpenAIEngine
 from warmup_agent.pipeline import Agent
@@ -85,7 +85,7 @@ def test_every_agent_request_is_marked_on_the_wire(served):
     # Both families reached the server as sent, on both APIs.
     bodies = [json.loads(p["body"]) for p in posts]
     for path in ("/v1/chat/completions", "/v1/completions"):
-        sent = [b for p, b in zip(posts, bodies) if p["path"] == path]
+        sent = [b for p, b in zip(posts, bodies, strict=True) if p["path"] == path]
         assert any(b.get("temperature") == 0.7 and b.get("top_p") == 0.9 and b["max_tokens"] == 4 for b in sent)
         assert any(b.get("temperature") == 0.0 for b in sent)
 

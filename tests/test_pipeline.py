@@ -189,6 +189,7 @@ def test_reserve_steps_are_in_the_record_and_the_metrics(served):
 def test_reserve_step_is_logged(caplog):
     import logging
     from types import SimpleNamespace
+
     from warmup_agent.stages.reserve import Steps
     metrics = AgentMetrics()
     detail = {}

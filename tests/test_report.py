@@ -142,7 +142,7 @@ def overlap_problems(fig) -> list[str]:
 def synthetic_record(durations: list[float], probes: list[float], startup: float | None = None) -> dict:
     stages, t = [], startup or 0.0
     transitions = [{"state": "INIT", "at_seconds": t}]
-    for i, (name, d) in enumerate(zip(("reserve", "prewarm", "solidify", "ready"), durations)):
+    for i, (name, d) in enumerate(zip(("reserve", "prewarm", "solidify", "ready"), durations, strict=True)):
         stages.append({"name": name, "phase": i + 1, "start_seconds": t, "end_seconds": t + d,
                        "duration_seconds": d, "status": "ok"})
         t += d

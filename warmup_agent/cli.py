@@ -151,17 +151,17 @@ def cmd_run(args) -> int:
             print(f"creating the embedded default model under {cfg['data_dir']} (once)...", file=sys.stderr)
         model_path = ensure_embedded_model(cfg["data_dir"])
 
+    # No `_created` series: they double every counter and histogram in the text
+    # format, which nothing here reads, and /metrics is served up to every second
+    # while a warmup competes for the same interpreter.
+    import prometheus_client
+
     from exporter.collectors import register_default_collectors
     from exporter.metrics import AgentMetrics
     from exporter.server import ExporterServer
     from warmup_agent.engines import EngineError, create
     from warmup_agent.pipeline import Agent
     from warmup_agent.states import State
-
-    # No `_created` series: they double every counter and histogram in the text
-    # format, which nothing here reads, and /metrics is served up to every second
-    # while a warmup competes for the same interpreter.
-    import prometheus_client
     prometheus_client.disable_created_metrics()
     metrics = AgentMetrics()
     register_default_collectors(metrics.registry)

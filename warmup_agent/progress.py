@@ -148,7 +148,7 @@ def summary_table(record: dict) -> str:
         total += s["duration_seconds"] or 0.0
     rows.append(("total", "", f"{total:.3f}", record["final_state"]))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     first, steady = record.get("first_request_seconds"), record.get("steady_first_token_seconds")
     if first is not None and steady:

@@ -98,6 +98,8 @@ class Engine(abc.ABC):
         wait that would otherwise run to its own timeout, such as a server that is
         still starting.  Called from the signal-watcher thread.  In-process engines
         have no such wait: the pipeline stops at the next stage boundary."""
+        return None
 
     def close(self) -> None:
         """Release the engine (threads, child processes, device memory)."""
+        return None

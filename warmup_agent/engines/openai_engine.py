@@ -474,7 +474,7 @@ class OpenAIEngine(Engine):
     def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
         """One batch of profile requests, sent concurrently (streamed)."""
         bodies = [self.body_for(r) for r in requests]
-        futures = [self._pool.submit(self._request, body, r.endpoint, warmup, n) for r, (body, n) in zip(requests, bodies)]
+        futures = [self._pool.submit(self._request, body, r.endpoint, warmup, n) for r, (body, n) in zip(requests, bodies, strict=True)]
         return [f.result() for f in futures]
 
     def body_for(self, r: WarmRequest) -> tuple[dict, int]:

@@ -173,6 +173,7 @@ class TorchEngine(Engine):
         """Resolve the device and create its CUDA context under the deadline
         gpu.cuda_context_timeout_seconds (reason cuda_context_timeout)."""
         import torch
+
         from warmup_agent.gpu.deadline import run_with_deadline
         if self.device is None:
             self.device = self._resolve_device()
@@ -482,7 +483,7 @@ class TorchEngine(Engine):
                 per_tensor.append(torch.stack(parts).sum(0) if parts else torch.zeros(2, dtype=torch.float64, device=t.device))
             # One transfer: a sync per tensor costs hundreds of round trips on a GPU.
             sums = torch.stack(per_tensor).tolist()
-        for (name, t), (s1, s2) in zip(items, sums):
+        for (name, t), (s1, s2) in zip(items, sums, strict=True):
             h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{s1:.17g}|{s2:.17g}\n".encode())
         return h.hexdigest()
 

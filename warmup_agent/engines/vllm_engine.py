@@ -170,7 +170,7 @@ class VllmEngine(Engine):
                     if out.finished:
                         done[rid] = (now, tokens)
         return [RequestResult(first_token_seconds=first.get(r, done[r][0]) - t0, total_seconds=done[r][0] - t0,
-                              prompt_tokens=len(p), output_tokens=done[r][1]) for r, p in zip(ids, prompts)]
+                              prompt_tokens=len(p), output_tokens=done[r][1]) for r, p in zip(ids, prompts, strict=True)]
 
     def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
         """vLLM compiles and captures CUDA graphs inside LLM(...) (unless

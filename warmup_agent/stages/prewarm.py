@@ -81,8 +81,8 @@ def load_profile(agent, lengths: list[int]) -> traffic.TrafficProfile:
     if path:
         text = getattr(engine, "text", None)
         if text is None:
-            raise EngineError("invalid_config", f"key 'prewarm.requests_file': prompts are counted with the model's "
-                              f"tokenizer; give --model DIR (model.path) with a tokenizer.json")
+            raise EngineError("invalid_config", "key 'prewarm.requests_file': prompts are counted with the model's "
+                              "tokenizer; give --model DIR (model.path) with a tokenizer.json")
         try:
             profile = traffic.load_requests_file(path, text.count_chat, text.count_text)
         except ValueError as e:
@@ -181,7 +181,7 @@ def run(agent) -> None:
         for shape in shapes:
             for _ in range(per_shape):
                 agent.checkpoint()
-                backoff.run(shape.batch, lambda: agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=max_new))
+                backoff.run(shape.batch, lambda shape=shape: agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=max_new))
                 done += 1
                 agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
             if backoff.allows(shape.batch):

@@ -373,7 +373,7 @@ def warmup_economics(th) -> dict:
             "GPU memory fragmentation trend",
             about("gpu_fragmentation_rate") + " "
             f"Seed 003 saw 12 % rise to 43 % over 30 days and alerts above {frag:g}. GPU only.",
-            "percentunit", [target(m("gpu_fragmentation_rate"), "{{pod}} GPU {{gpu}}")],
+            "percentunit", [target(m("gpu_fragmentation_rate"), "{{pod}} GPU {{gpu}} ({{uuid}})")],
             thresholds=_thresholds((frag, "red"))),
         timeseries(
             "Memory jitter",

@@ -113,7 +113,7 @@ def build_figure(record: dict, thresholds: dict[str, float]):
     for i, s in enumerate(stages):
         start = s.get("start_seconds") or 0.0
         dur = s.get("duration_seconds") or 0.0
-        gantt.barh(i, dur, left=start, color=STAGE_COLOURS.get(s.get("status"), "#4a6fa5"), edgecolor="black")
+        gantt.barh(i, dur, left=start, color=STAGE_COLOURS.get(s.get("status") or "", "#4a6fa5"), edgecolor="black")
         _duration_label(gantt, i, start, dur, xmax)
     for t in record.get("transitions", []):
         gantt.axvline(t["at_seconds"], color="grey", linestyle=":", linewidth=0.8)

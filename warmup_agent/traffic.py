@@ -223,7 +223,7 @@ def load_requests_file(path: str, count_chat, count_text, max_lengths: int = 8) 
                 continue
             try:
                 body = json.loads(line)
-            except ValueError as e:
+            except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not JSON ({e.msg}); expected one OpenAI request body per line") from None
             if not isinstance(body, dict) or ("messages" not in body and "prompt" not in body):
                 raise ValueError(f"{path}:{i}: expected a /v1/chat/completions body (messages) or a /v1/completions body (prompt)")

@@ -36,6 +36,8 @@ def create(cfg, model_path: str | None, server_command: list[str] | None = None)
     name = cfg["engine"]
     if name == "torch":
         from warmup_agent.engines.torch_engine import TorchEngine
+        if model_path is None:
+            raise ValueError("engine torch needs a model directory (the CLI makes the embedded one when none is given)")
         return TorchEngine(model_path, dtype=cfg["model.dtype"], device=cfg["model.device"])
     if name == "openai":
         from warmup_agent.engines.openai_engine import OpenAIEngine

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from typing import Any
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 from warmup_agent.engines.openai_engine import parse_adapters
@@ -39,11 +40,11 @@ class VllmEngine(Engine):
         self.cfg = cfg
         self.model_path = model_path
         self.log = log or logging.getLogger("warmup_agent.engines.vllm")
-        self.llm = None
-        self.engine = None
+        self.llm: Any = None       # vllm.LLM once loaded (vllm is imported lazily)
+        self.engine: Any = None    # its LLMEngine
         self.load_seconds: float | None = None
         self.adapters: dict[str, object] = {}     # name -> LoRARequest
-        self._tokenizer = None
+        self._tokenizer: Any = None
         self._lock = threading.Lock()             # LLMEngine.step() is not re-entrant
 
     def _set_cache_dirs(self) -> None:

@@ -53,7 +53,7 @@ class Breaker:
 
     def frozen_remaining(self) -> float:
         """Seconds until an open breaker lets probes through (0 when not open)."""
-        if self.state != BreakerState.OPEN:
+        if self.state != BreakerState.OPEN or self.opened_at is None:
             return 0.0
         return max(0.0, self.opened_at + self.open_seconds - self.clock())
 

@@ -125,6 +125,7 @@ def run(agent) -> None:
             agent.fail("insufficient_memory",
                        f"{model_path}: weights need {need / 2**30:.2f} GiB but only {host.memory_available_bytes / 2**30:.2f} GiB of memory is available")
         return
+    assert gpu is not None  # on_gpu
 
     dtype = "bfloat16" if cfg["model.dtype"] == "auto" else cfg["model.dtype"]
     plan = sizing.plan_reservation(config, dtype, need, cfg["prewarm.prompt_lengths"] + [cfg["prewarm.max_prompt_length"]],

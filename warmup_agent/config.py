@@ -206,6 +206,11 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="a number > 0"),
     Key("validation.performance_factor", "float", 1.2, "Performance: the gate's P50 time to first token may be at most this times the recorded baseline (seed 1.2).",
         check=lambda v: v >= 1, expected="a number >= 1"),
+    Key("validation.fp8_ranges", "bool", True, "Numerics of an FP8 model (seed 003 §3): put the seed's activation, weight and attention-score cases through every FP8 layer's quantize/dequantize path with the model's scales (docs/fp8.md); reasons fp8_saturation, fp8_roundtrip_error."),
+    Key("validation.fp8_max_saturated_ratio", "float", 0.0, "FP8 ranges: largest share of a range's checked values that may saturate e4m3 (|x / scale| > 448) before validation fails with fp8_saturation.",
+        check=lambda v: 0 <= v <= 1, expected="a number from 0 to 1"),
+    Key("validation.fp8_max_roundtrip_error", "float", 0.0625, "FP8 ranges: largest round-trip error, max |dequantize(quantize(x)) - x| / the range's largest |x|, before validation fails with fp8_roundtrip_error (0.0625 = 2^-4: e4m3 rounding at a scale that fits).",
+        check=lambda v: 0 < v <= 1, expected="a number > 0 and <= 1"),
     Key("validation.baseline_file", "str_or_null", None, "JSON file of recorded baseline P50s per model, device and dtype (e.g. on a persistent volume). Empty: no performance check. A model with no entry records one."),
     # --- GPU-grade torch engine: reserve / prewarm / solidify on CUDA (warmup_agent/gpu) ---
     Key("reserve.gpu_memory", "bool", True, "Reserve and touch GPU memory up front for the weights, the KV cache of the warmup grid and activations (fails fast with insufficient_gpu_memory when it cannot fit)."),

@@ -328,6 +328,7 @@ class Agent:
             "model": getattr(self.engine, "model_path", None),
             "host": self.host_facts,
             "engine_facts": self.engine_facts,
+            "quantization": q.as_dict() if (q := getattr(self.engine, "quantization", None)) is not None else None,
             "started_unix": time.time() - (self.clock() - self.started),
             "stages": [{"name": s.name, "phase": s.phase, "start_seconds": s.start, "end_seconds": s.end,
                         "duration_seconds": s.duration, "status": s.status, **s.detail} for s in self.stages],

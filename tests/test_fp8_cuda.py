@@ -116,6 +116,8 @@ def test_agent_warms_every_fp8_gemm_shape_and_validates_ranges(fp8_model, tmp_pa
     assert reg.get_sample_value("warmup_fp8_range_checked_values", {"range": "activations"}) == 50 * 28
     assert reg.get_sample_value("warmup_fp8_range_saturated_values", {"range": "weights"}) == 0
     if _hopper():
+        assert stages["solidify"]["fp8_gemm"] == "scaled_mm_blockwise", stages["solidify"]
+        assert stages["solidify"]["fp8_gemm_fallbacks"] == []
         assert stages["solidify"]["fp8_gemm_shapes"] > 0
         # Requests of traffic-like shapes after SERVING run no FP8 GEMM shape the warmup did not.
         warmed = quantization.kernel_shapes(engine.model)

@@ -267,7 +267,9 @@ def _make_layer_class():
             self.activation_scale = (nn.Parameter(torch.empty((), dtype=torch.float32, device=device), requires_grad=False)
                                      if activation_scheme == "static" else None)
             self.m_seen: set[int] = set()     # token counts (GEMM M) this layer has run: kernel shapes warmed
-            self._fast: bool | None = None
+            self._fast: bool | None = None    # decided at the first forward (_choose_path)
+            self._scale_b = None
+            self.fallback_reason = ""
 
         def extra_repr(self) -> str:
             return f"in={self.in_features}, out={self.out_features}, block={self.block}, act={self.activation_scheme}"
@@ -289,19 +291,53 @@ def _make_layer_class():
         def dequantize_weight(self):
             return dequantize(self.weight, expand_block_scales(self.weight_scale_inv, self.weight.shape, self.block))
 
+        def _emulated(self, x2):
+            xq, xs = self.quantize_input(x2)
+            xd = dequantize(xq, expand_block_scales(xs, x2.shape, (1, self.block[1])))
+            return (xd @ self.dequantize_weight().t()).to(x2.dtype)
+
+        def _scaled_mm(self, x2):
+            """cuBLASLt block scaling reads both scale tensors column-major with a
+            leading dimension that must be a multiple of 4 floats (16 bytes): with
+            another one it fails or, worse, reads the wrong scales (seen on the H200).
+            So M is padded to a multiple of 4 (zero rows, dropped after) and the
+            weight scales live in a buffer whose rows are padded the same way."""
+            m = x2.shape[0]
+            pad = -m % 4
+            xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
+            xq, xs = self.quantize_input(xp)
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs.t().contiguous().t(),
+                                   scale_b=self._scale_b, out_dtype=x2.dtype)
+            return out[:m] if pad else out
+
+        def _choose_path(self, x2) -> bool:
+            """Fast path only where the hardware has it, and only after it gave the
+            emulation's answer on this layer's first real input (else emulate, with
+            the reason kept in fallback_reason: a wrong GEMM must never serve)."""
+            if not _scaled_mm_ok(x2.device, self.out_features, self.in_features, self.block):
+                return False
+            sn, sk = self.weight_scale_inv.shape
+            buf = torch.zeros(sn, sk + (-sk % 4), dtype=torch.float32, device=x2.device)
+            buf[:, :sk] = self.weight_scale_inv
+            self._scale_b = buf[:, :sk].t()
+            try:
+                fast, ref = self._scaled_mm(x2).float(), self._emulated(x2).float()
+            except RuntimeError as e:
+                self.fallback_reason = f"torch._scaled_mm failed: {str(e).splitlines()[0][:200]}"
+                return False
+            err = float((fast - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+            if not err < 2e-2:
+                self.fallback_reason = f"torch._scaled_mm differs from the emulation by {err:.3g} of the peak"
+                return False
+            return True
+
         def forward(self, x):
             shape = x.shape
             x2 = x.reshape(-1, self.in_features)
             self.m_seen.add(x2.shape[0])
             if self._fast is None:
-                self._fast = _scaled_mm_ok(x.device, self.out_features, self.in_features, self.block)
-            xq, xs = self.quantize_input(x2)
-            if self._fast:
-                out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs.t().contiguous().t(),
-                                       scale_b=self.weight_scale_inv.t(), out_dtype=x.dtype)
-            else:
-                xd = dequantize(xq, expand_block_scales(xs, x2.shape, (1, self.block[1])))
-                out = (xd @ self.dequantize_weight().t()).to(x.dtype)
+                self._fast = self._choose_path(x2)
+            out = self._scaled_mm(x2) if self._fast else self._emulated(x2)
             if self.bias is not None:
                 out = out + self.bias
             return out.reshape(*shape[:-1], self.out_features)
@@ -343,11 +379,13 @@ def warm_gemms(model, max_tokens: int, cap: int = 8192) -> dict:
 
     import torch
     layers = {}
-    for _, layer in fp8_layers(model):
-        if _scaled_mm_ok(layer.weight.device, layer.out_features, layer.in_features, layer.block):
+    all_layers = fp8_layers(model)
+    fallbacks = sorted({layer.fallback_reason for _, layer in all_layers if layer.fallback_reason})
+    for _, layer in all_layers:
+        if layer._fast:     # decided by the grid's first forward
             layers.setdefault((layer.out_features, layer.in_features, layer.activation_scale is None), layer)
-    if not layers:   # emulated (CPU): dequantize + matmul has no per-shape FP8 kernel to warm
-        return {"fp8_gemm_shapes": 0, "fp8_gemm": "emulated"}
+    if not layers:   # emulated (CPU, or the fallback): dequantize + matmul has no per-shape FP8 kernel to warm
+        return {"fp8_gemm_shapes": 0, "fp8_gemm": "emulated", "fp8_gemm_fallbacks": fallbacks}
     t0 = time.perf_counter()
     top = max(1, min(max_tokens, cap))
     with torch.inference_mode():
@@ -360,8 +398,8 @@ def warm_gemms(model, max_tokens: int, cap: int = 8192) -> dict:
     for _, layer in fp8_layers(model):
         if (layer.out_features, layer.in_features, layer.activation_scale is None) in layers:
             layer.m_seen |= set(range(1, top + 1))
-    return {"fp8_gemm_shapes": len(layers) * top, "fp8_gemm_max_tokens": top,
-            "fp8_gemm_seconds": time.perf_counter() - t0}
+    return {"fp8_gemm": "scaled_mm_blockwise", "fp8_gemm_shapes": len(layers) * top, "fp8_gemm_max_tokens": top,
+            "fp8_gemm_seconds": time.perf_counter() - t0, "fp8_gemm_fallbacks": fallbacks}
 
 
 def swap_linears(model, checkpoint_names, info: QuantizationInfo, compute_dtype):

@@ -197,7 +197,7 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="an integer > 0 (seconds)"),
     Key("proxy.timeout_seconds", "float", 300.0, "Timeout of one upstream request of the proxy.",
         check=_positive, expected="a number > 0"),
-    Key("validation.enabled", "bool", True, "Validate structure, numerics and performance before SERVING; a failure is a named reason (validation_structure, validation_numerics, validation_performance)."),
+    Key("validation.enabled", "bool", True, "Validate structure, numerics and performance before SERVING; a failure is a named reason (validation_structure, validation_numerics, validation_performance; for an FP8 model fp8_saturation, fp8_roundtrip_error)."),
     Key("validation.logits_mean_min", "float", -5.0, "Numerics: the mean logit on each fixed prompt must be above this (seed -5).",
         expected="a number"),
     Key("validation.logits_mean_max", "float", 5.0, "Numerics: the mean logit on each fixed prompt must be below this (seed 5).",

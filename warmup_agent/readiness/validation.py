@@ -4,13 +4,15 @@
                the model that config.json describes (built on the meta device);
   numerics     logits on fixed prompts are finite and their mean lies in a
                configured range (seed: -5 < mean < 5), |logit| under a bound;
+               for an FP8 model also fp8_ranges: seed 003's value ranges through
+               every FP8 layer's quantize/dequantize path (readiness/fp8_ranges.py);
   performance  the gate's P50 time to first token is within a factor (seed 1.2x)
                of a baseline recorded on an earlier run of the same weights on
                the same device; the first run records the baseline.
 
 Each check returns a `Check`; a failed one carries a named reason
-(validation_structure, validation_numerics, validation_performance) and one
-line for the user.  Structure and numerics need the model itself: torch engine
+(validation_structure, validation_numerics, validation_performance,
+fp8_saturation, fp8_roundtrip_error) and one line for the user.  Structure and numerics need the model itself: torch engine
 only for now (other engines report the check as skipped).
 """
 from __future__ import annotations

@@ -224,7 +224,8 @@ def test_checkpoint_is_transformers_fp8_layout_and_dequantizes_to_the_original(e
     import torch
     src_header, src = _safetensors(os.path.join(embedded_model, "model.safetensors"))
     header, data = _safetensors(os.path.join(fp8_model, "model.safetensors"))
-    qc = json.load(open(os.path.join(fp8_model, "config.json")))["quantization_config"]
+    with open(os.path.join(fp8_model, "config.json"), encoding="utf-8") as f:
+        qc = json.load(f)["quantization_config"]
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                   "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
     fp8 = sorted(n for n, m in header.items() if n != "__metadata__" and m["dtype"] == "F8_E4M3")

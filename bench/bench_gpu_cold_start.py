@@ -14,6 +14,18 @@ Each child reports unix timestamps; the parent computes, per the issue:
   load_over_floor       = weight load seconds / max(bytes / pinned H2D bandwidth, bytes / read bandwidth)
   ready_over_naive      = agent spawn->SERVING / naive spawn->first response
   sampling_overhead     = steady TTFT with the NVML ramp sampler running / stopped
+
+FP8 variant (issue 16), `--fp8`: the same bf16 model is quantized into transformers'
+"fp8" layout (e4m3 weights, float32 weight_scale_inv per 128x128 block; see
+warmup_agent/quantization.py) and every child loads that checkpoint through the
+torch engine (FP8 GEMMs by torch._scaled_mm with blockwise scales):
+  naive: TorchEngine load only (transformers' own FP8Linear needs a Hub kernel
+         download, so a "from_pretrained" naive start cannot run offline), then the first request;
+  seed:  the same plus the seed's one 1 x 512 forward;
+  agent: the four stages up to SERVING.
+    python bench/bench_gpu_cold_start.py --fp8 --runs 3 --out bench/results/gpu_cold_start_fp8_h200.json
+reports fp8_first_request_tax_p99 (target <= 1.10) and fp8_first_request_tax_p99_naive,
+and whether the first request ran an FP8 GEMM shape (M, N, K) the warmup had not.
 """
 from __future__ import annotations
 
@@ -60,6 +72,14 @@ def make_model(path: str) -> None:
     open(os.path.join(path, ".complete"), "w").write("1\n")
 
 
+def make_fp8_model(src: str, dst: str) -> None:
+    if os.path.exists(os.path.join(dst, ".complete")):
+        return
+    from warmup_agent.quantization import quantize_checkpoint
+    quantize_checkpoint(src, dst, device="cuda")
+    open(os.path.join(dst, ".complete"), "w").write("1\n")
+
+
 # --- children ------------------------------------------------------------------------------
 def _ttft(model, ids):
     import torch
@@ -94,6 +114,30 @@ def child_plain(model_dir: str, seed_script: bool) -> dict:
                 ready_unix=t_first, steady_median=statistics.median(steady))
 
 
+def child_engine_plain(model_dir: str, seed_script: bool) -> dict:
+    """FP8 naive/seed start: the torch engine's loader, no warmup stages."""
+    import torch
+    from warmup_agent.engines.torch_engine import TorchEngine
+    t_imported = time.time()
+    engine = TorchEngine(model_dir, device="cuda")
+    t0 = time.perf_counter()
+    engine.load_weights()
+    engine.load_tokenizer()
+    torch.cuda.synchronize()
+    load = time.perf_counter() - t0
+    if seed_script:
+        engine.tokenize("Hello world")
+        with torch.no_grad():
+            engine.model(torch.ones((1, 512), dtype=torch.long).cuda())
+        torch.cuda.synchronize()
+    ids = engine.tokenize(PROMPT)[:PROMPT_TOKENS]
+    first = engine.generate([ids])[0].first_token_seconds
+    t_first = time.time()
+    steady = [engine.generate([ids])[0].first_token_seconds for _ in range(STEADY)]
+    return dict(imported_unix=t_imported, load_seconds=load, first_ttft=first, first_response_unix=t_first,
+                ready_unix=t_first, steady_median=statistics.median(steady), fp8_layers=engine.fp8_layers)
+
+
 def child_agent(model_dir: str, data_dir: str) -> dict:
     import torch  # noqa: F401 - its import cost is counted before t_imported, as in a real agent
 
@@ -114,7 +158,10 @@ def child_agent(model_dir: str, data_dir: str) -> dict:
     t_ready = time.time()
     assert state.name == "SERVING", (agent.sm.failure_reason, agent.sm.failure_message)
     ids = engine.tokenize(PROMPT)[:PROMPT_TOKENS]
+    from warmup_agent import quantization
+    warmed = quantization.kernel_shapes(engine.model)
     first = engine.generate([ids])[0].first_token_seconds
+    unwarmed = sorted(quantization.kernel_shapes(engine.model) - warmed)   # FP8 GEMM (M, N, K) first seen now
     steady = [engine.generate([ids])[0].first_token_seconds for _ in range(STEADY)]
     # sampling overhead: alternate blocks with the NVML sampler on and off
     on, off = [], []
@@ -134,7 +181,10 @@ def child_agent(model_dir: str, data_dir: str) -> dict:
                 waited_for_transformers_import=stages["prewarm"].get("waited_for_transformers_import_seconds"),
                 solidify=stages["solidify"], reserve=stages["reserve"], prewarm_shapes=stages["prewarm"].get("shapes"),
                 sampling_on_median=statistics.median(on), sampling_off_median=statistics.median(off),
-                ramp_slope=stages["solidify"].get("ramp_slope_per_second"))
+                ramp_slope=stages["solidify"].get("ramp_slope_per_second"),
+                fp8_layers=engine.fp8_layers, quantization=engine.quantization.as_dict(),
+                fp8_shapes_warmed=len(warmed), fp8_first_request_unwarmed_shapes=unwarmed,
+                validation=stages["ready"].get("validation"))
 
 
 def child_floors(model_dir: str) -> dict:
@@ -174,6 +224,7 @@ def child_floors(model_dir: str) -> dict:
 # --- parent --------------------------------------------------------------------------------
 def spawn(args, mode: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model, "--data-dir", args.data_dir]
+    cmd += ["--fp8"] if args.fp8 else []
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     if r.returncode != 0:
@@ -197,10 +248,12 @@ def main() -> int:
     ap.add_argument("--model", default="/tmp/qwen2-1.5b-random")
     ap.add_argument("--data-dir", default="/tmp/warmup-bench")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_cold_start.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--fp8", action="store_true", help="FP8 variant: quantize the model (transformers 'fp8' layout) and run that")
     args = ap.parse_args()
+    plain = child_engine_plain if args.fp8 else child_plain
     if args.child:
-        out = {"naive": lambda: child_plain(args.model, False), "seed": lambda: child_plain(args.model, True),
+        out = {"naive": lambda: plain(args.model, False), "seed": lambda: plain(args.model, True),
                "agent": lambda: child_agent(args.model, args.data_dir), "floors": lambda: child_floors(args.model)}[args.child]()
         print(json.dumps(out, default=str))
         return 0
@@ -208,6 +261,12 @@ def main() -> int:
     subprocess.run(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); from bench.bench_gpu_cold_start import make_model; make_model({args.model!r})"],
         check=True, cwd=ROOT)
+    if args.fp8:
+        src, args.model = args.model, args.model + "-fp8"
+        subprocess.run(
+            [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); from bench.bench_gpu_cold_start import make_fp8_model; make_fp8_model({src!r}, {args.model!r})"],
+            check=True, cwd=ROOT)
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "gpu_cold_start_fp8.json" if args.fp8 else "gpu_cold_start.json")
     print(f"model ready in {time.time() - t:.1f} s", flush=True)
     floors = json.loads(subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "floors", "--model", args.model],
                                        capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip().splitlines()[-1])
@@ -261,11 +320,36 @@ def main() -> int:
         "commit": os.environ.get("BENCH_COMMIT", "unknown"),
         "model": {"shape": "Qwen2-1.5B", **QWEN2_1_5B, "dtype": "bfloat16", "weights": "random"},
     }
+    if args.fp8:
+        fp8_figures(result, runs)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
-    print(json.dumps({"figures": figures, "also": result["also"], "prewarm_split_median": result["prewarm_split_median"]}, indent=2))
+    print(json.dumps({"figures": result["figures"], "also": result["also"], "prewarm_split_median": result["prewarm_split_median"]}, indent=2))
     return 0
+
+
+def fp8_figures(result: dict, runs: dict) -> None:
+    """The FP8 run's keys (issue 16): the tax under fp8_ names, the rest under also."""
+    from bench.provenance import provenance
+    figures, also = result["figures"], result["also"]
+    result["figures"] = {"fp8_first_request_tax_p99": figures.pop("first_request_tax_p99"),
+                         "fp8_first_request_tax_p99_naive": also.pop("first_request_tax_p99_naive")}
+    also.update({f"fp8_{k}": v for k, v in figures.items()})
+    also["fp8_first_request_tax_p99_seed"] = also.pop("first_request_tax_p99_seed")
+    agent = runs["agent"]
+    also["fp8_first_request_unwarmed_shapes_max"] = max(len(r["fp8_first_request_unwarmed_shapes"]) for r in agent)
+    also["fp8_layers"] = agent[0]["fp8_layers"]
+    also["fp8_gemm_warm_seconds_median"] = statistics.median(r["solidify"].get("fp8_gemm_seconds", 0.0) for r in agent)
+    result["targets"] = {"fp8_first_request_tax_p99": 1.10}
+    result["definitions"] = {
+        "fp8_first_request_tax_p99": "p99 over the agent's cold starts of the FP8 model of (TTFT of the first real request after SERVING / median TTFT of the next 20 identical requests); 20-token prompt",
+        "fp8_first_request_tax_p99_naive": "the same for a start that only loads the FP8 model through the torch engine (no warmup) and sends the first request",
+        "fp8_first_request_unwarmed_shapes_max": "most FP8 GEMM shapes (M, N, K) that any first request ran and the agent's warmup had not (0: the warmup reached every FP8 kernel shape the request used)",
+        **{f"fp8_{k}": v for k, v in result["definitions"].items() if k != "first_request_tax_p99"},
+    }
+    result["model"].update(dtype="float8_e4m3fn weights (128x128 block scales), bfloat16 compute", quantization=agent[0]["quantization"])
+    result["provenance"] = provenance()
 
 
 if __name__ == "__main__":

@@ -157,7 +157,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
 
 # Features add their metrics in a module of their own (exporter/catalogue_<feature>.py
 # with a SPECS tuple); list each here once.
-_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine", "catalogue_cache", "catalogue_readiness", "catalogue_gpu")
+_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine", "catalogue_cache", "catalogue_readiness", "catalogue_gpu",
+                                     "catalogue_quantization")
 
 
 def _feature_specs() -> tuple[MetricSpec, ...]:

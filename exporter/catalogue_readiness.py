@@ -20,7 +20,7 @@ SPECS = (
                "Adaptive re-fits of the readiness thresholds (readiness.adaptive).",
                unit="short"),
     MetricSpec("warmup_validation_checks_total", "counter",
-               "Pre-SERVING validation checks by check (structure, numerics, performance) and result (passed, failed, skipped, recorded).",
+               "Pre-SERVING validation checks by check (structure, numerics, fp8_ranges, performance) and result (passed, failed, skipped, recorded).",
                labels=("check", "result"), unit="short"),
     MetricSpec("warmup_water_level_requests_per_second", "gauge",
                "Water level T = a*T_prev + (1-a)*(Q*headroom) over user requests per second seen by the proxy (seed 000 §3.2).",

@@ -407,6 +407,7 @@ class Agent:
             "model": getattr(self.engine, "model_path", None),
             "host": self.host_facts,
             "engine_facts": self.engine_facts,
+            "quantization": q.as_dict() if (q := getattr(self.engine, "quantization", None)) is not None else None,
             "started_unix": time.time() - (self.clock() - self.started),
             # process start to run(), when known; the stages start where it ends
             "startup_seconds": None if self.startup is None else self.startup.duration,

@@ -125,6 +125,7 @@ class OpenAIEngine(Engine):
         self.model: str | None = cfg["openai.model"] or (option(self.command, "--served-model-name") if self.command else None)
         self.model_dir: str | None = (model_path or cfg["model.path"]
                                       or (option(self.command, "--model") if self.command else None))
+        self.quantization = self._detect_quantization()
         self.supervisor = None
         self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
         self.startup: dict[str, float] = {}
@@ -141,6 +142,20 @@ class OpenAIEngine(Engine):
         self._models_info: dict = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="openai-req")
         self._lock = threading.Lock()
+
+    def _detect_quantization(self):
+        """What the server runs quantized (issue 16): its flags (--quantization,
+        --kv-cache-dtype) over the model directory's config.json when we can read it.
+        The agent cannot see a server's scales: docs/fp8.md says what is not checked."""
+        from warmup_agent import quantization
+        model_info = None
+        if self.model_dir:
+            try:
+                model_info = quantization.from_config(quantization.read_model_config(self.model_dir),
+                                                      f"{self.model_dir}/config.json")
+            except EngineError as e:   # the server reads that file too, and says so in its own words
+                self.log.warning("%s", e)
+        return quantization.from_command_line(self.command, model_info)
 
     # -- environment for a supervised server ------------------------------------------
 

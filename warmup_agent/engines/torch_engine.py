@@ -14,6 +14,7 @@ import struct
 import threading
 import time
 
+from warmup_agent import quantization
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -164,6 +165,8 @@ class TorchEngine(Engine):
         self.graph_fallback_reason: str | None = None
         self._skeleton = None         # Future of (meta model, expected shapes, tied names)
         self.skeleton_wait_seconds = None
+        self.quantization = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization.py)
+        self.fp8_layers = 0
 
     def configure(self, **options) -> None:
         """GPU options from the config (see stages/reserve.py)."""
@@ -215,8 +218,20 @@ class TorchEngine(Engine):
             return torch.bfloat16 if self.device.type == "cuda" else torch.float32
         return getattr(torch, self._dtype_name)
 
-    def load_tokenizer(self) -> None:
+    def _read_config(self) -> None:
         self._config = check_model_dir(self.model_path)
+        self.quantization = quantization.from_config(self._config, f"{self.model_path}/config.json")
+        q = self.quantization
+        if q.method not in ("none", "fp8"):
+            # Loading these through the skeleton would cast packed or FP8 weights to the
+            # compute dtype without their scales: wrong numbers, not an error.
+            raise EngineError("quantization_unsupported",
+                              f"{self.model_path}/config.json: quantization_config quant_method {q.method!r} "
+                              "(weights " + q.weight_dtype + "): the torch engine runs transformers' 'fp8' block layout only; "
+                              "serve this model with engine openai (vLLM, SGLang)")
+
+    def load_tokenizer(self) -> None:
+        self._read_config()
         _quiet_transformers()
         from transformers import AutoTokenizer
         try:
@@ -232,14 +247,16 @@ class TorchEngine(Engine):
 
     def load_weights(self) -> None:
         if not self._config:
-            self._config = check_model_dir(self.model_path)
+            self._read_config()
         if self.device is None:
             self.device = self._resolve_device()
             self.dtype = self._resolve_dtype()
         if self.options["manifest"]:
             from warmup_agent.gpu.loader import check_manifest
             check_manifest(self.model_path, self.options["manifest"])
-        if self.options["progressive"]:
+        if self.options["progressive"] or self.quantization.fp8_weights:
+            # FP8 always takes our loader: transformers' FP8Linear fetches its GEMM kernel
+            # from the Hugging Face Hub at the first forward (no network on a GPU host).
             self._load_progressive()      # imports transformers in the background
         else:
             _quiet_transformers()
@@ -249,7 +266,7 @@ class TorchEngine(Engine):
         """Import transformers and build the model skeleton on the meta device in a
         background thread.  The import is the largest part of a cold start (seconds;
         the naive start pays it too); on a CPU the weights are read meanwhile."""
-        if self._skeleton is not None or not self.options["progressive"]:
+        if self._skeleton is not None or not (self.options["progressive"] or self.quantization.fp8_weights):
             return
         from concurrent.futures import Future
 
@@ -280,7 +297,8 @@ class TorchEngine(Engine):
             # CPU the plain load takes seconds and hides the whole import.
             self._start_skeleton()
         slots = loader.checkpoint_slots(safetensors_files(self.model_path), read_safetensors_header)
-        tensors = loader.allocate(slots, self.dtype, self.device)
+        keep = quantization.keeps_stored_dtype
+        tensors = loader.allocate(slots, self.dtype, self.device, keep=keep)
         report = loader.load(tensors, slots, self.device, self.options["chunk_bytes"],
                              self.options["buffers"], self.options["workers"])
         self._warm_blas()
@@ -295,8 +313,19 @@ class TorchEngine(Engine):
         finally:
             self._skeleton = None
         self.skeleton_wait_seconds = time.perf_counter() - t0
+        if self.quantization.fp8_weights:
+            self.fp8_layers = quantization.swap_linears(model, [s.name for s in slots], self.quantization, self.dtype)
+            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            names = {s.name for s in slots}
+            unscaled = sorted(s.name for s in slots if s.dtype.startswith("float8")
+                              and f"{s.name.rsplit('.', 1)[0]}.weight_scale_inv" not in names)
+            if unscaled or not self.fp8_layers:
+                raise EngineError("weights_incomplete",
+                                  f"{self.model_path}: config.json says fp8 but " + (
+                                      f"FP8 tensor {unscaled[0]} has no weight_scale_inv" if unscaled
+                                      else "no linear layer has a weight_scale_inv in the checkpoint"))
         loader.check_against_skeleton(self.model_path, slots, expected, tied,
-                                      self._config.get("torch_dtype") or self._config.get("dtype"))
+                                      self._config.get("torch_dtype") or self._config.get("dtype"), keep=keep)
         self.model = loader.bind(model, {k: v for k, v in tensors.items() if k in expected}, self.device)
         self.load_report = report
 
@@ -426,10 +455,13 @@ class TorchEngine(Engine):
         from warmup_agent.gpu.deadline import run_with_deadline
         if mode == "auto":
             mode = "cuda_graphs" if self.device is not None and self.device.type == "cuda" else "replay"
-        if mode == "none":
-            return SolidifyReport(method="none")
         t0 = time.perf_counter()
         detail = {}
+        if self.fp8_layers:
+            longest = max((length * batch for length, batch in shapes), default=16)
+            detail.update(quantization.warm_gemms(self.model, longest))
+        if mode == "none":
+            return SolidifyReport(method="none", detail=detail)
         method = mode
         if mode == "cuda_graphs":
             from warmup_agent.gpu import graphs

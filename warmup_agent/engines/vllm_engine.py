@@ -46,6 +46,19 @@ class VllmEngine(Engine):
         self.adapters: dict[str, object] = {}     # name -> LoRARequest
         self._tokenizer: Any = None
         self._lock = threading.Lock()             # LLMEngine.step() is not re-entrant
+        self.quantization = self._detect_quantization()
+
+    def _detect_quantization(self):
+        """What vLLM will run quantized: it reads config.json's quantization_config
+        itself, so that is what we read (issue 16). Its scales stay inside vLLM:
+        docs/fp8.md says what is not checked."""
+        from warmup_agent import quantization
+        try:
+            return quantization.from_config(quantization.read_model_config(self.model_path),
+                                            f"{self.model_path}/config.json")
+        except EngineError as e:   # vLLM reads that file too, and says so in its own words
+            self.log.warning("%s", e)
+            return quantization.QuantizationInfo()
 
     def _set_cache_dirs(self) -> None:
         data = self.cfg["data_dir"]

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from warmup_agent.engines.base import EngineError
 
 _ST_TORCH = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _EMBED = re.compile(r"(embed_tokens|wte|word_embeddings|embed_in)\.")
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 _HEAD = re.compile(r"^(lm_head|embed_out|output)\.")
@@ -89,7 +90,7 @@ def checkpoint_slots(shards: list[str], read_header) -> list[TensorSlot]:
 
 
 def check_against_skeleton(path: str, slots: list[TensorSlot], expected: dict[str, tuple], tied: set[str],
-                           config_dtype: str | None) -> None:
+                           config_dtype: str | None, keep=lambda name: False) -> None:
     found = {s.name: s for s in slots}
     for name in sorted(found):
         if name in expected and tuple(expected[name]) != found[name].shape:
@@ -99,7 +100,9 @@ def check_against_skeleton(path: str, slots: list[TensorSlot], expected: dict[st
     if missing:
         raise EngineError("weights_incomplete", f"{path}: {len(missing)} tensors missing from the checkpoint (first: {missing[0]})")
     if config_dtype:
-        odd = [s for s in slots if s.name in expected and s.dtype.startswith(("float", "bfloat")) and s.dtype != config_dtype]
+        # FP8 weights and their float32 scales (keep) are stored so on purpose.
+        odd = [s for s in slots if s.name in expected and s.dtype.startswith(("float", "bfloat")) and s.dtype != config_dtype
+               and not s.dtype.startswith("float8") and not keep(s.name)]
         if odd:
             raise EngineError("weights_corrupt",
                               f"{path}: tensor {odd[0].name} is stored as {odd[0].dtype} but config.json says torch_dtype {config_dtype}")
@@ -142,17 +145,19 @@ def build_meta_skeleton(config_path: str, dtype):
     return model, expected, tied
 
 
-def allocate(slots: list[TensorSlot], dtype, device) -> dict:
+def allocate(slots: list[TensorSlot], dtype, device, keep=lambda name: False) -> dict:
     """Uninitialised destination tensors for the checkpoint, by name: floating
-    tensors in the target dtype, others as stored.  Needs no model, so weights can
-    be read while transformers is still being imported."""
+    tensors in the target dtype, others as stored (and FP8 tensors, and the names
+    `keep` selects: quantization scales).  Needs no model, so weights can be read
+    while transformers is still being imported."""
     import torch
     out = {}
     for s in slots:
         stored = getattr(torch, s.dtype, None)
         if not isinstance(stored, torch.dtype):
             raise EngineError("weights_corrupt", f"{s.shard}: tensor {s.name} has dtype {s.dtype}, which this loader cannot read")
-        out[s.name] = torch.empty(s.shape, dtype=dtype if stored.is_floating_point else stored, device=device)
+        cast = stored.is_floating_point and stored.itemsize > 1 and not keep(s.name)
+        out[s.name] = torch.empty(s.shape, dtype=dtype if cast else stored, device=device)
     return out
 
 

@@ -4,13 +4,15 @@
                the model that config.json describes (built on the meta device);
   numerics     logits on fixed prompts are finite and their mean lies in a
                configured range (seed: -5 < mean < 5), |logit| under a bound;
+               for an FP8 model also fp8_ranges: seed 003's value ranges through
+               every FP8 layer's quantize/dequantize path (readiness/fp8_ranges.py);
   performance  the gate's P50 time to first token is within a factor (seed 1.2x)
                of a baseline recorded on an earlier run of the same weights on
                the same device; the first run records the baseline.
 
 Each check returns a `Check`; a failed one carries a named reason
-(validation_structure, validation_numerics, validation_performance) and one
-line for the user.  Structure and numerics need the model itself: torch engine
+(validation_structure, validation_numerics, validation_performance,
+fp8_saturation, fp8_roundtrip_error) and one line for the user.  Structure and numerics need the model itself: torch engine
 only for now (other engines report the check as skipped).
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Check:
     result: str                    # passed | failed | skipped | recorded
     message: str = ""
     detail: dict = field(default_factory=dict)
+    failure_reason: str = ""       # a more precise reason than validation_<name> (fp8_saturation)
 
     @property
     def ok(self) -> bool:
@@ -34,7 +37,7 @@ class Check:
 
     @property
     def reason(self) -> str:
-        return f"validation_{self.name}"
+        return self.failure_reason or f"validation_{self.name}"
 
 
 def _torch_model(engine):
@@ -50,6 +53,11 @@ def check_structure(engine) -> Check:
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(model.config)
+    from warmup_agent import quantization
+    fp8 = quantization.fp8_layers(model)
+    if fp8:   # the reference gets the same FP8 layers: weight and scale shapes follow from config.json
+        quantization.swap_linears(reference, [f"{n}.weight_scale_inv" for n, _ in fp8], engine.quantization,
+                                  fp8[0][1].compute_dtype)
     want = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     have = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     want_params = sum(p.numel() for p in reference.parameters())
@@ -98,6 +106,43 @@ def check_numerics(engine, prompts: list[list[int]], mean_min: float, mean_max: 
         return Check("numerics", "failed",
                      f"largest |logit| {max(peaks):.4g} exceeds validation.logits_abs_max {abs_max:g}", detail)
     return Check("numerics", "passed", detail=detail)
+
+
+def check_fp8_ranges(engine, max_saturated_ratio: float, max_error: float) -> Check:
+    """Numerics of an FP8 model: the seed's value ranges through each FP8 layer's
+    own quantize/dequantize path (readiness/fp8_ranges.py).  Reasons fp8_saturation
+    (more saturated values than validation.fp8_max_saturated_ratio allows) and
+    fp8_roundtrip_error (over validation.fp8_max_roundtrip_error)."""
+    info = getattr(engine, "quantization", None)
+    if info is None or not info.fp8:
+        return Check("fp8_ranges", "skipped", "the model is not quantized to FP8")
+    model = _torch_model(engine)
+    if model is None:
+        return Check("fp8_ranges", "skipped",
+                     f"engine {getattr(engine, 'name', '?')} does not expose its layers' FP8 scales (docs/fp8.md)",
+                     {"quantization": info.as_dict()})
+    from warmup_agent import quantization
+    from warmup_agent.readiness import fp8_ranges
+    if not quantization.fp8_layers(model):
+        return Check("fp8_ranges", "skipped", "no FP8 layer in the loaded model", {"quantization": info.as_dict()})
+    report = fp8_ranges.run(model)
+    detail = {"ranges": report.as_dict()}
+    bounds = {r.name: r for r in fp8_ranges.SEED_RANGES}
+    for r in report.ranges.values():
+        b = bounds[r.name]
+        if r.saturated_ratio > max_saturated_ratio:
+            return Check("fp8_ranges", "failed",
+                         f"{r.saturated} of {r.checked} FP8 {r.name} values in [{b.low:g}, {b.high:g}] saturate e4m3 at the model's scales "
+                         f"(first in {r.worst_layer}); validation.fp8_max_saturated_ratio allows {max_saturated_ratio:g}",
+                         detail, failure_reason="fp8_saturation")
+    for r in report.ranges.values():
+        b = bounds[r.name]
+        if r.max_error > max_error:
+            return Check("fp8_ranges", "failed",
+                         f"FP8 {r.name} in [{b.low:g}, {b.high:g}] come back with error {r.max_error:.4g} of the range's peak "
+                         f"(worst in {r.worst_layer}); validation.fp8_max_roundtrip_error allows {max_error:g}",
+                         detail, failure_reason="fp8_roundtrip_error")
+    return Check("fp8_ranges", "passed", detail=detail)
 
 
 def baseline_key(engine, fingerprint: str | None) -> str:

@@ -151,6 +151,10 @@ def run(agent) -> None:
     t2 = clock()
     facts = engine.facts()
     agent.engine_facts = vars(facts)
+    quant = getattr(engine, "quantization", None)     # warmup_agent/quantization.py (issue 16)
+    if quant is not None:
+        agent.metrics["warmup_model_quantization_info"].info(quant.labels())
+        detail["quantization"] = quant.as_dict()
     report = getattr(engine, "load_report", None)
     if report is not None:
         detail["weight_load"] = report.as_dict()

@@ -92,6 +92,13 @@ def run(agent) -> None:
         agent.checkpoint()
 
 
+def export_fp8_ranges(metrics, check) -> None:
+    for name, r in check.detail.get("ranges", {}).items():
+        metrics["warmup_fp8_range_checked_values"].labels(range=name).set(r["checked"])
+        metrics["warmup_fp8_range_saturated_values"].labels(range=name).set(r["saturated"])
+        metrics["warmup_fp8_range_roundtrip_error_ratio"].labels(range=name).set(r["max_error"])
+
+
 def validate(agent, detail: dict) -> None:
     """Structure, numerics, performance; the first failure fails the agent with its reason."""
     cfg = agent.cfg
@@ -109,6 +116,11 @@ def validate(agent, detail: dict) -> None:
         record(validation.check_structure(agent.engine))
         record(validation.check_numerics(agent.engine, prompts, cfg["validation.logits_mean_min"],
                                          cfg["validation.logits_mean_max"], cfg["validation.logits_abs_max"]))
+        if cfg["validation.fp8_ranges"]:   # numerics of an FP8 model (seed 003 §3)
+            fp8 = validation.check_fp8_ranges(agent.engine, cfg["validation.fp8_max_saturated_ratio"],
+                                              cfg["validation.fp8_max_roundtrip_error"])
+            export_fp8_ranges(agent.metrics, fp8)
+            record(fp8)
     # Last: a baseline is recorded only for a model that passed the other two.
     path = cfg["validation.baseline_file"]
     if path:

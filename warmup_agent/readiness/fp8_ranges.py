@@ -1,0 +1,161 @@
+"""FP8 range validation (seed 003 §3, "混合精度下的特殊处理"), part of the numerics
+dimension of the three-dimensional validation.
+
+When a model runs in FP8 the seed asks for warmup data that covers:
+
+    range              min        max       cases   checked against
+    activations        -12.8      +12.7     50      each FP8 layer's input quantization
+    weights            -0.00392   +0.00391  30      each FP8 layer's weight block scales
+    attention_scores   0          1         20      the attention probabilities' FP8 scale
+
+Every case goes through the quantized layer's own quantize/dequantize path
+(warmup_agent/quantization.py, the functions its forward pass uses) with the
+model's scales:
+  activations       the layer's activation quantization: dynamic per token and
+                    128-wide group (scale = group max / 448, the 50 cases share a
+                    group), or the checkpoint's static activation_scale;
+  weights           each case against every block's weight_scale_inv of every
+                    layer (a case x block pair is one value checked);
+  attention_scores  e4m3 at the checkpoint's attention scale when it has one,
+                    else at unit scale (what FP8 attention kernels use for
+                    probabilities in [0, 1]); once per model.
+Two measurements per range: saturated values (|x / scale| > 448: the cast clamps
+them) and the round-trip error, max |dequantize(quantize(x)) - x| over the cases
+divided by the range's largest |x|.  A scale too small saturates; a scale too
+large pushes the cases into e4m3's subnormals and loses them (error).  For a
+scale that fits, the error stays under 2^-4 (three mantissa bits).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from warmup_agent import quantization as q
+
+
+@dataclass(frozen=True)
+class Range:
+    name: str
+    low: float
+    high: float
+    cases: int
+
+    @property
+    def peak(self) -> float:
+        return max(abs(self.low), abs(self.high))
+
+
+SEED_RANGES = (Range("activations", -12.8, 12.7, 50),
+               Range("weights", -0.00392, 0.00391, 30),
+               Range("attention_scores", 0.0, 1.0, 20))
+
+
+@dataclass
+class RangeResult:
+    name: str
+    checked: int = 0              # values put through a quantize/dequantize round trip
+    saturated: int = 0            # of those, beyond the e4m3 range at their scale
+    max_error: float = 0.0        # max |round trip - x| / range's largest |x|
+    layers: int = 0
+    worst_layer: str = ""         # where max_error (or the first saturation) was seen
+    scale_source: str = ""
+
+    @property
+    def saturated_ratio(self) -> float:
+        return self.saturated / self.checked if self.checked else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d["saturated_ratio"] = self.saturated_ratio
+        return d
+
+
+@dataclass
+class RangeReport:
+    ranges: dict[str, RangeResult] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: v.as_dict() for k, v in self.ranges.items()}
+
+
+def cases(r: Range, device=None):
+    import torch
+    return torch.linspace(r.low, r.high, r.cases, dtype=torch.float32, device=device)
+
+
+def _error(xd, x, r: Range) -> float:
+    return float((xd - x).abs().max()) / r.peak
+
+
+def _note(res: RangeResult, layer: str, sat: int, err: float) -> None:
+    if (sat and not res.saturated) or (err > res.max_error and not res.saturated):
+        res.worst_layer = layer
+    res.saturated += sat
+    res.max_error = max(res.max_error, err)
+
+
+def activations(layer, r: Range):
+    """(values, saturated, error) of the 50 cases through `layer`'s input quantization.
+    The cases fill one token's input vector (tiled across K, so every 128-wide
+    group sees the whole range): a dynamic group scale is then the range's peak / 448."""
+    x = cases(r, layer.weight.device)
+    k = layer.in_features
+    tokens = math.ceil(x.numel() / k)                 # one token unless K is smaller than the case count
+    flat = x.repeat(math.ceil(tokens * k / x.numel()))[: tokens * k]
+    rows = flat.reshape(tokens, k).to(layer.compute_dtype)
+    qx, s = layer.quantize_input(rows)
+    scale = q.expand_block_scales(s, rows.shape, (1, layer.block[1]))
+    xv, qv, sv = rows.float().reshape(-1)[: x.numel()], qx.reshape(-1)[: x.numel()], scale.reshape(-1)[: x.numel()]
+    sat = int(q.saturated_mask(xv, sv).sum())
+    return xv.numel(), sat, _error(q.dequantize(qv, sv), xv, r)
+
+
+def weights(layer, r: Range):
+    """(values, saturated, error) of the 30 cases against every block scale of `layer`."""
+    x = cases(r, layer.weight.device)[:, None]
+    s = layer.weight_scale_inv.float().reshape(1, -1)
+    sat = int(q.saturated_mask(x, s).sum())
+    return x.numel() * s.numel(), sat, _error(q.dequantize(q.quantize(x, s), s), x.expand(-1, s.shape[1]), r)
+
+
+def attention_scale(model):
+    """The checkpoint's FP8 attention-probability scale, if any (none in transformers'
+    fp8 layout; compressed-tensors/modelopt KV-cache schemes carry k/v scales, not
+    a probability scale)."""
+    for name, p in model.named_parameters():
+        if name.endswith(("attn.prob_scale", "attn.p_scale")):
+            return p.detach().float().reshape(-1)[0], name
+    return None, "unit (the checkpoint has no attention-probability scale)"
+
+
+def run(model, ranges=SEED_RANGES) -> RangeReport:
+    """The seed's cases through every FP8 layer of `model` (see the module docstring)."""
+    import torch
+    layers = q.fp8_layers(model)
+    report = RangeReport()
+    by_name = {r.name: r for r in ranges}
+    with torch.inference_mode():
+        for r in ranges:
+            report.ranges[r.name] = RangeResult(r.name, layers=len(layers) if r.name != "attention_scores" else 1)
+        for name, layer in layers:
+            for rname, fn in (("activations", activations), ("weights", weights)):
+                if rname in by_name:
+                    res = report.ranges[rname]
+                    n, sat, err = fn(layer, by_name[rname])
+                    res.checked += n
+                    _note(res, name, sat, err)
+        if "activations" in report.ranges:
+            schemes = {layer.activation_scheme for _, layer in layers}
+            report.ranges["activations"].scale_source = "+".join(sorted(schemes)) + " activation scale"
+        if "weights" in report.ranges:
+            report.ranges["weights"].scale_source = "weight_scale_inv per block"
+        if "attention_scores" in by_name:
+            r = by_name["attention_scores"]
+            device = layers[0][1].weight.device if layers else None
+            scale, source = attention_scale(model)
+            x = cases(r, device)
+            s = torch.ones((), device=device) if scale is None else scale.to(device)
+            res = report.ranges["attention_scores"]
+            res.checked, res.scale_source = x.numel(), source
+            _note(res, "attention", int(q.saturated_mask(x, s).sum()), _error(q.dequantize(q.quantize(x, s), s), x, r))
+    return report

@@ -117,6 +117,7 @@ def child_plain(model_dir: str, seed_script: bool) -> dict:
 def child_engine_plain(model_dir: str, seed_script: bool) -> dict:
     """FP8 naive/seed start: the torch engine's loader, no warmup stages."""
     import torch
+
     from warmup_agent.engines.torch_engine import TorchEngine
     t_imported = time.time()
     engine = TorchEngine(model_dir, device="cuda")

@@ -5,7 +5,6 @@ by torch._scaled_mm with blockwise scales), warmed by the agent's four stages an
 range-validated on the GPU.  Each result is compared with an independent
 computation: float64 matmul of the dequantized operands on the CPU, the CPU
 emulation of the same checkpoint, the range report computed on the CPU."""
-import os
 
 import pytest
 

@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from warmup_agent.engines.base import EngineError
 
@@ -247,7 +248,7 @@ def _make_layer_class():
     import torch
     nn = torch.nn
 
-    class FP8BlockLinear(nn.Module):
+    class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch.nn, imported above at run time
         """A linear layer in transformers' fp8 layout; forward quantizes its input per
         token and block_k-wide group (dynamic) or with the checkpoint's activation_scale
         (static), then runs the FP8 GEMM (see the module docstring for the two paths)."""
@@ -357,7 +358,7 @@ def layer_class():
     return _LAYER_CLASS
 
 
-def fp8_layers(model) -> list[tuple[str, object]]:
+def fp8_layers(model) -> list[tuple[str, Any]]:  # Any: FP8BlockLinear is built at run time
     cls = layer_class()
     return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
 
@@ -378,7 +379,7 @@ def warm_gemms(model, max_tokens: int, cap: int = 8192) -> dict:
     import time
 
     import torch
-    layers = {}
+    layers: dict[tuple[int, int, bool], Any] = {}
     all_layers = fp8_layers(model)
     fallbacks = sorted({layer.fallback_reason for _, layer in all_layers if layer.fallback_reason})
     for _, layer in all_layers:
@@ -468,10 +469,10 @@ def quantize_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128),
         else:
             out[name] = t.cpu().contiguous()
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as fh:
+        config = json.load(fh)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": activation_scheme,
                                      "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
-    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
+    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
     return config

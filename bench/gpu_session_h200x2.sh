@@ -4,10 +4,11 @@
 #   bench/gpu_session_h200x2.sh OUT_DIR
 #
 # Device time is scarce, so the independent one-GPU runs share the call:
-#   GPU 0: bench_gpu_server.py (transformers serve alone vs under the agent, issue 19)
+#   GPU 0: bench_gpu_server.py (transformers serve alone vs under the agent, issue 19),
+#          then the CUDA tests
 #   GPU 1: gpu_acceptance.py (CLI end to end: scrape, promtool, alert replay, SIGTERM;
-#          torch engine, then supervising transformers serve, issue 13), then the GPU
-#          tests, then bench_gpu_cold_start.py --fp8 (issue 16)
+#          torch engine, then supervising transformers serve, issue 13), then
+#          bench_gpu_cold_start.py --fp8 (issue 16)
 # and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
 # Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
@@ -26,30 +27,34 @@ mkdir -p ~/.cache/huggingface/hub /tmp/pt
 gunzip -c .gpu-carry/promtool.gz > /tmp/pt/promtool && chmod +x /tmp/pt/promtool && export PATH=/tmp/pt:$PATH
 nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "GPUs", torch.cuda.device_count())'
 
-(   # GPU 0
+# Phase 1, until PHASE1 s: one job per GPU.
+PHASE1=${PHASE1:-330}
+until_phase1() { echo $(( PHASE1 - ($(date +%s) - T0) )); }
+(   # GPU 0: the server benchmark, then the GPU tests
     export CUDA_VISIBLE_DEVICES=0
-    timeout 300 python3 bench/bench_gpu_server.py --starts 5 --budget-seconds 280 \
+    timeout 250 python3 bench/bench_gpu_server.py --starts ${SERVER_STARTS:-3} --budget-seconds 230 \
         --out "$OUT_DIR/gpu_server_h200.json" --logs "$OUT_DIR/logs" > "$OUT_DIR/logs/gpu_server.log" 2>&1
     echo "gpu_server rc=$? at $(( $(date +%s) - T0 )) s"
+    t=$(until_phase1); [ "$t" -gt 30 ] && timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py \
+        tests/test_gpu_fragmentation_cuda.py tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$? at $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT_DIR/logs/gpu_tests.log")"
 ) &
-(   # GPU 1
+(   # GPU 1: the command line end to end, then the FP8 cold starts
     export CUDA_VISIBLE_DEVICES=1
-    timeout 200 python3 bench/gpu_acceptance.py --out "$OUT_DIR/gpu_acceptance_h200_run2.json" --promtool /tmp/pt/promtool \
+    timeout 170 python3 bench/gpu_acceptance.py --out "$OUT_DIR/gpu_acceptance_h200_run2.json" --promtool /tmp/pt/promtool \
         --server-command "transformers serve {model} --host 127.0.0.1 --port {port} --device cuda" \
         > "$OUT_DIR/logs/acceptance.log" 2>&1
     echo "acceptance rc=$? at $(( $(date +%s) - T0 )) s"
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py tests/test_gpu_fragmentation_cuda.py \
-        tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
-    echo "gpu tests rc=$? at $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT_DIR/logs/gpu_tests.log")"
-    t=$(( 290 - ($(date +%s) - T0) )); [ $t -gt 30 ] && timeout $t python3 bench/bench_gpu_cold_start.py --fp8 --runs 3 \
+    t=$(until_phase1); [ "$t" -gt 30 ] && timeout "$t" python3 bench/bench_gpu_cold_start.py --fp8 --runs ${FP8_RUNS:-2} \
         --out "$OUT_DIR/gpu_cold_start_fp8_h200.json" > "$OUT_DIR/logs/fp8.log" 2>&1
     echo "fp8 bench rc=$? at $(( $(date +%s) - T0 )) s"
 ) &
 wait
+# Phase 2: alone on the host, both GPUs.
 t=$(left); echo "two-GPU run with $t s left"
-if [ "$t" -gt 120 ]; then
-    timeout "$t" python3 bench/bench_two_gpu.py --out-dir "$OUT_DIR" --pairs 4 \
-        --budget-seconds $(( t - 40 )) --hard-limit-seconds $(( t - 15 )) > "$OUT_DIR/logs/two_gpu.log" 2>&1
+if [ "$t" -gt 100 ]; then
+    timeout "$t" python3 bench/bench_two_gpu.py --out-dir "$OUT_DIR" --pairs 3 \
+        --budget-seconds $(( t - 20 )) --hard-limit-seconds $(( t - 8 )) > "$OUT_DIR/logs/two_gpu.log" 2>&1
     echo "two-GPU rc=$? at $(( $(date +%s) - T0 )) s"
 fi
 tail -5 "$OUT_DIR"/logs/*.log

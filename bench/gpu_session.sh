@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One device call for the GPU figures of issues 13, 15, 16 and 19.
+#
+#   bench/gpu_session.sh OUT_DIR
+#
+# On one GPU the runs go one after the other (acceptance, FP8 cold starts, server
+# benchmark, CUDA tests).  On two, device time being scarce, the one-GPU runs share the call:
+#   GPU 0: bench_gpu_server.py (transformers serve alone vs under the agent, issue 19),
+#          then the CUDA tests
+#   GPU 1: gpu_acceptance.py (CLI end to end: scrape, promtool, alert replay, SIGTERM;
+#          torch engine, then supervising transformers serve, issue 13), then
+#          bench_gpu_cold_start.py --fp8 (issue 16)
+# and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
+# JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
+# Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
+# .gpu-carry/promtool.gz (a promtool binary, gzipped) carried with the tree.
+set -u
+OUT_DIR=${1:?usage: $0 OUT_DIR}
+mkdir -p "$OUT_DIR/logs"
+T0=$(date +%s)
+left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
+# Never NVLink multicast on these shared hosts (KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || echo "wheels: not installed (transformers serve runs will fail)"
+mkdir -p ~/.cache/huggingface/hub /tmp/pt
+gunzip -c .gpu-carry/promtool.gz > /tmp/pt/promtool && chmod +x /tmp/pt/promtool && export PATH=/tmp/pt:$PATH
+nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "GPUs", torch.cuda.device_count())'
+
+run_acceptance() {
+    timeout 170 python3 bench/gpu_acceptance.py --out "$OUT_DIR/gpu_acceptance_h200_run2.json" --promtool /tmp/pt/promtool \
+        --server-command "transformers serve {model} --host 127.0.0.1 --port {port} --device cuda" \
+        > "$OUT_DIR/logs/acceptance.log" 2>&1
+    echo "acceptance rc=$? at $(( $(date +%s) - T0 )) s"
+}
+run_server_bench() {  # $1: seconds
+    timeout "$1" python3 bench/bench_gpu_server.py --starts ${SERVER_STARTS:-3} --budget-seconds $(( $1 - 20 )) \
+        --out "$OUT_DIR/gpu_server_h200.json" --logs "$OUT_DIR/logs" > "$OUT_DIR/logs/gpu_server.log" 2>&1
+    echo "gpu_server rc=$? at $(( $(date +%s) - T0 )) s"
+}
+run_fp8_bench() {  # $1: seconds
+    timeout "$1" python3 bench/bench_gpu_cold_start.py --fp8 --runs ${FP8_RUNS:-2} \
+        --out "$OUT_DIR/gpu_cold_start_fp8_h200.json" > "$OUT_DIR/logs/fp8.log" 2>&1
+    echo "fp8 bench rc=$? at $(( $(date +%s) - T0 )) s"
+}
+run_gpu_tests() {  # $1: seconds
+    timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py \
+        tests/test_gpu_fragmentation_cuda.py tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$? at $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT_DIR/logs/gpu_tests.log")"
+}
+
+if [ "$(nvidia-smi -L | grep -c '^GPU')" -lt 2 ]; then
+    # One GPU: one after the other (timings are ratios measured alone on the GPU).
+    run_acceptance
+    run_fp8_bench 170
+    t=$(left); run_server_bench $(( t > 260 ? 230 : t - 30 ))
+    t=$(left); [ "$t" -gt 30 ] && run_gpu_tests "$t"
+else
+    # Phase 1, until PHASE1 s: one job per GPU.
+    PHASE1=${PHASE1:-330}
+    until_phase1() { echo $(( PHASE1 - ($(date +%s) - T0) )); }
+    ( export CUDA_VISIBLE_DEVICES=0; run_server_bench 250; t=$(until_phase1); [ "$t" -gt 30 ] && run_gpu_tests "$t" ) &
+    ( export CUDA_VISIBLE_DEVICES=1; run_acceptance; t=$(until_phase1); [ "$t" -gt 30 ] && run_fp8_bench "$t" ) &
+    wait
+    # Phase 2: alone on the host, both GPUs.
+    t=$(left); echo "two-GPU run with $t s left"
+    if [ "$t" -gt 100 ]; then
+        timeout "$t" python3 bench/bench_two_gpu.py --out-dir "$OUT_DIR" --pairs 3 \
+            --budget-seconds $(( t - 20 )) --hard-limit-seconds $(( t - 8 )) > "$OUT_DIR/logs/two_gpu.log" 2>&1
+        echo "two-GPU rc=$? at $(( $(date +%s) - T0 )) s"
+    fi
+fi
+tail -5 "$OUT_DIR"/logs/*.log

@@ -17,7 +17,8 @@ How the series evolve from the recorded values (t = minutes after the scrape):
     every counter or histogram series labelled kind="probe" grows by its
     recorded value per probe (value / probes so far) per probe;
   - warmup_cost_ratio = (busy0 + probe busy seconds per second x t) / u(t): it
-    decays as the pod serves, exactly as the agent computes it;
+    decays as the pod serves, exactly as the agent computes it; a probe after
+    SERVING asks for one token, so it costs its mean time to first token;
   - warmup_engine_requests_finished_total (read from the engine) grows by one
     request per probe; counters outside the catalogue (an engine's own names)
     grow at their recorded average rate (value / u0);
@@ -95,7 +96,14 @@ def evolve(samples, minutes: int, probe_interval: float = 5.0, uptime: float | N
         uptime = busy0 / cost0
     probes = _value(samples, "warmup_requests_total", kind="probe") or 0.0
     per_second = 1.0 / probe_interval if probes and probe_interval > 0 else 0.0
-    probe_busy = (_value(samples, "warmup_engine_seconds_total", kind="probe") or 0.0) / probes * per_second if probes else 0.0
+    # A probe after SERVING asks for one token (pipeline.Agent.probe): it keeps the
+    # engine busy for about its time to first token, not for the decoded probes of
+    # the gate that the recorded engine seconds also hold.
+    ttft_n = _value(samples, "warmup_first_token_latency_seconds_count", kind="probe")
+    ttft_sum = _value(samples, "warmup_first_token_latency_seconds_sum", kind="probe")
+    per_probe = (ttft_sum / ttft_n if ttft_n and ttft_sum is not None else
+                 (_value(samples, "warmup_engine_seconds_total", kind="probe") or 0.0) / probes if probes else 0.0)
+    probe_busy = per_probe * per_second
     out: dict[str, list[float]] = {}
     for ftype, name, labels, v in samples:
         if name.endswith("_created"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -78,7 +79,8 @@ def replay_alerts(scrape_file: str, promtool: str | None) -> dict:
     r = subprocess.run([sys.executable, "-m", "alerts.replay", scrape_file], cwd=ROOT, capture_output=True,
                        text=True, env=env)
     out = (r.stdout + r.stderr).strip()
-    firing = [ln.split()[1] for ln in out.splitlines() if ln.startswith("FIRING ")]
+    # alerts.replay prints one line per alert: "FILE: ALERT fired at minutes ..."
+    firing = [m.group(1) for m in re.finditer(r": (\w+) fired at minutes", out)]
     return {"evaluated": r.returncode == 0 or bool(firing), "exit_code": r.returncode, "firing": firing, "output": out[-3000:]}
 
 

@@ -192,3 +192,25 @@ def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refu
     finally:
         eng.close()
         relay.stop()
+
+
+def test_probes_after_serving_ask_for_one_token(served):
+    """The watch probes after SERVING time the first token only: decoding
+    readiness.probe_max_tokens on every one of them took 12.5 % of a
+    transformers-serve H200 pod's engine time and kept WarmupAgentCostRatioHigh
+    firing on a healthy pod (bench/results/gpu_acceptance_h200_run2.json)."""
+    import time
+    eng, agent, state, relay, _ = served
+    assert state == State.SERVING
+    before = len(relay.posts())
+    agent._watch_stop.clear()        # the fixture stopped the agent; watch again for a moment
+    agent.watch(0.05)
+    deadline = time.monotonic() + 60
+    while len(relay.posts()) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    agent.stop()
+    after = [json.loads(p["body"]) for p in relay.posts()[before:]]
+    assert len(after) >= 2, "the watch sent probes"
+    assert all(b["max_tokens"] == 1 for b in after), [b["max_tokens"] for b in after]
+    # The probes before SERVING asked for readiness.probe_max_tokens (decode timed).
+    assert agent.tpot_window.quantiles((0.5,)), "the gate's probes timed decode"

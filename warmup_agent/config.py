@@ -259,7 +259,7 @@ KEYS: tuple[Key, ...] = (
     Key("prewarm.requests_file", "str_or_null", None, "JSON Lines of OpenAI request bodies as a gateway logs them (one /v1/chat/completions or /v1/completions body per line). The openai engine learns the endpoint mix, prompt lengths (tokenized), max_tokens and sampling families from it and warms each family at each batch size."),
     Key("prewarm.max_output_tokens", "int", 64, "openai engine, without a requests file: the longest answer warmed; each sampling family is sent once per batch size with this many output tokens.",
         check=_positive, expected="an integer > 0"),
-    Key("readiness.probe_max_tokens", "int", 16, "openai engine: output tokens of a readiness probe (a sampled chat request where the server answers chat), so that probes also time decode (time per output token).",
+    Key("readiness.probe_max_tokens", "int", 16, "openai engine: output tokens of a readiness probe before SERVING (a sampled chat request where the server answers chat), so that probes also time decode (time per output token). Probes after SERVING ask for one token: the breaker judges time to first token, and decoding on every watch probe cost a slow server 12 % of its time.",
         check=_positive, expected="an integer > 0"),
     Key("readiness.require_decode", "bool", True, "openai engine: the gate also waits until decode has converged: the time-per-output-token window holds min_probes samples, its P90 is at most tpot_p90_threshold_seconds, and decode is no longer getting faster (tpot_convergence_ratio)."),
     Key("readiness.tpot_p90_threshold_seconds", "float", 0.5, "Gate on decode: the window's P90 time per output token must be at or under this.",

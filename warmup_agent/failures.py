@@ -55,4 +55,9 @@ REASONS: dict[str, str] = {
     "request_failed": "a warmup or probe request failed",
     "lora_load_failed": "a LoRA adapter could not be registered",
     "stopped": "stopped before the server became healthy",
+    "no_openai_api": "the server answers neither /v1/chat/completions nor /v1/completions",
+    "no_model_name": "no model name in the config, on /v1/models or in the server command",
+    "decode_not_converged": "probes never met the time-per-output-token gate",
+    "fp8_saturation": "an FP8 layer's scales saturate more of seed 003's test values than allowed",
+    "fp8_roundtrip_error": "an FP8 layer's quantize/dequantize round trip errs more than allowed",
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -383,7 +384,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None,
          flags: dict[str, Any] | None = None) -> Config:
     """Build a Config from defaults, a YAML file, the environment and flags.
     Raises ConfigError (one line) on any problem."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     values = {k.path: k.default for k in KEYS}
     sources = {k.path: "default" for k in KEYS}
 
@@ -410,7 +411,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None,
             values[p] = _coerce(BY_PATH[p], v, path)
             sources[p] = "file"
 
-    for name, raw in env.items():
+    for name, raw in environ.items():
         if not name.startswith("WARMUP_AGENT_"):
             continue
         key = BY_ENV.get(name)

@@ -185,7 +185,9 @@ def run(agent) -> None:
         for shape in shapes:
             for _ in range(per_shape):
                 agent.checkpoint()
-                backoff.run(shape.batch, lambda shape=shape: agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=max_new))
+                def send_one(shape=shape) -> float:
+                    return agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=max_new)
+                backoff.run(shape.batch, send_one)
                 done += 1
                 agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
             if backoff.allows(shape.batch):

@@ -110,6 +110,8 @@ def evolve(samples, minutes: int, probe_interval: float = 5.0, uptime: float | N
             continue                                      # creation timestamps: not replayed
         if name == "warmup_cost_ratio":
             vals = [(busy0 + probe_busy * 60 * t) / (uptime + 60 * t) for t in range(minutes + 1)]
+        elif name == "warmup_engine_seconds_total" and labels.get("kind") == "probe":
+            vals = [v + probe_busy * 60 * t for t in range(minutes + 1)]    # one-token probes, as above
         elif _cumulative(ftype, name) and labels.get("kind") == "probe" and probes:
             vals = [v + v / probes * per_second * 60 * t for t in range(minutes + 1)]
         elif name == "warmup_engine_requests_finished_total":

@@ -271,7 +271,9 @@ def test_sidecar_image_install_steps_warm_vllm_without_torch(tmp_path, helm_env,
         assert r.returncode == 0, r.stderr[-3000:]
         assert "No module named" not in r.stderr, "nothing on the way tried to import torch"
         record = json.loads(rec.read_text())
-        assert record["final_state"] == "SERVING" and record["warmup_requests"] == 2
+        # Per API the server answers (chat, completions): the grid (2 lengths x batch 1) and
+        # the profile's greedy and sampled families at batch 1.
+        assert record["final_state"] == "SERVING" and record["warmup_requests"] == 2 * (2 + 2)
     finally:
         stop_process(server)
 

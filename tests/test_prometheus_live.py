@@ -44,8 +44,8 @@ def test_every_catalogue_metric_is_scraped_with_its_type(agent_process, tmp_path
                       "warmup_kernel_cache_publish_skipped_total"}
         missing, wrong, no_series = [], [], []
         for spec in CATALOGUE:
-            if spec.requires in ("gpu", "engine_metrics", "proxy", "decode_probes"):
-                continue  # absent without a GPU / without an engine server, by design (asserted below)
+            if spec.requires in ("gpu", "engine_metrics", "proxy", "decode_probes", "fp8_model"):
+                continue  # absent without a GPU / an engine server / an FP8 model, by design (asserted below)
             if spec.name not in types:
                 missing.append(spec.name)
             elif types[spec.name] != EXPECTED_TYPE[spec.type]:
@@ -57,7 +57,7 @@ def test_every_catalogue_metric_is_scraped_with_its_type(agent_process, tmp_path
         assert not wrong, f"wrong types: {wrong}"
         assert not no_series, f"no series in Prometheus: {no_series}"
         for spec in CATALOGUE:
-            if spec.requires in ("gpu", "engine_metrics", "proxy", "decode_probes"):
+            if spec.requires in ("gpu", "engine_metrics", "proxy", "decode_probes", "fp8_model"):
                 assert not prom.query(spec.name), f"{spec.name} must be absent here ({spec.requires})"
         assert not prom.query("warmup_illegal_transitions_total > 0"), "a clean warmup makes no illegal transition"
         state = prom.query('warmup_state == 1')

@@ -65,7 +65,14 @@ def test_signal_on_a_worker_thread_drains(tmp_path, data_dir, embedded_model, si
         watcher = threading.Thread(target=watch_states, args=(url, proc, seen), daemon=True)
         watcher.start()
         t0 = time.monotonic()
-        tgkill(proc.pid, tids[-1], sig)          # not the main thread
+        for tid in reversed(tids):               # not the main thread; one may have ended since the listing
+            try:
+                tgkill(proc.pid, tid, sig)
+                break
+            except ProcessLookupError:
+                continue
+        else:
+            raise AssertionError("every worker thread ended before the signal")
         rc = proc.wait(timeout=15)
         took = time.monotonic() - t0
         watcher.join(2)
@@ -93,9 +100,15 @@ def test_sigterm_during_warmup_stops_the_run(tmp_path, data_dir, embedded_model)
         wait_until(lambda: "state INIT -> PRELOAD" in log.read_text() or proc.poll() is not None, 120,
                    what="agent in PRELOAD")
         tids = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
-        if tids and SYS_TGKILL is not None:
-            tgkill(proc.pid, tids[-1], signal.SIGTERM)
-        else:
+        sent = False
+        for tid in reversed(tids if SYS_TGKILL is not None else []):   # a worker thread, if one is still there
+            try:
+                tgkill(proc.pid, tid, signal.SIGTERM)
+                sent = True
+                break
+            except ProcessLookupError:
+                continue
+        if not sent:
             proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
     finally:

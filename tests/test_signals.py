@@ -28,6 +28,22 @@ def tgkill(pid: int, tid: int, sig: int) -> None:
         raise OSError(ctypes.get_errno(), "tgkill")
 
 
+def signal_a_worker_thread(pid: int, sig: int) -> bool:
+    """Send `sig` to one thread of `pid` other than the main one, newest first (a
+    thread may end between the listing and the signal: the next one is tried).
+    False when no worker thread took it (or tgkill's number is unknown here)."""
+    if SYS_TGKILL is None:
+        return False
+    tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    for tid in reversed(tids):
+        try:
+            tgkill(pid, tid, sig)
+            return True
+        except ProcessLookupError:
+            continue
+    return False
+
+
 def start_agent(tmp_path, data_dir):
     port = free_port()
     log = tmp_path / "agent.log"
@@ -65,14 +81,7 @@ def test_signal_on_a_worker_thread_drains(tmp_path, data_dir, embedded_model, si
         watcher = threading.Thread(target=watch_states, args=(url, proc, seen), daemon=True)
         watcher.start()
         t0 = time.monotonic()
-        for tid in reversed(tids):               # not the main thread; one may have ended since the listing
-            try:
-                tgkill(proc.pid, tid, sig)
-                break
-            except ProcessLookupError:
-                continue
-        else:
-            raise AssertionError("every worker thread ended before the signal")
+        assert signal_a_worker_thread(proc.pid, sig), "every worker thread ended before the signal"
         rc = proc.wait(timeout=15)
         took = time.monotonic() - t0
         watcher.join(2)
@@ -99,16 +108,7 @@ def test_sigterm_during_warmup_stops_the_run(tmp_path, data_dir, embedded_model)
     try:
         wait_until(lambda: "state INIT -> PRELOAD" in log.read_text() or proc.poll() is not None, 120,
                    what="agent in PRELOAD")
-        tids = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
-        sent = False
-        for tid in reversed(tids if SYS_TGKILL is not None else []):   # a worker thread, if one is still there
-            try:
-                tgkill(proc.pid, tid, signal.SIGTERM)
-                sent = True
-                break
-            except ProcessLookupError:
-                continue
-        if not sent:
+        if not signal_a_worker_thread(proc.pid, signal.SIGTERM):
             proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
     finally:

@@ -280,6 +280,14 @@ def main() -> int:
             runs[mode].append(r)
             print(f"run {i} {mode}: ready {r['spawn_to_ready']:.2f} s, first {r['first_ttft'] * 1e3:.1f} ms, "
                   f"steady {r['steady_median'] * 1e3:.1f} ms, tax {r['tax']:.2f}, load {r['load_seconds']:.3f} s", flush=True)
+        # Written after every round, so a run cut short by its time limit keeps what finished.
+        summary = summarize(args, runs, floors, stopped_early=i + 1 < args.runs)
+    print(json.dumps({"figures": summary["figures"], "also": summary["also"], "prewarm_split_median": summary["prewarm_split_median"]}, indent=2))
+    return 0
+
+
+def summarize(args, runs: dict, floors: dict, stopped_early: bool) -> dict:
+    """The figures over the rounds done so far, written to args.out."""
     b = floors["checkpoint_bytes"]
     floor = max(b / floors["h2d_pinned_bytes_per_second"], b / floors["read_bytes_per_second"])
     agent, naive = runs["agent"], runs["naive"]
@@ -323,11 +331,11 @@ def main() -> int:
     }
     if args.fp8:
         fp8_figures(result, runs)
+    result["rounds_done"], result["rounds_planned"], result["partial"] = len(runs["agent"]), args.runs, stopped_early
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
-    print(json.dumps({"figures": result["figures"], "also": result["also"], "prewarm_split_median": result["prewarm_split_median"]}, indent=2))
-    return 0
+    return result
 
 
 def fp8_figures(result: dict, runs: dict) -> None:

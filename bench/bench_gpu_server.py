@@ -104,7 +104,7 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
-    first, usage, chunks = None, None, 0
+    first, usage, chunks, stamps = None, None, 0, []
     try:
         r = urllib.request.urlopen(req, timeout=300)
     except urllib.error.HTTPError as e:
@@ -121,10 +121,15 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
             for c in msg.get("choices") or ():
                 if (c.get("delta") or {}).get("content"):
                     chunks += 1
-                    first = first or time.perf_counter()
+                    stamps.append(time.perf_counter())
+                    first = first or stamps[-1]
             usage = msg.get("usage") or usage
     end = time.perf_counter()
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     return {"ttft": (first or end) - t0, "total": end - t0, "end_unix": time.time(),
+            # where a slow answer spends its time: the gaps between streamed chunks
+            "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps, default=None),
+            "gaps_ms": [round(g * 1e3, 1) for g in gaps],
             "output_tokens": (usage or {}).get("completion_tokens", chunks), "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
@@ -132,6 +137,8 @@ def measure(port: int, model: str, model_dir: str, steady_n: int, max_tokens: in
     msgs = [chat_messages(model_dir, PROMPT_TOKENS, v) for v in range(steady_n + 1)]
     first = request(port, model, msgs[0][0], max_tokens)
     steady = [request(port, model, m, max_tokens) for m, _ in msgs[1:]]
+    for s in steady[3:]:
+        s.pop("gaps_ms")   # the first few show the trend; the rest would only bloat the JSON
     st_ttft = statistics.median(s["ttft"] for s in steady)
     st_total = statistics.median(s["total"] for s in steady)
     return {"first": first, "steady_ttft_median": st_ttft, "steady_total_median": st_total,
@@ -333,7 +340,8 @@ def main() -> int:
                   f"first ttft {r['first']['ttft'] * 1e3:.1f} ms / steady {r['steady_ttft_median'] * 1e3:.1f} ms "
                   f"(tax {r['ttft_tax']:.2f}), first total {r['first']['total'] * 1e3:.0f} ms / steady "
                   f"{r['steady_total_median'] * 1e3:.0f} ms (tax {r['total_tax']:.2f}), "
-                  f"tokens {r['first']['output_tokens']}, prompt {r['first']['prompt_tokens']}", flush=True)
+                  f"tokens {r['first']['output_tokens']}, prompt {r['first']['prompt_tokens']}, first answer's chunk gap "
+                  f"median {r['first']['gap_median'] * 1e3:.1f} ms max {r['first']['gap_max'] * 1e3:.0f} ms", flush=True)
         figures = summarize(args, runs, model_dir, out, stopped_early)
     if stopped_early:
         summarize(args, runs, model_dir, out, stopped_early)

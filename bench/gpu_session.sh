@@ -12,6 +12,7 @@
 #          bench_gpu_cold_start.py --fp8 (issue 16)
 # and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
+# PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one).
 # Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
 # .gpu-carry/promtool.gz (a promtool binary, gzipped) carried with the tree.
 set -u
@@ -44,13 +45,28 @@ run_fp8_bench() {  # $1: seconds
         --out "$OUT_DIR/gpu_cold_start_fp8_h200.json" > "$OUT_DIR/logs/fp8.log" 2>&1
     echo "fp8 bench rc=$? at $(( $(date +%s) - T0 )) s"
 }
+run_diag() {  # $1: seconds
+    timeout "$1" python3 bench/diag_decode_shapes.py --out "$OUT_DIR/diag_decode_shapes_h200.json" > "$OUT_DIR/logs/diag.log" 2>&1
+    echo "diag rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "prompt|attn" "$OUT_DIR/logs/diag.log"
+}
 run_gpu_tests() {  # $1: seconds
-    timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cuda.py \
+    timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_cuda.py \
         tests/test_gpu_fragmentation_cuda.py tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
     echo "gpu tests rc=$? at $(( $(date +%s) - T0 )) s: $(tail -1 "$OUT_DIR/logs/gpu_tests.log")"
+    grep -E "^(FAILED|ERROR)|Error:|assert " "$OUT_DIR/logs/gpu_tests.log" | cut -c1-300 | head -30
 }
 
-if [ "$(nvidia-smi -L | grep -c '^GPU')" -lt 2 ]; then
+if [ -n "${PARTS:-}" ]; then
+    # Chosen parts, in order, e.g. PARTS="diag tests fp8:300 server:230"; NAME:SECONDS caps a part.
+    for part in $PARTS; do
+        name=${part%%:*}; cap=${part#*:}; [ "$cap" = "$part" ] && cap=$(left)
+        t=$(left); [ "$cap" -gt "$t" ] && cap=$t; [ "$cap" -lt 30 ] && { echo "$name: no time left"; continue; }
+        case $name in
+            acceptance) run_acceptance ;; diag) run_diag "$cap" ;; tests) run_gpu_tests "$cap" ;;
+            fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;; *) echo "unknown part $name" ;;
+        esac
+    done
+elif [ "$(nvidia-smi -L | grep -c '^GPU')" -lt 2 ]; then
     # One GPU: one after the other (timings are ratios measured alone on the GPU).
     run_acceptance
     run_fp8_bench 170

@@ -477,3 +477,55 @@ def test_agent_limits_come_from_the_config(bad_model, tmp_path, clean_env):
     assert state == State.SERVING
     assert "fp8_ranges" not in agent.stages[-1].detail["validation"]
     assert _sample(agent, "warmup_fp8_range_checked_values", {"range": "weights"}) is None
+
+
+# --- the fast path's operand layout, checked on the CPU ----------------------------------------
+def _blockwise_scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, strict_stride=True):
+    """What torch._scaled_mm's blockwise path (1x128 x 128x128) computes, with the
+    layout checks of torch 2.11 (ScaledBlas.cpp is_blockwise_1x128_scaling and
+    is_blockwise_128x128_scaling, the latter on b.t() / scale_b.t(), row stride
+    exactly ceil(K/128)); these refused a K=8960 layer on the H200."""
+    m, k = a.shape
+    n = b.shape[1]
+    g = math.ceil(k / 128)
+    assert b.stride() == (1, k), "b must be column-major"
+    assert scale_a.shape == (m, g) and scale_a.stride() == (1, m), "Invalid scaling configuration (scale_a)"
+    sbt = scale_b.t()
+    assert sbt.shape == (math.ceil(n / 128), g) and sbt.stride() == (g, 1), "Invalid scaling configuration (scale_b)"
+    assert g % 4 == 0 and m % 4 == 0, "cuBLASLt: scale leading dimensions must be multiples of 4 floats"
+    ad = a.float() * scale_a.repeat_interleave(128, dim=1)[:, :k]
+    bd = b.float() * scale_b.repeat_interleave(128, dim=0)[:k].repeat_interleave(128, dim=1)[:, :n]
+    return (ad @ bd).to(out_dtype)
+
+
+@pytest.mark.parametrize("k", [256, 640, 1536])       # K/128 = 2, 5, 12: padded to 4, 8, 12 groups
+def test_fast_path_operands_fit_torch_layout_checks_and_match_the_emulation(k, monkeypatch):
+    import torch
+    torch.manual_seed(0)
+    layer = quantization.layer_class()(k, 256, (128, 128), bias=False, compute_dtype=torch.float32)
+    w = torch.randn(256, k) * 0.02
+    q, s = quantization.quantize_weight(w, (128, 128))
+    layer.weight.data.copy_(q)
+    layer.weight_scale_inv.data.copy_(s)
+    monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm_reference, raising=False)
+    monkeypatch.setattr(quantization, "_scaled_mm_ok", lambda *a: True)
+    x = torch.randn(37, k)                            # M=37: padded to 40 rows
+    with torch.inference_mode():
+        y = layer(x)
+    assert layer._fast is True, layer.fallback_reason
+    assert layer._weight_mm.shape == (256, k + (-(k // 128) % 4) * 128)
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)), "the layer's weight still reads as loaded"
+    ref = layer._emulated(x)
+    assert y.shape == (37, 256)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unpadded_scale_stride_is_what_torch_2_11_refuses():
+    """The layout before the fix (scale rows padded in place of K): the check that failed on the H200."""
+    import torch
+    k, n = 640, 256
+    a = torch.zeros(8, k, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(n, k, dtype=torch.float8_e4m3fn).t()
+    buf = torch.ones(n // 128, 8)
+    with pytest.raises(AssertionError, match="scale_b"):
+        _blockwise_scaled_mm_reference(a, b, torch.ones(5, 8).t(), buf[:, :5].t(), torch.float32)

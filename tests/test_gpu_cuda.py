@@ -74,14 +74,22 @@ def test_reservation_maps_and_keeps_memory():
 
 
 def test_fragmentation_equals_the_snapshot_itself():
+    """Stranded free bytes (inactive blocks in segments that also hold a live block)
+    over reserved bytes, counted here from the snapshot's own blocks, and equal to
+    the allocator's inactive_split_bytes over reserved_bytes."""
     from warmup_agent.gpu.memory import fragmentation_from_snapshot
     keep = [torch.empty(3 << 20, dtype=torch.uint8, device="cuda") for _ in range(8)]
     del keep[1], keep[4]                # two holes
     snap = torch.cuda.memory_snapshot()
+    stats = torch.cuda.memory_stats()
     dev = torch.cuda.current_device()
-    free = [b["size"] for s in snap if s["device"] == dev for b in s["blocks"] if b["state"] == "inactive"]
+    segs = [s for s in snap if s["device"] == dev]
+    stranded = sum(b["size"] for s in segs if any(b["state"] == "active_allocated" for b in s["blocks"])
+                   for b in s["blocks"] if b["state"] == "inactive")
+    reserved = sum(s["total_size"] for s in segs)
     rate = fragmentation_from_snapshot(snap)[dev]
-    assert rate == pytest.approx(1 - max(free) / sum(free))
+    assert rate == pytest.approx(stranded / reserved)
+    assert rate == pytest.approx(stats["inactive_split_bytes.all.current"] / stats["reserved_bytes.all.current"])
     assert 0 < rate < 1
 
 

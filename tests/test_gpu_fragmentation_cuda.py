@@ -41,7 +41,9 @@ def test_figure_equals_the_allocators_own_count_and_rises_with_holes():
     after, allocator_after, reserved = _rate()
     assert after == pytest.approx(allocator_after, rel=1e-12)
     assert after > mid + (32 * 8 * MiB) / reserved * 0.9     # at least the 32 holes we made
-    assert before < 0.05 and after > before
+    # No absolute bound on `before`: tests that ran earlier in this process (the
+    # engine's, tests/test_gpu_cuda.py) leave their own stranded blocks (0.42 on the H200).
+    assert after > before
 
     # Freeing the other half empties those segments: nothing is stranded any more.
     del pairs

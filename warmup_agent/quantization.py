@@ -233,6 +233,49 @@ def quantize_weight(w, block: tuple[int, int]):
 
 
 # --- the layer ---------------------------------------------------------------------------------
+def _activation_scales(x2, static_scale, bk: int):
+    """Scale per token and bk-wide K group, [M, ceil(K/bk)] float32 (dynamic), or the
+    checkpoint's one activation_scale everywhere (static)."""
+    m, groups = x2.shape[0], math.ceil(x2.shape[1] / bk)
+    if static_scale is not None:
+        return static_scale.float().reshape(1, 1).expand(m, groups)
+    g = _blocks(x2.float(), (1, bk))          # [M, 1, G, bk]
+    return g.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_E4M3_MAX
+
+
+def _quantize_groups(x2, static_scale, bk: int):
+    """(e4m3 [M, K], scales [M, G]): per-token, per-group activation quantization."""
+    s = _activation_scales(x2, static_scale, bk)
+    return quantize(x2, expand_block_scales(s, x2.shape, (1, bk))), s
+
+
+def scaled_mm_operands(weight, weight_scale_inv):
+    """(weight [N, K'], scale_b [K'/128, N/128]) laid out as torch._scaled_mm's
+    blockwise path (1x128 activations x 128x128 weights) accepts them.
+
+    torch checks scale_b.t() for shape (N/128, K/128) and row stride exactly
+    K/128 in some releases (2.11, on the H200), and a row stride rounded up to 4
+    floats in newer ones; cuBLASLt itself wants that leading dimension to be a
+    multiple of 4 floats (16 bytes).  One layout satisfies all three: pad K with
+    zero weight columns until K/128 is a multiple of 4 (K=8960 -> 9216).  Zero
+    weights times the zero activation columns the GEMM pads in add nothing; the
+    padded blocks' scales are 1."""
+    import torch
+    n, k = weight.shape
+    sn, sk = weight_scale_inv.shape
+    sk4 = sk + (-sk % 4)
+    k4 = sk4 * 128
+    if k4 == k:
+        wp = weight.contiguous()
+    else:
+        raw = torch.zeros(n, k4, dtype=torch.uint8, device=weight.device)
+        raw[:, :k] = weight.view(torch.uint8)
+        wp = raw.view(weight.dtype)
+    sb = torch.ones(sn, sk4, dtype=torch.float32, device=weight.device)
+    sb[:, :sk] = weight_scale_inv
+    return wp, sb.t()
+
+
 def _scaled_mm_ok(device, n: int, k: int, block) -> bool:
     """Blockwise-scaled FP8 GEMM (1x128 activations, 128x128 weights) through
     torch._scaled_mm: measured working on an H200 with torch 2.11 (cuBLAS 13)."""
@@ -269,6 +312,7 @@ def _make_layer_class():
                                      if activation_scheme == "static" else None)
             self.m_seen: set[int] = set()     # token counts (GEMM M) this layer has run: kernel shapes warmed
             self._fast: bool | None = None    # decided at the first forward (_choose_path)
+            self._weight_mm: Any = None       # the fast path's weight, K padded (scaled_mm_operands)
             self._scale_b = None
             self.fallback_reason = ""
 
@@ -277,17 +321,11 @@ def _make_layer_class():
 
         def activation_scales(self, x2):
             """Scale per token and K group, [M, ceil(K/bk)] float32."""
-            m = x2.shape[0]
-            groups = math.ceil(self.in_features / self.block[1])
-            if self.activation_scale is not None:
-                return self.activation_scale.float().reshape(1, 1).expand(m, groups)
-            g = _blocks(x2.float(), (1, self.block[1]))          # [M, 1, G, bk]
-            return g.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_E4M3_MAX
+            return _activation_scales(x2, self.activation_scale, self.block[1])
 
         def quantize_input(self, x2):
             """(e4m3 [M, K], scales [M, G]): this layer's activation quantization."""
-            s = self.activation_scales(x2)
-            return quantize(x2, expand_block_scales(s, x2.shape, (1, self.block[1]))), s
+            return _quantize_groups(x2, self.activation_scale, self.block[1])
 
         def dequantize_weight(self):
             return dequantize(self.weight, expand_block_scales(self.weight_scale_inv, self.weight.shape, self.block))
@@ -298,16 +336,12 @@ def _make_layer_class():
             return (xd @ self.dequantize_weight().t()).to(x2.dtype)
 
         def _scaled_mm(self, x2):
-            """cuBLASLt block scaling reads both scale tensors column-major with a
-            leading dimension that must be a multiple of 4 floats (16 bytes): with
-            another one it fails or, worse, reads the wrong scales (seen on the H200).
-            So M is padded to a multiple of 4 (zero rows, dropped after) and the
-            weight scales live in a buffer whose rows are padded the same way."""
-            m = x2.shape[0]
+            """The blockwise-scaled FP8 GEMM, on operands padded as scaled_mm_layout() says."""
+            m, k_pad = x2.shape[0], self._weight_mm.shape[1] - self.in_features
             pad = -m % 4
-            xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
-            xq, xs = self.quantize_input(xp)
-            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs.t().contiguous().t(),
+            xp = torch.nn.functional.pad(x2, (0, k_pad, 0, pad)) if pad or k_pad else x2
+            xq, xs = _quantize_groups(xp, self.activation_scale, self.block[1])
+            out = torch._scaled_mm(xq, self._weight_mm.t(), scale_a=xs.t().contiguous().t(),
                                    scale_b=self._scale_b, out_dtype=x2.dtype)
             return out[:m] if pad else out
 
@@ -317,10 +351,9 @@ def _make_layer_class():
             the reason kept in fallback_reason: a wrong GEMM must never serve)."""
             if not _scaled_mm_ok(x2.device, self.out_features, self.in_features, self.block):
                 return False
-            sn, sk = self.weight_scale_inv.shape
-            buf = torch.zeros(sn, sk + (-sk % 4), dtype=torch.float32, device=x2.device)
-            buf[:, :sk] = self.weight_scale_inv
-            self._scale_b = buf[:, :sk].t()
+            self._weight_mm, self._scale_b = scaled_mm_operands(self.weight, self.weight_scale_inv)
+            # The unpadded weight becomes a view of the padded one: no second copy.
+            self.weight.data = self._weight_mm[:, :self.in_features]
             try:
                 fast, ref = self._scaled_mm(x2).float(), self._emulated(x2).float()
             except RuntimeError as e:
@@ -399,8 +432,11 @@ def warm_gemms(model, max_tokens: int, cap: int = 8192) -> dict:
     for _, layer in fp8_layers(model):
         if (layer.out_features, layer.in_features, layer.activation_scale is None) in layers:
             layer.m_seen |= set(range(1, top + 1))
-    return {"fp8_gemm": "scaled_mm_blockwise", "fp8_gemm_shapes": len(layers) * top, "fp8_gemm_max_tokens": top,
-            "fp8_gemm_seconds": time.perf_counter() - t0, "fp8_gemm_fallbacks": fallbacks}
+    emulated = sum(1 for _, layer in all_layers if not layer._fast)
+    # "mixed": some layers fell back to the emulation (their reasons are in fp8_gemm_fallbacks)
+    return {"fp8_gemm": "mixed" if emulated else "scaled_mm_blockwise", "fp8_gemm_shapes": len(layers) * top,
+            "fp8_gemm_max_tokens": top, "fp8_gemm_seconds": time.perf_counter() - t0,
+            "fp8_layers_emulated": emulated, "fp8_gemm_fallbacks": fallbacks}
 
 
 def swap_linears(model, checkpoint_names, info: QuantizationInfo, compute_dtype):

@@ -42,7 +42,8 @@ def test_supervised_vllm_server_reaches_serving_and_exits_clean(tmp_path, embedd
     assert record["final_state"] == "SERVING" and record["engine"] == "openai"
     assert [t["state"] for t in record["transitions"]] == ["INIT", "PRELOAD", "PRIME", "SERVING"]
     # per API (chat, completions): prefill grid [16, 64] x [1, 2] + greedy and sampled x [1, 2]
-    assert record["warmup_requests"] == 2 * (2 * 3 + 2 * 3)
+    # + decode coverage: the sampled chat answer also at prompt 64 (decode_tiles([16, 64], 64) == [16, 64])
+    assert record["warmup_requests"] == 2 * (2 * 3 + 2 * 3) + 1
     assert record["traffic_profile"]["capabilities"]["token_id_prompts"] is True
     ours = [l for l in r.stderr.splitlines() if "warmup_agent.server:" not in l]  # the server's own log is relayed
     assert not any("Traceback" in l for l in ours)

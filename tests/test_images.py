@@ -273,7 +273,7 @@ def test_sidecar_image_install_steps_warm_vllm_without_torch(tmp_path, helm_env,
         record = json.loads(rec.read_text())
         # Per API the server answers (chat, completions): the grid (2 lengths x batch 1) and
         # the profile's greedy and sampled families at batch 1.
-        assert record["final_state"] == "SERVING" and record["warmup_requests"] == 2 * (2 + 2)
+        assert record["final_state"] == "SERVING" and record["warmup_requests"] == 2 * (2 + 2) + 1   # + decode coverage at prompt 64
     finally:
         stop_process(server)
 

@@ -94,7 +94,8 @@ def test_agent_warms_the_server_then_serves(served):
     # Default traffic profile: both APIs x (prefill grid: 2 lengths x batches 1 and 4,
     # greedy) + both APIs x (families greedy and sampled x batches 1 and 4, long answers).
     assert eng.apis == ["chat", "completions"] and eng.token_id_prompts
-    assert agent.warmup_requests == 2 * 2 * (1 + 4) + 2 * 2 * (1 + 4)
+    # + decode coverage: the sampled chat answer also at prompt 64, batch 1 (decode_tiles([16, 64], 64))
+    assert agent.warmup_requests == 2 * 2 * (1 + 4) + 2 * 2 * (1 + 4) + 1
     received = [l for l in lines.lines if "Received request " in l]
     marked = sum("Received request cmpl-warmup-" in l or "Received request chatcmpl-warmup-" in l for l in received)
     # + 3 questions asked of the server (chat? completions? token-id prompts?)

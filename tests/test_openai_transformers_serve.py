@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import transformers_server as ts
 from tests.helpers.servers import free_port
 from tests.http_relay import Relay
-from warmup_agent import config
+from warmup_agent import config, traffic
 from warmup_agent.engines.openai_engine import OpenAIEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.states import State
@@ -70,7 +70,8 @@ def test_reaches_serving_after_asking_what_the_server_answers(served):
     assert "ignore_eos" in eng.rejected_fields      # "Unexpected fields in the request"
     # Default profile: per API, the prefill grid (2 lengths x batches 1, 2) and the
     # families greedy and sampled at batches 1, 2 with the longest answer.
-    assert agent.warmup_requests == 2 * 2 * (1 + 2) + 2 * 2 * (1 + 2)
+    # + decode coverage: the sampled chat answer at prompts one answer (4 tokens) apart, batch 1
+    assert agent.warmup_requests == 2 * 2 * (1 + 2) + 2 * 2 * (1 + 2) + len(traffic.decode_tiles(LENGTHS, 4)) - 1
     profile = agent.stages[1].detail["profile"]
     assert profile["families"] == ["greedy", "sampled"] and profile["endpoints"] == ["chat", "completions"]
 
@@ -103,7 +104,9 @@ def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, emb
             chat.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
         elif p["path"] == "/v1/completions" and isinstance(b["prompt"], str) and b["prompt"] != "Hello":
             text.append(len(tok(b["prompt"], add_special_tokens=False)["input_ids"]))
-    assert chat and set(chat) <= set(LENGTHS) | {PROBE_LEN}
+    # the grid's lengths, the probe's, and the decode-coverage prompts (one answer of 4 tokens apart)
+    assert chat and set(chat) <= set(LENGTHS) | {PROBE_LEN} | set(traffic.decode_tiles(LENGTHS, 4))
+    assert set(traffic.decode_tiles(LENGTHS, 4)) <= set(chat)
     assert PROBE_LEN in chat                          # probes are chat requests
     assert text and set(text) <= set(LENGTHS)
 

@@ -78,10 +78,27 @@ def test_profile_learned_from_a_requests_file(tmp_path, prompts):
     # (json_schema on chat only), after the prefill grid.
     plan = p.warm_requests([1, 4], [16], 2)
     long = [(b[0].endpoint, b[0].family, len(b)) for b in plan if b[0].max_tokens == 64]
+    tiles = traffic.decode_tiles(sorted({16, *expected}), 64)
     assert sorted(long) == sorted([(e, f, n) for e in ("chat", "completions") for f in ("sampled", "json_schema", "logprobs")
-                                   for n in (1, 4) if not (f == "json_schema" and e == "completions")])
+                                   for n in (1, 4) if not (f == "json_schema" and e == "completions")]
+                                  + [("chat", "sampled", 1)] * (len(tiles) - 1))   # decode coverage: probe family, batch 1
+    assert [b[0].prompt_tokens for b in plan if b[0].max_tokens == 64 and (b[0].endpoint, b[0].family, len(b)) == ("chat", "sampled", 1)] == tiles
+    no_cover = p.warm_requests([1, 4], [16], 2, decode_coverage=False)
+    assert len(no_cover) == len(plan) - (len(tiles) - 1)
     prefill = {(b[0].endpoint, b[0].prompt_tokens, len(b)) for b in plan if b[0].max_tokens == 2}
     assert prefill == {(e, n, b) for e in ("chat", "completions") for n in [16] + expected for b in (1, 4)}
+
+
+@pytest.mark.parametrize("lengths,answer", [([16, 32, 64, 128], 64), ([16, 32, 40, 57, 64, 128, 150, 230], 64),
+                                            ([7], 16), ([10, 11], 1), ([5, 1000], 3)])
+def test_decode_tiles_reach_every_sequence_length_of_the_traffic(lengths, answer):
+    """Every length a decode step of real traffic reaches (shortest prompt .. longest
+    prompt + longest answer) is decoded by some warmup answer."""
+    tiles = traffic.decode_tiles(lengths, answer)
+    reached = {n for p in tiles for n in range(p, p + answer + 1)}
+    assert set(range(min(lengths), max(lengths) + answer + 1)) <= reached
+    assert len(tiles) <= (max(lengths) - min(lengths)) // answer + 2       # one answer apart, no more
+    assert traffic.decode_tiles([16, 32, 64, 128], 64) == [16, 80, 128]
 
 
 def test_default_profile_is_greedy_and_sampled_up_to_the_max_answer():

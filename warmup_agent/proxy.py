@@ -29,7 +29,6 @@ import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from warmup_agent.readiness.runtime import attach
 from warmup_agent.states import State
 
 log = logging.getLogger("warmup_agent.proxy")
@@ -104,7 +103,7 @@ class RoutingProxy:
                  retry_after_seconds: int = 5, timeout_seconds: float = 300.0):
         self.agent = agent
         self.metrics = metrics if metrics is not None else agent.metrics
-        self.readiness = attach(agent)
+        self.readiness = agent.readiness
         self.main = Upstream(upstream_url, timeout_seconds)
         self.fallback = Upstream(fallback_url, timeout_seconds) if fallback_url else None
         self.readiness.fallback_available = self.fallback is not None

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from exporter.catalogue import CATALOGUE, MetricSpec
+from exporter.catalogue import CATALOGUE
+from exporter.metric_spec import MetricSpec
 
 _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram, "info": Info}
 

@@ -51,3 +51,27 @@ def test_every_metric_the_readme_names_is_in_the_catalogue():
     named = set(re.findall(r"`((?:warmup_|model_loading_|gpu_fragmentation)[a-z0-9_]*[a-z0-9])[`{]", text))
     missing = sorted(n for n in named if n not in BY_NAME and n.rsplit("_", 1)[0] not in BY_NAME)
     assert named and not missing, f"README names metrics the catalogue lacks: {missing}"
+
+
+def test_catalogue_modules_register_by_explicit_import_without_a_cycle():
+    """Feature modules import MetricSpec from exporter/metric_spec.py, never from the
+    catalogue that imports them; every exporter/catalogue_*.py is registered."""
+    import ast
+    import glob
+    import subprocess
+    import sys
+
+    from exporter import catalogue
+    files = sorted(glob.glob(os.path.join(ROOT, "exporter", "catalogue_*.py")))
+    registered = {m.__name__ for m in catalogue.FEATURE_MODULES}
+    assert registered == {"exporter." + os.path.basename(f)[:-3] for f in files}
+    for f in files:
+        tree = ast.parse(open(f, encoding="utf-8").read())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "exporter.catalogue" not in imported, f
+    # A feature module alone does not pull in the catalogue (no hidden way back up).
+    code = ("import sys, exporter.catalogue_readiness, exporter.catalogue_cache; "
+            "assert 'exporter.catalogue' not in sys.modules, 'cycle'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert catalogue.CATALOGUE == catalogue.CORE + tuple(s for m in catalogue.FEATURE_MODULES for s in m.SPECS)

@@ -75,3 +75,25 @@ def test_catalogue_modules_register_by_explicit_import_without_a_cycle():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert catalogue.CATALOGUE == catalogue.CORE + tuple(s for m in catalogue.FEATURE_MODULES for s in m.SPECS)
+
+
+def test_committed_metric_handles_equal_fresh_generation(tmp_path):
+    assert docs.main(["--out", str(tmp_path)]) == 0
+    with open(os.path.join(ROOT, "exporter", "metric_handles.py"), encoding="utf-8") as a:
+        assert a.read() == (tmp_path / "metric_handles.py").read_text(encoding="utf-8"), \
+            "exporter/metric_handles.py is stale: run `.venv/bin/python -m exporter.docs` and commit"
+
+
+def test_every_agent_metric_is_a_typed_attribute_and_the_same_object_as_its_item():
+    from prometheus_client import Counter, Gauge, Histogram, Info
+
+    from exporter.metrics import AgentMetrics
+    m = AgentMetrics()
+    kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram, "info": Info}
+    agent_specs = [s for s in CATALOGUE if s.source != "scrape"]
+    assert agent_specs
+    for s in agent_specs:
+        assert getattr(m, s.name) is m[s.name] and isinstance(m[s.name], kinds[s.type]), s.name
+    for s in CATALOGUE:
+        if s.source == "scrape":
+            assert not hasattr(m, s.name), s.name

@@ -263,7 +263,7 @@ class Agent:
         if r.output_tokens > 1:
             self.tpot_window.add((r.total_seconds - r.first_token_seconds) / (r.output_tokens - 1))
             for q, v in self.tpot_window.quantiles().items():
-                self.metrics["warmup_time_per_output_token_window_seconds"].labels(percentile=percentile_label(q)).set(v)
+                self.metrics.warmup_time_per_output_token_window_seconds.labels(percentile=percentile_label(q)).set(v)
 
     def probe_prompt(self) -> list[int]:
         """A different prompt for every probe: an engine with prefix caching (vLLM)

@@ -62,15 +62,15 @@ class Readiness:
         self._lock = threading.RLock()
         self._publish_breaker()
         self._publish_thresholds()
-        self.metrics["warmup_fallback_active"].set(0)
+        self.metrics.warmup_fallback_active.set(0)
         # Zero series for every breaker step and validation outcome, so rate() and
         # increase() work from the first event (and the series exist before one).
         for frm, to in (("closed", "open"), ("open", "half_open"), ("half_open", "open"), ("half_open", "closed")):
-            self.metrics["warmup_breaker_transitions_total"].labels(**{"from": frm, "to": to})
+            self.metrics.warmup_breaker_transitions_total.labels(**{"from": frm, "to": to})
         for check in ("structure", "numerics", "performance"):
             for result in ("passed", "failed", "skipped", "recorded"):
-                self.metrics["warmup_validation_checks_total"].labels(check=check, result=result)
-        self.metrics["warmup_water_level_requests_per_second"].set_function(self.water.read)
+                self.metrics.warmup_validation_checks_total.labels(check=check, result=result)
+        self.metrics.warmup_water_level_requests_per_second.set_function(self.water.read)
 
     # -- samples ---------------------------------------------------------------------
     def observe(self, ttft: float) -> None:
@@ -90,7 +90,7 @@ class Readiness:
             return  # a request that started before the trip: the main path is frozen
         self.window.add(ttft)
         if self.thresholds.sample_added(self.window):
-            self.metrics["warmup_readiness_threshold_refits_total"].inc()
+            self.metrics.warmup_readiness_threshold_refits_total.inc()
             self._publish_thresholds()
         if self.breaker_enabled and self.sm.state == State.SERVING:
             p90 = self.window.quantile(0.9)
@@ -128,9 +128,9 @@ class Readiness:
     # -- breaker -> state machine ---------------------------------------------------------
     def _breaker_moved(self, frm: BreakerState, to: BreakerState) -> None:
         sm = self.sm
-        self.metrics["warmup_breaker_transitions_total"].labels(**{"from": frm.value, "to": to.value}).inc()
+        self.metrics.warmup_breaker_transitions_total.labels(**{"from": frm.value, "to": to.value}).inc()
         if to == BreakerState.OPEN and frm == BreakerState.CLOSED:
-            self.metrics["warmup_breaker_trips_total"].inc()
+            self.metrics.warmup_breaker_trips_total.inc()
             log.warning("breaker tripped: window P90 over %.1f ms on %d consecutive samples; main path frozen for %g s",
                         self.thresholds.p90 * 1000, self.breaker.trip_after, self.breaker.open_seconds)
             if sm.state == State.SERVING:   # not if the pod started draining meanwhile
@@ -150,13 +150,13 @@ class Readiness:
 
     def _publish_breaker(self) -> None:
         for s in BreakerState:
-            self.metrics["warmup_breaker_state"].labels(state=s.value).set(1 if s == self.breaker.state else 0)
-        self.metrics["warmup_fallback_active"].set(1 if self.breaker.main_frozen else 0)
+            self.metrics.warmup_breaker_state.labels(state=s.value).set(1 if s == self.breaker.state else 0)
+        self.metrics.warmup_fallback_active.set(1 if self.breaker.main_frozen else 0)
 
     def _publish_thresholds(self) -> None:
         for label, v in self.thresholds_in_force().items():
-            self.metrics["warmup_readiness_threshold_seconds"].labels(percentile=label).set(v)
+            self.metrics.warmup_readiness_threshold_seconds.labels(percentile=label).set(v)
 
     def _publish_window(self) -> None:
         for q, v in self.window.quantiles().items():
-            self.metrics["warmup_first_token_window_seconds"].labels(percentile=percentile_label(q)).set(v)
+            self.metrics.warmup_first_token_window_seconds.labels(percentile=percentile_label(q)).set(v)

@@ -20,6 +20,7 @@ import sys
 import yaml
 
 from exporter.catalogue import BY_NAME
+from warmup_agent.states import WARMING, State
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 THRESHOLDS_PATH = os.path.join(HERE, "thresholds.yaml")
@@ -146,7 +147,8 @@ def build(th: Thresholds) -> dict:
 
     # --- cold start: the warmup itself --------------------------------------------
     phase_expr = _phase_budget_expr(r, th)
-    warm_states = "~INIT|PRELOAD|PRIME"
+    warm_states = "~" + "|".join(s.name for s in WARMING)
+    warm_words = ", ".join(s.name for s in WARMING[:-1]) + f" or {WARMING[-1].name}"
     groups.append({"name": "warmup-agent.cold-start", "rules": [
         r.alert("WarmupAgentColdStartDegradation",
                 f'increase({r.sel("model_loading_failures_total")}[1h]) > {_fmt(g("cold_start_degradation.failures_per_hour", "number"))}',
@@ -161,8 +163,8 @@ def build(th: Thresholds) -> dict:
                 f'sum without (state) ({r.sel("warmup_state", state=warm_states)}) == 1',
                 g("warmup_stuck.for", "duration"), "warning",
                 "The agent is still warming up and not SERVING.",
-                f'{_WHO} has been in INIT, PRELOAD or PRIME for more than {g("warmup_stuck.for", "duration")}; the pod is held out of the Service.'),
-        r.alert("WarmupAgentFailed", f'{r.sel("warmup_state", state="FAILED")} == 1',
+                f'{_WHO} has been in {warm_words} for more than {g("warmup_stuck.for", "duration")}; the pod is held out of the Service.'),
+        r.alert("WarmupAgentFailed", f'{r.sel("warmup_state", state=State.FAILED.name)} == 1',
                 g("failed.for", "duration"), "critical",
                 "The warmup agent is in the terminal FAILED state.",
                 f'{_WHO} is FAILED and will not become ready; see its log and model_loading_failures_total for the reason.'),
@@ -175,7 +177,7 @@ def build(th: Thresholds) -> dict:
     ]})
 
     # --- latency: what users feel once SERVING -------------------------------------
-    serving = f'on (job, instance) {r.sel("warmup_state", state="SERVING")} == 1'
+    serving = f'on (job, instance) {r.sel("warmup_state", state=State.SERVING.name)} == 1'
     q = g("first_token_slo.percentile", "str")
     latency = [
         r.alert("WarmupAgentFirstTokenSLOBreach",

@@ -20,6 +20,7 @@ import sys
 
 from alerts.generate import load_thresholds
 from exporter.catalogue import BY_NAME
+from warmup_agent.states import STATE_NAMES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DS = {"type": "prometheus", "uid": "${datasource}"}
@@ -28,7 +29,7 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 # "All" value `.*` still matches.
 SEL = 'namespace=~"$namespace", pod=~"$pod", model=~"$model"'
 RATE = "$__rate_interval"
-STATES = ("INIT", "PRELOAD", "PRIME", "SERVING", "DEGRADED", "DRAINING", "FAILED")
+STATES = STATE_NAMES    # warmup_agent/states.py; one colour each, below, in the same order
 STATE_COLOURS = ("blue", "purple", "orange", "green", "yellow", "dark-blue", "red")
 
 

@@ -16,42 +16,19 @@ expressions work as written; everything else carries the `warmup_` prefix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from exporter import (
+    catalogue_cache,
+    catalogue_engine,
+    catalogue_gpu,
+    catalogue_quantization,
+    catalogue_readiness,
+)
+from exporter.metric_spec import FIRST_TOKEN_BUCKETS, STAGE_BUCKETS, MetricSpec
 
-# Buckets for first-token latency: 5 ms .. 30 s.  The readiness thresholds of the
-# seed (0.85 s and 2.1 s) and the SOTA line (0.38 s) fall on bucket edges so that
-# `histogram_quantile` and alert expressions compare against exact edges.
-FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.38, 0.5, 0.85, 1.0,
-                       2.1, 2.5, 5.0, 10.0, 30.0)
-# Buckets for stage durations: 10 ms .. 30 min (a 70B model loads for minutes).
-STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-                 300.0, 600.0, 1800.0)
+__all__ = ["BY_NAME", "CATALOGUE", "CORE", "FEATURE_MODULES", "FIRST_TOKEN_BUCKETS", "STAGE_BUCKETS",
+           "MetricSpec", "spec"]
 
-
-@dataclass(frozen=True)
-class MetricSpec:
-    name: str            # full exposition name (counters include _total)
-    type: str            # gauge | counter | histogram | info
-    help: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] | None = None
-    unit: str = ""       # Grafana unit for dashboards ("s", "bytes", "percentunit", "short")
-    source: str = "agent"
-    requires: str | None = None
-    doc: str = ""        # longer explanation for docs/metrics.md
-    seed_name: bool = False  # name kept verbatim from the seed articles
-
-    @property
-    def family(self) -> str:
-        """Name as prometheus_client registers it (without _total / _info)."""
-        if self.type == "counter" and self.name.endswith("_total"):
-            return self.name[: -len("_total")]
-        if self.type == "info" and self.name.endswith("_info"):
-            return self.name[: -len("_info")]
-        return self.name
-
-
-CATALOGUE: tuple[MetricSpec, ...] = (
+CORE: tuple[MetricSpec, ...] = (
     # --- identity -----------------------------------------------------------
     MetricSpec("warmup_build_info", "info",
                "Agent build and runtime facts; value is always 1.",
@@ -156,20 +133,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
 )
 
 # Features add their metrics in a module of their own (exporter/catalogue_<feature>.py
-# with a SPECS tuple); list each here once.
-_FEATURE_MODULES: tuple[str, ...] = ("catalogue_engine", "catalogue_cache", "catalogue_readiness", "catalogue_gpu",
-                                     "catalogue_quantization")
+# with a SPECS tuple, importing MetricSpec from exporter/metric_spec.py); import it
+# above and list it here once, in the order docs/metrics.md shows them.
+FEATURE_MODULES = (catalogue_engine, catalogue_cache, catalogue_readiness, catalogue_gpu, catalogue_quantization)
 
-
-def _feature_specs() -> tuple[MetricSpec, ...]:
-    import importlib
-    out: tuple[MetricSpec, ...] = ()
-    for mod in _FEATURE_MODULES:
-        out += importlib.import_module(f"exporter.{mod}").SPECS
-    return out
-
-
-CATALOGUE = CATALOGUE + _feature_specs()
+CATALOGUE: tuple[MetricSpec, ...] = CORE + tuple(s for m in FEATURE_MODULES for s in m.SPECS)
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
 assert len(BY_NAME) == len(CATALOGUE), "duplicate metric name in catalogue"
 

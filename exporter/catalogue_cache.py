@@ -7,7 +7,7 @@ is never written locally) or error (Redis unreachable, slow or full).
 """
 from __future__ import annotations
 
-from exporter.catalogue import MetricSpec
+from exporter.metric_spec import MetricSpec
 
 # Lock waits: a loser waits for the winner's compile (seconds on a CPU, tens of
 # seconds on a GPU) up to kernel_cache.lock_wait_seconds (default 300 s).

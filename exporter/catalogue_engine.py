@@ -3,7 +3,7 @@
 Present only with an engine that exports Prometheus metrics (openai engine on
 vLLM); `warmup_engine_up` says whether the last read worked.
 """
-from exporter.catalogue import MetricSpec
+from exporter.metric_spec import MetricSpec
 
 SPECS = (
     MetricSpec("warmup_engine_up", "gauge",

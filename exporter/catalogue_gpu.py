@@ -3,7 +3,7 @@ loading, CUDA graphs and the utilisation ramp.  Absent without a GPU except
 where noted.  Per-GPU series carry `gpu` (the physical NVML index, as
 nvidia-smi shows it) and `uuid` (stable across restarts and
 CUDA_VISIBLE_DEVICES re-ordering): docs/metrics.md, "Per-GPU series"."""
-from exporter.catalogue import MetricSpec
+from exporter.metric_spec import MetricSpec
 
 SPECS = (
     MetricSpec("warmup_gpu_utilization_ramp_slope", "gauge",

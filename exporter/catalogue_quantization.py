@@ -1,7 +1,7 @@
 """Quantized models (issue 16, seed 003 §3): what the model is quantized to, and the
 FP8 range validation's counts (warmup_agent/quantization.py,
 warmup_agent/readiness/fp8_ranges.py)."""
-from exporter.catalogue import MetricSpec
+from exporter.metric_spec import MetricSpec
 
 SPECS = (
     MetricSpec("warmup_model_quantization_info", "info",

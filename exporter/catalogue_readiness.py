@@ -1,6 +1,6 @@
 """Readiness gate, breaker, validation, water level and proxy metrics
 (warmup_agent/readiness/, warmup_agent/proxy.py)."""
-from exporter.catalogue import FIRST_TOKEN_BUCKETS, MetricSpec
+from exporter.metric_spec import FIRST_TOKEN_BUCKETS, MetricSpec
 
 SPECS = (
     MetricSpec("warmup_breaker_state", "gauge",

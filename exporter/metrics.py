@@ -10,12 +10,19 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from exporter.catalogue import CATALOGUE, MetricSpec
+from exporter import metric_handles
+from exporter.catalogue import CATALOGUE
+from exporter.metric_handles import MetricHandles
+from exporter.metric_spec import MetricSpec
 
 _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram, "info": Info}
 
 
-class AgentMetrics:
+class AgentMetrics(MetricHandles):
+    """Each metric is a typed attribute (`metrics.warmup_state`, declared in the
+    generated metric_handles.py) and, for code that still addresses metrics by
+    string, an item (`metrics["warmup_state"]`)."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics: dict[str, object] = {}
@@ -23,6 +30,10 @@ class AgentMetrics:
             if spec.source == "scrape":
                 continue
             self._metrics[spec.name] = self._create(spec)
+        if tuple(self._metrics) != metric_handles.NAMES:
+            raise RuntimeError("exporter/metric_handles.py does not match the catalogue: run `python -m exporter.docs`")
+        for name, metric in self._metrics.items():
+            setattr(self, name, metric)
 
     def _create(self, spec: MetricSpec):
         kwargs = dict(name=spec.family, documentation=spec.help, labelnames=spec.labels,

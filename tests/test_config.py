@@ -144,3 +144,51 @@ def test_docs_config_md_is_current():
 def test_reference_yaml_has_each_section_once():
     tops = [l.split(":")[0] for l in config.reference_yaml().splitlines() if l and not l.startswith((" ", "#"))]
     assert len(tops) == len(set(tops)), "a section appears twice: YAML would keep only the last one"
+
+
+def test_config_sections_py_is_current():
+    import os
+
+    from tests.conftest import ROOT
+    with open(os.path.join(ROOT, "warmup_agent", "config_sections.py"), encoding="utf-8") as f:
+        assert f.read() == config.sections_source(), \
+            "warmup_agent/config_sections.py is stale: run `python -m warmup_agent.config`"
+
+
+def test_typed_sections_hold_every_key_and_a_typo_fails(clean_env, tmp_path):
+    import dataclasses
+    cfg = config.load(write(tmp_path, "readiness:\n  p90_threshold_seconds: 1.5\nprewarm:\n  batch_sizes: [2]\n"),
+                      env={"WARMUP_AGENT_KERNEL_CACHE_KEY_PREFIX": "x:kc"})
+    for k in config.KEYS:
+        if "." in k.path:
+            section, leaf = k.path.split(".", 1)
+            assert getattr(getattr(cfg, section), leaf) == cfg[k.path], k.path
+        else:
+            assert getattr(cfg, k.path) == cfg[k.path], k.path
+    assert cfg.readiness.p90_threshold_seconds == 1.5 and cfg.prewarm.batch_sizes == [2]
+    assert cfg.kernel_cache.key_prefix == "x:kc"
+    with pytest.raises(AttributeError):
+        cfg.readiness.p90_threshold_secnds  # noqa: B018 - the typo is the point
+    with pytest.raises(AttributeError):
+        cfg.readyness  # noqa: B018
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.readiness.min_probes = 1  # type: ignore[misc]
+
+
+def test_mypy_rejects_a_typo_in_a_config_attribute(tmp_path):
+    """The point of the generated sections: a misspelt key is a type error, not a
+    runtime surprise (mypy over a two-line module that uses the real Config)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    (tmp_path / "uses_config.py").write_text(
+        "from warmup_agent.config import load\n"
+        "ok: float = load().readiness.p90_threshold_seconds\n"
+        "bad = load().readiness.p90_threshold_secnds\n")
+    r = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent",
+                        "--ignore-missing-imports", "--cache-dir", str(tmp_path / "cache"),
+                        str(tmp_path / "uses_config.py")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert '"ReadinessSection" has no attribute "p90_threshold_secnds"' in r.stdout, r.stdout
+    assert r.stdout.count("error:") == 1, r.stdout

@@ -51,3 +51,49 @@ def test_every_metric_the_readme_names_is_in_the_catalogue():
     named = set(re.findall(r"`((?:warmup_|model_loading_|gpu_fragmentation)[a-z0-9_]*[a-z0-9])[`{]", text))
     missing = sorted(n for n in named if n not in BY_NAME and n.rsplit("_", 1)[0] not in BY_NAME)
     assert named and not missing, f"README names metrics the catalogue lacks: {missing}"
+
+
+def test_catalogue_modules_register_by_explicit_import_without_a_cycle():
+    """Feature modules import MetricSpec from exporter/metric_spec.py, never from the
+    catalogue that imports them; every exporter/catalogue_*.py is registered."""
+    import ast
+    import glob
+    import subprocess
+    import sys
+
+    from exporter import catalogue
+    files = sorted(glob.glob(os.path.join(ROOT, "exporter", "catalogue_*.py")))
+    registered = {m.__name__ for m in catalogue.FEATURE_MODULES}
+    assert registered == {"exporter." + os.path.basename(f)[:-3] for f in files}
+    for f in files:
+        tree = ast.parse(open(f, encoding="utf-8").read())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "exporter.catalogue" not in imported, f
+    # A feature module alone does not pull in the catalogue (no hidden way back up).
+    code = ("import sys, exporter.catalogue_readiness, exporter.catalogue_cache; "
+            "assert 'exporter.catalogue' not in sys.modules, 'cycle'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert catalogue.CATALOGUE == catalogue.CORE + tuple(s for m in catalogue.FEATURE_MODULES for s in m.SPECS)
+
+
+def test_committed_metric_handles_equal_fresh_generation(tmp_path):
+    assert docs.main(["--out", str(tmp_path)]) == 0
+    with open(os.path.join(ROOT, "exporter", "metric_handles.py"), encoding="utf-8") as a:
+        assert a.read() == (tmp_path / "metric_handles.py").read_text(encoding="utf-8"), \
+            "exporter/metric_handles.py is stale: run `.venv/bin/python -m exporter.docs` and commit"
+
+
+def test_every_agent_metric_is_a_typed_attribute_and_the_same_object_as_its_item():
+    from prometheus_client import Counter, Gauge, Histogram, Info
+
+    from exporter.metrics import AgentMetrics
+    m = AgentMetrics()
+    kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram, "info": Info}
+    agent_specs = [s for s in CATALOGUE if s.source != "scrape"]
+    assert agent_specs
+    for s in agent_specs:
+        assert getattr(m, s.name) is m[s.name] and isinstance(m[s.name], kinds[s.type]), s.name
+    for s in CATALOGUE:
+        if s.source == "scrape":
+            assert not hasattr(m, s.name), s.name

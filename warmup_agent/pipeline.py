@@ -21,6 +21,7 @@ from warmup_agent import __version__
 from warmup_agent.engines.base import Engine, EngineError
 from warmup_agent.memory import MemorySampler
 from warmup_agent.progress import Progress, coldstart
+from warmup_agent.readiness.runtime import Readiness, percentile_label
 from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.stages import prewarm, ready, reserve, solidify
 from warmup_agent.states import State, StateMachine
@@ -66,7 +67,9 @@ class Agent:
             State.PRELOAD: preload_deadline(cfg),
             State.PRIME: cfg["deadlines.prime_seconds"],
         })
-        self.window = SlidingWindow(cfg["readiness.window_size"])
+        # Readiness owns the time-to-first-token window, the thresholds, the breaker
+        # and the water level, and alone sets their gauges (zero series from the start).
+        self.readiness = Readiness(cfg, self.sm, self.metrics, clock=clock)
         # Decode beside the first token (issue 19): time per output token of the
         # probes, and each probe's whole-answer time (the first-request tax on it).
         self.tpot_window = SlidingWindow(cfg["readiness.window_size"])
@@ -92,8 +95,11 @@ class Agent:
         self._engine_crashed = False
         self._probe_seq = 0
         self._init_metrics()
-        from warmup_agent.readiness.runtime import attach
-        self.readiness = attach(self)  # thresholds, breaker, validation; zero series from the start
+
+    @property
+    def window(self) -> SlidingWindow:
+        """The readiness window of time-to-first-token samples (owned by `readiness`)."""
+        return self.readiness.window
 
     # -- the pipeline ----------------------------------------------------------------------
     def run(self) -> State:
@@ -257,7 +263,7 @@ class Agent:
         if r.output_tokens > 1:
             self.tpot_window.add((r.total_seconds - r.first_token_seconds) / (r.output_tokens - 1))
             for q, v in self.tpot_window.quantiles().items():
-                self.metrics["warmup_time_per_output_token_window_seconds"].labels(percentile=percentile_label(q)).set(v)
+                self.metrics.warmup_time_per_output_token_window_seconds.labels(percentile=percentile_label(q)).set(v)
 
     def probe_prompt(self) -> list[int]:
         """A different prompt for every probe: an engine with prefix caching (vLLM)
@@ -269,14 +275,12 @@ class Agent:
     def record_probe(self, ttft: float, kind: str = "probe") -> None:
         """One time-to-first-token sample of the main engine: a probe, or (kind="user")
         a real request through the proxy.  It feeds the window, the adaptive
-        thresholds and the breaker (readiness/runtime.py); only probes are kept
-        in self.probes (user traffic would grow it without bound)."""
-        from warmup_agent.readiness.runtime import attach
+        thresholds and the breaker (readiness/runtime.py, which also sets the window
+        gauges); only probes are kept in self.probes (user traffic would grow it
+        without bound)."""
         if kind == "probe":
             self.probes.append(ttft)
-        attach(self).observe(ttft)
-        for q, v in self.window.quantiles().items():
-            self.metrics["warmup_first_token_window_seconds"].labels(percentile=percentile_label(q)).set(v)
+        self.readiness.observe(ttft)
 
     # -- engine restarts (supervised servers) -------------------------------------------------
     def on_engine_exit(self, returncode: int) -> None:
@@ -327,8 +331,7 @@ class Agent:
         (frozen); once the freeze is over, probes are its half-open probes."""
         if interval <= 0:
             return
-        from warmup_agent.readiness.runtime import attach
-        readiness = attach(self)
+        readiness = self.readiness
 
         def loop():
             while not self._watch_stop.wait(interval):
@@ -361,8 +364,6 @@ class Agent:
         self.metrics["warmup_build_info"].info({
             "version": __version__, "python": platform.python_version(), "torch": torch_version,
             "engine": self.cfg["engine"]})
-        for p, key in (("p50", "readiness.p50_threshold_seconds"), ("p90", "readiness.p90_threshold_seconds")):
-            self.metrics["warmup_readiness_threshold_seconds"].labels(percentile=p).set(self.cfg[key])
         # Known label values at 0 from the start (Prometheus practice): on-call reads
         # these first, and increase() or an absent() alert needs the series before the
         # first event, not from it.
@@ -430,8 +431,10 @@ class Agent:
                                               if len(self.probe_totals) > 1 else None),
             "time_per_output_token_window_seconds": {percentile_label(q): v for q, v in self.tpot_window.quantiles().items()},
             "traffic_profile": getattr(self, "profile_summary", None),
-            "readiness_thresholds_seconds": {"p50": self.cfg["readiness.p50_threshold_seconds"],
-                                             "p90": self.cfg["readiness.p90_threshold_seconds"]},
+            # The thresholds in force, as warmup_readiness_threshold_seconds shows them
+            # (adaptive: the last re-fit), and the configured ceiling they came from.
+            "readiness_thresholds_seconds": self.readiness.thresholds_in_force(),
+            "readiness_thresholds_configured_seconds": self.readiness.thresholds_configured(),
             "final_state": self.sm.state.name,
             "failure_reason": self.sm.failure_reason,
             "failure_message": self.sm.failure_message,
@@ -446,11 +449,6 @@ def preload_deadline(cfg) -> float:
     if cfg["engine"] != "torch" and cfg.sources.get("deadlines.preload_seconds") == "default" and seconds:
         seconds += cfg["openai.ready_timeout_seconds"]
     return seconds
-
-
-def percentile_label(q: float) -> str:
-    """0.5 -> "p50", 0.99 -> "p99"."""
-    return f"p{q * 100:g}"
 
 
 def _module_version(name: str) -> str:

@@ -28,9 +28,12 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
-from warmup_agent.readiness.runtime import attach
 from warmup_agent.states import State
+
+if TYPE_CHECKING:
+    from warmup_agent.config import Config
 
 log = logging.getLogger("warmup_agent.proxy")
 
@@ -104,7 +107,7 @@ class RoutingProxy:
                  retry_after_seconds: int = 5, timeout_seconds: float = 300.0):
         self.agent = agent
         self.metrics = metrics if metrics is not None else agent.metrics
-        self.readiness = attach(agent)
+        self.readiness = agent.readiness
         self.main = Upstream(upstream_url, timeout_seconds)
         self.fallback = Upstream(fallback_url, timeout_seconds) if fallback_url else None
         self.readiness.fallback_available = self.fallback is not None
@@ -139,26 +142,26 @@ class RoutingProxy:
         return max(1, math.ceil(self.readiness.retry_after(self.retry_after_seconds)))
 
 
-def from_config(agent, cfg) -> RoutingProxy | None:
+def from_config(agent, cfg: Config) -> RoutingProxy | None:
     """The proxy `proxy.*` asks for (None when proxy.listen is empty), not started.
     Raises ConfigError (one line) for a missing upstream or an address in use."""
     from warmup_agent.config import ConfigError
-    if not cfg["proxy.listen"]:
+    pc = cfg.proxy
+    if not pc.listen:
         return None
-    upstream = cfg["proxy.upstream_url"] or cfg["openai.url"]
+    upstream = pc.upstream_url or cfg.openai.url
     if not upstream:
         raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL "
                           "(proxy.upstream_url, or openai.url with --engine openai)", "proxy.upstream_url")
     if not upstream.startswith(("http://", "https://")):
         raise ConfigError(f"key 'proxy.upstream_url': got {upstream!r}; expected a URL starting with http:// or https://",
                           "proxy.upstream_url")
-    host, _, port = cfg["proxy.listen"].rpartition(":")
+    host, _, port = pc.listen.rpartition(":")
     try:
-        return RoutingProxy(agent, upstream, cfg["proxy.fallback_url"], (host.strip("[]"), int(port)),
-                            retry_after_seconds=cfg["proxy.retry_after_seconds"],
-                            timeout_seconds=cfg["proxy.timeout_seconds"])
+        return RoutingProxy(agent, upstream, pc.fallback_url, (host.strip("[]"), int(port)),
+                            retry_after_seconds=pc.retry_after_seconds, timeout_seconds=pc.timeout_seconds)
     except OSError as e:
-        raise ConfigError(f"key 'proxy.listen': cannot listen on {cfg['proxy.listen']}: {e.strerror}",
+        raise ConfigError(f"key 'proxy.listen': cannot listen on {pc.listen}: {e.strerror}",
                           "proxy.listen") from None
 
 

@@ -39,6 +39,12 @@ class State(enum.IntEnum):
         return self >= State.DRAINING
 
 
+# The one source of state names outside this module: warmup_state's `state` label
+# values, in warmup order (dashboards/generate.py, alerts/generate.py read these).
+STATE_NAMES: tuple[str, ...] = tuple(s.name for s in State)
+# The states of a warmup still under way (not yet SERVING, not terminal).
+WARMING: tuple[State, ...] = (State.INIT, State.PRELOAD, State.PRIME)
+
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.INIT: frozenset({State.PRELOAD, State.FAILED, State.DRAINING}),
     State.PRELOAD: frozenset({State.PRIME, State.FAILED, State.DRAINING}),

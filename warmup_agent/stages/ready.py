@@ -16,15 +16,7 @@ import statistics
 import time
 
 from warmup_agent.readiness import validation
-from warmup_agent.readiness.runtime import attach
 from warmup_agent.readiness.window import nearest_rank
-
-
-def gate_open(window, min_probes: int, p50_max: float, p90_max: float) -> bool:
-    if len(window) < min_probes:
-        return False
-    q = window.quantiles((0.5, 0.9))
-    return q[0.5] <= p50_max and q[0.9] <= p90_max
 
 
 def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> bool:
@@ -45,7 +37,7 @@ def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> b
 
 def run(agent) -> None:
     cfg = agent.cfg
-    rd = attach(agent)
+    rd = agent.readiness
     detail = agent.stages[-1].detail
     max_probes = cfg["readiness.max_probes"]
     # Decode is gated only where probes time it (engines that speak the traffic profile).

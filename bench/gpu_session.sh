@@ -36,7 +36,7 @@ run_acceptance() {
     echo "acceptance rc=$? at $(( $(date +%s) - T0 )) s"
 }
 run_server_bench() {  # $1: seconds
-    timeout "$1" python3 bench/bench_gpu_server.py --starts ${SERVER_STARTS:-3} --budget-seconds $(( $1 - 20 )) \
+    timeout "$1" python3 bench/bench_gpu_server.py --starts ${SERVER_STARTS:-3} --steady ${SERVER_STEADY:-20} --budget-seconds $(( $1 - 20 )) \
         --out "$OUT_DIR/gpu_server_h200.json" --logs "$OUT_DIR/logs" > "$OUT_DIR/logs/gpu_server.log" 2>&1
     echo "gpu_server rc=$? at $(( $(date +%s) - T0 )) s"
 }

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from exporter.metrics import AgentMetrics
 from warmup_agent import __version__
-from warmup_agent.engines.base import Engine, EngineError
+from warmup_agent.engines.base import Engine
+from warmup_agent.errors import EngineError, ReasonedError
 from warmup_agent.memory import MemorySampler
 from warmup_agent.progress import Progress, coldstart
 from warmup_agent.readiness.window import SlidingWindow
@@ -30,12 +31,9 @@ log = logging.getLogger("warmup_agent.pipeline")
 STAGES = ("reserve", "prewarm", "solidify", "ready")
 
 
-class AgentFailure(Exception):
-    """The warmup failed with a named reason; the state machine is FAILED."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason, self.message = reason, message
+class AgentFailure(ReasonedError):
+    """The warmup failed (or stopped: reason "draining") with a named reason; the
+    state machine is FAILED or DRAINING."""
 
 
 @dataclass

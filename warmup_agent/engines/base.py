@@ -10,6 +10,10 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+from warmup_agent.errors import EngineError
+
+__all__ = ["Engine", "EngineError", "EngineFacts", "RequestResult", "SolidifyReport"]
+
 
 @dataclass
 class EngineFacts:
@@ -42,16 +46,6 @@ class SolidifyReport:
     shapes: int = 0
     seconds: float = 0.0
     detail: dict = field(default_factory=dict)
-
-
-class EngineError(Exception):
-    """A failure of the model or engine with a named reason (goes into
-    model_loading_failures_total{reason}).  `message` is one line for the user."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
 
 
 class Engine(abc.ABC):

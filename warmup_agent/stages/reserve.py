@@ -29,8 +29,8 @@ import sys
 import time
 
 from warmup_agent import hardware
-from warmup_agent.engines.torch_engine import check_model_dir, check_safetensors_header, safetensors_files
 from warmup_agent.gpu import sizing
+from warmup_agent.model_dir import check_model_dir, check_safetensors_header, safetensors_files
 from warmup_agent.progress import coldstart
 
 log = logging.getLogger("warmup_agent.stages.reserve")

@@ -235,7 +235,7 @@ class Agent:
         judges time to first token only, and 16 decoded tokens every 5 s took 12.5 %
         of a transformers-serve H200 pod's engine time, which kept
         warmup_cost_ratio over its alert threshold on a healthy pod."""
-        if hasattr(self.engine, "generate_requests") and self.profile is not None:
+        if self.engine.speaks_profile and self.profile is not None:
             from warmup_agent.traffic import probe_request
             max_tokens = self.cfg["readiness.probe_max_tokens"] if decode else 1
             r = self.send_requests([probe_request(self.profile, self.cfg["readiness.probe_prompt_length"],
@@ -407,10 +407,10 @@ class Agent:
         return {
             "version": __version__,
             "engine": self.cfg["engine"],
-            "model": getattr(self.engine, "model_path", None),
+            "model": self.engine.model_path,
             "host": self.host_facts,
             "engine_facts": self.engine_facts,
-            "quantization": q.as_dict() if (q := getattr(self.engine, "quantization", None)) is not None else None,
+            "quantization": q.as_dict() if (q := self.engine.quantization) is not None else None,
             "started_unix": time.time() - (self.clock() - self.started),
             # process start to run(), when known; the stages start where it ends
             "startup_seconds": None if self.startup is None else self.startup.duration,

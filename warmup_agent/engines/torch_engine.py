@@ -11,10 +11,15 @@ import hashlib
 import os
 import threading
 import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from warmup_agent import quantization
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 from warmup_agent.model_dir import check_model_dir, read_safetensors_header, safetensors_files
+
+if TYPE_CHECKING:
+    from warmup_agent.gpu.loader import LoadReport
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -57,56 +62,74 @@ def check_shapes_against_config(path: str) -> None:
 
 class TorchEngine(Engine):
     name = "torch"
+    sets_up_device = True   # reserve creates the CUDA context and reserves memory (Engine)
 
     def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto"):
-        self.model_path = model_path
+        self._model_path = model_path
         self._dtype_name = dtype
         self._device_name = device
-        self.tokenizer = None
-        self.model = None
-        self.device = None
-        self.dtype = None
+        # torch and transformers objects are typed Any (mypy does not follow them);
+        # None until loaded: the tokenizer by load_tokenizer, the rest by load_weights
+        # (the device and dtype already by init_device on a GPU host).
+        self.tokenizer: Any | None = None
+        self.model: Any | None = None            # the transformers model (torch.nn.Module)
+        self.device: Any | None = None           # torch.device
+        self.dtype: Any | None = None            # torch.dtype
         self._config: dict = {}
-        self._compiled = None
+        self._compiled: Any | None = None        # torch.compile(model), solidify mode compile
         # GPU options (set by stage 1 through configure(); defaults suit a CPU run).
-        self.options = {"progressive": True, "chunk_bytes": 64 << 20, "buffers": 4, "workers": 4,
-                        "manifest": None, "cuda_context_timeout": 60.0, "kernel_compile_timeout": 600.0,
-                        "graph_max_len": 512}
-        self.load_report = None
-        self.context_seconds = None
+        self.options: dict[str, Any] = {"progressive": True, "chunk_bytes": 64 << 20, "buffers": 4, "workers": 4,
+                                        "manifest": None, "cuda_context_timeout": 60.0,
+                                        "kernel_compile_timeout": 600.0, "graph_max_len": 512}
+        self.load_report: LoadReport | None = None
+        self.context_seconds: float | None = None
         self.reserved_bytes = 0
         self._decoders: dict = {}
-        self.last_output = None
+        self.last_output: Any | None = None      # the last generate()'s tokens, a tensor
         self.graph_fallback_reason: str | None = None
-        self._skeleton = None         # Future of (meta model, expected shapes, tied names)
-        self.skeleton_wait_seconds = None
-        self.quantization = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization.py)
+        self._skeleton: Future | None = None     # Future of (meta model, expected shapes, tied names)
+        self.skeleton_wait_seconds: float | None = None
+        self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization.py)
         self.fp8_layers = 0
 
-    def configure(self, **options) -> None:
+    @property
+    def model_path(self) -> str:
+        """The model directory (reserve checks it: Engine.model_path)."""
+        return self._model_path
+
+    def torch_model(self) -> Any:
+        """The loaded transformers model (validation checks it: Engine.torch_model)."""
+        return self.model
+
+    def configure(self, **options: Any) -> None:
         """GPU options from the config (see stages/reserve.py)."""
         self.options.update({k: v for k, v in options.items() if v is not None})
 
-    def init_device(self):
+    def _ensure_device(self) -> Any:
+        """The torch.device, resolved (with the dtype) on first use."""
+        if self.device is None:
+            self.device = self._resolve_device()
+            self.dtype = self._resolve_dtype(self.device)
+        return self.device
+
+    def init_device(self) -> Any:
         """Resolve the device and create its CUDA context under the deadline
         gpu.cuda_context_timeout_seconds (reason cuda_context_timeout)."""
         import torch
 
         from warmup_agent.gpu.deadline import run_with_deadline
-        if self.device is None:
-            self.device = self._resolve_device()
-            self.dtype = self._resolve_dtype()
-        if self.device.type == "cuda":
+        device = self._ensure_device()
+        if device.type == "cuda":
             t0 = time.perf_counter()
 
             def create():
-                torch.cuda.set_device(self.device)
-                torch.empty(1, device=self.device).fill_(0)
-                torch.cuda.synchronize(self.device)
+                torch.cuda.set_device(device)
+                torch.empty(1, device=device).fill_(0)
+                torch.cuda.synchronize(device)
             run_with_deadline(create, self.options["cuda_context_timeout"], "cuda_context_timeout",
-                              f"CUDA context creation on {self.device}")
+                              f"CUDA context creation on {device}")
             self.context_seconds = time.perf_counter() - t0
-        return self.device
+        return device
 
     def reserve_memory(self, nbytes: int) -> int:
         """Reserve and touch nbytes of device memory in the caching allocator."""
@@ -126,11 +149,11 @@ class TorchEngine(Engine):
             dev = torch.device("cuda", 0)   # an explicit index: set_device and the stages need one
         return dev
 
-    def _resolve_dtype(self):
+    def _resolve_dtype(self, device):
         import torch
         if self._dtype_name == "auto":
             # bf16 on GPU; float32 on CPU, where bf16 matmuls are emulated and slow on AVX2.
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self._dtype_name)
 
     def _read_config(self) -> None:
@@ -163,9 +186,7 @@ class TorchEngine(Engine):
     def load_weights(self) -> None:
         if not self._config:
             self._read_config()
-        if self.device is None:
-            self.device = self._resolve_device()
-            self.dtype = self._resolve_dtype()
+        self._ensure_device()
         if self.options["manifest"]:
             from warmup_agent.gpu.loader import check_manifest
             check_manifest(self.model_path, self.options["manifest"])
@@ -183,8 +204,6 @@ class TorchEngine(Engine):
         the naive start pays it too); on a CPU the weights are read meanwhile."""
         if self._skeleton is not None or not (self.options["progressive"] or self.quantization.fp8_weights):
             return
-        from concurrent.futures import Future
-
         from warmup_agent.gpu import loader
         future: Future = Future()
 
@@ -205,7 +224,7 @@ class TorchEngine(Engine):
         checked against the skeleton, and then the tensors become the parameters
         (no second copy)."""
         from warmup_agent.gpu import loader
-        on_gpu = self.device.type == "cuda"
+        on_gpu = self._ensure_device().type == "cuda"
         if not on_gpu:
             # Measured on the H200 (bench run3): overlapping the pinned loader with the
             # import cost it the GIL (0.4 s -> 1.0-1.6 s) and saved no wall time; on a
@@ -218,9 +237,11 @@ class TorchEngine(Engine):
                              self.options["buffers"], self.options["workers"])
         self._warm_blas()
         self._start_skeleton()
+        skeleton = self._skeleton
+        assert skeleton is not None   # started: this loader runs only when progressive or FP8
         t0 = time.perf_counter()
         try:
-            model, expected, tied = self._skeleton.result()
+            model, expected, tied = skeleton.result()
         except EngineError:
             raise
         except Exception as e:  # noqa: BLE001 - an unknown architecture or a broken config
@@ -272,9 +293,10 @@ class TorchEngine(Engine):
         if info.get("mismatched_keys"):
             raise EngineError("weights_shape_mismatch",
                               f"{self.model_path}: tensor shapes do not match config.json (first: {info['mismatched_keys'][0]})")
-        self.model = model.to(self.device).eval()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device = self._ensure_device()
+        self.model = model.to(device).eval()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     # -- facts -------------------------------------------------------------------------
     def facts(self) -> EngineFacts:
@@ -293,6 +315,7 @@ class TorchEngine(Engine):
                            max_context=c.get("max_position_embeddings"), vocab_size=c.get("vocab_size"))
 
     def tokenize(self, text: str) -> list[int]:
+        assert self.tokenizer is not None, "load_tokenizer() first"
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- requests ----------------------------------------------------------------------
@@ -312,6 +335,7 @@ class TorchEngine(Engine):
         if decoder and len({len(p) for p in prompts}) == 1 and len(prompts[0]) + max_new_tokens <= decoder.max_len:
             return self._generate_static(decoder, prompts, max_new_tokens)
         model = self._compiled or self.model
+        assert model is not None and self.tokenizer is not None, "load_weights() and load_tokenizer() first"
         longest = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
@@ -417,6 +441,7 @@ class TorchEngine(Engine):
         scratch memory)."""
         import torch
         h = hashlib.sha256()
+        assert self.model is not None, "load_weights() first"
         items = list(self.model.state_dict().items())
         step = (1 << 24) if self.device is not None and self.device.type == "cuda" else (1 << 20)
         with torch.inference_mode():

@@ -79,7 +79,7 @@ def load_profile(agent, lengths: list[int]) -> traffic.TrafficProfile:
     cfg, engine = agent.cfg, agent.engine
     path = cfg["prewarm.requests_file"]
     if path:
-        text = getattr(engine, "text", None)
+        text = engine.text
         if text is None:
             raise EngineError("invalid_config", "key 'prewarm.requests_file': prompts are counted with the model's "
                               "tokenizer; give --model DIR (model.path) with a tokenizer.json")
@@ -125,7 +125,7 @@ def warm_profile(agent, lengths: list[int], batches: list[int], detail: dict, t_
         "source": profile.source, "requests_seen": profile.requests_seen, "endpoints": profile.endpoints,
         "families": sorted(f for f in profile.families if f not in refused), "refused_families": refused,
         "prompt_lengths": profile.prompt_lengths, "max_tokens": profile.max_tokens,
-        "capabilities": dict(getattr(agent.engine, "capabilities", {}))}
+        "capabilities": dict(agent.engine.capabilities)}
     detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=sorted({r.prompt_tokens for b in plan for r in b}),
                   batches=batches, profile=agent.profile_summary,
                   seconds={"traffic": time.perf_counter() - t_start})
@@ -151,16 +151,16 @@ def run(agent) -> None:
     t2 = clock()
     facts = engine.facts()
     agent.engine_facts = vars(facts)
-    quant = getattr(engine, "quantization", None)     # warmup_agent/quantization.py (issue 16)
+    quant = engine.quantization     # warmup_agent/quantization.py (issue 16)
     if quant is not None:
         agent.metrics["warmup_model_quantization_info"].info(quant.labels())
         detail["quantization"] = quant.as_dict()
-    report = getattr(engine, "load_report", None)
+    report = engine.load_report
     if report is not None:
         detail["weight_load"] = report.as_dict()
         if report.seconds > 0:
             agent.metrics["warmup_weight_load_bytes_per_second"].set(report.bytes / report.seconds)
-    if getattr(engine, "skeleton_wait_seconds", None) is not None:
+    if engine.skeleton_wait_seconds is not None:
         detail["waited_for_transformers_import_seconds"] = engine.skeleton_wait_seconds
     agent.sm.record_fingerprint(engine.weight_fingerprint())
     t3 = clock()
@@ -169,7 +169,7 @@ def run(agent) -> None:
     lengths = warmup_lengths(cfg, engine.tokenize)
     batches = warmup_batches(cfg, facts, getattr(agent, "gpu_free_bytes", None), max(lengths))
     max_new = cfg["prewarm.max_new_tokens"]
-    if hasattr(engine, "generate_requests"):
+    if engine.speaks_profile:
         warm_profile(agent, lengths, batches, detail, t3)
         detail["seconds"].update(weights=t1 - t0, tokenizer=t2 - t1, fingerprint=t3 - t2)
         agent.move(State.PRIME)

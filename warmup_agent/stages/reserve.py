@@ -52,15 +52,15 @@ def _device_index(device: str) -> int:
 
 
 def configure_engine(agent) -> None:
-    """Hand the GPU options of the config to an engine that takes them."""
-    cfg, engine = agent.cfg, agent.engine
-    if hasattr(engine, "configure"):
-        engine.configure(progressive=cfg["prewarm.progressive_load"], chunk_bytes=cfg["prewarm.staging_chunk_bytes"],
-                         buffers=cfg["prewarm.staging_buffers"], workers=cfg["prewarm.loader_threads"],
-                         manifest=cfg["prewarm.weights_manifest"],
-                         cuda_context_timeout=cfg["gpu.cuda_context_timeout_seconds"],
-                         kernel_compile_timeout=cfg["gpu.kernel_compile_timeout_seconds"],
-                         graph_max_len=cfg["solidify.graph_max_length"])
+    """Hand the GPU options of the config to the engine (Engine.configure: only the
+    torch engine takes them; the others ignore them)."""
+    cfg = agent.cfg
+    agent.engine.configure(progressive=cfg["prewarm.progressive_load"], chunk_bytes=cfg["prewarm.staging_chunk_bytes"],
+                           buffers=cfg["prewarm.staging_buffers"], workers=cfg["prewarm.loader_threads"],
+                           manifest=cfg["prewarm.weights_manifest"],
+                           cuda_context_timeout=cfg["gpu.cuda_context_timeout_seconds"],
+                           kernel_compile_timeout=cfg["gpu.kernel_compile_timeout_seconds"],
+                           graph_max_len=cfg["solidify.graph_max_length"])
 
 
 class Steps:
@@ -112,7 +112,7 @@ def run(agent) -> None:
     else:
         detail["pinned_cpus"] = None  # no GPU: no locality to pin to; keep the cgroup's cpuset
 
-    model_path = getattr(agent.engine, "model_path", None)
+    model_path = agent.engine.model_path   # None: no local model directory to check
     if not model_path:
         return
     on_gpu = device.startswith("cuda") and gpu is not None
@@ -136,7 +136,7 @@ def run(agent) -> None:
     if problem:
         agent.fail("insufficient_gpu_memory", problem)
     agent.gpu_free_bytes = gpu.memory_free_bytes
-    if hasattr(agent.engine, "init_device"):
+    if agent.engine.sets_up_device:
         # The first `import torch` of the process lands here (nothing imports it
         # earlier on a GPU host); timed apart so it is not read as reservation.
         with step("torch_import"):

@@ -48,7 +48,7 @@ def run(agent) -> None:
     # A server engine whose server compiled nothing into the cache folders it was
     # given (`transformers serve`, eager) has nothing to share: skip the cache,
     # whose namespace costs a torch import (seconds on a GPU host) on the way to SERVING.
-    wanted = mode != "none" and getattr(agent.engine, "has_compile_artifacts", lambda: True)()
+    wanted = mode != "none" and agent.engine.has_compile_artifacts()
     cache = open_kernel_cache(agent) if wanted else None
     previous, agent.kernel_cache = getattr(agent, "kernel_cache", None), cache   # the agent closes it at stop
     if previous is not None:  # a re-warm opens a fresh one

@@ -111,3 +111,42 @@ def test_no_capability_of_an_engine_is_probed_with_hasattr():
     # vllm_engine's own self.engine is vLLM's LLMEngine, not ours.
     found = [p for p in probes(("engine",)) if "getattr(self.engine, 'vllm_config'" not in p]
     assert not found, found
+
+
+def test_stages_share_only_the_declared_context():
+    """Issue 17: what stages hand each other is a field of StageContext, and every
+    attribute a stage sets on the Agent is one that Agent.__init__ declares."""
+    import dataclasses
+
+    from warmup_agent.stages.context import StageContext
+    shared = {f.name for f in dataclasses.fields(StageContext)}
+    found = [p for p in probes(("agent", "self")) if p.split("'")[1] in shared]
+    assert not found, found
+
+    def assigned(tree, owner: str) -> set[str]:
+        return {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == owner}
+    with open(os.path.join(ROOT, "warmup_agent", "pipeline.py"), encoding="utf-8") as fh:
+        pipeline = ast.parse(fh.read())
+    agent_init = next(n for c in pipeline.body if isinstance(c, ast.ClassDef) and c.name == "Agent"
+                      for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    declared = assigned(agent_init, "self")
+    stages = os.path.join(ROOT, "warmup_agent", "stages")
+    for f in sorted(os.listdir(stages)):
+        if f.endswith(".py"):
+            with open(os.path.join(stages, f), encoding="utf-8") as fh:
+                undeclared = assigned(ast.parse(fh.read()), "agent") - declared
+            assert not undeclared, f"stages/{f} sets {sorted(undeclared)} on the Agent: a StageContext field?"
+
+
+def test_the_agent_owns_one_context_with_empty_defaults(clean_env):
+    from warmup_agent.pipeline import Agent
+    from warmup_agent.stages.context import StageContext
+    agent = Agent(config.load(env={}), Minimal())
+    assert agent.context == StageContext()
+    assert agent.context.gpu is None and agent.context.warmed_shapes == [] and agent.context.kernel_cache is None
+    assert agent.record()["traffic_profile"] is None
+    agent.stop()                                   # no kernel cache opened: nothing to close
+    assert not agent.engine_lock.locked()

@@ -24,6 +24,7 @@ from warmup_agent.memory import MemorySampler
 from warmup_agent.progress import Progress, coldstart
 from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.stages import prewarm, ready, reserve, solidify
+from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State, StateMachine
 
 log = logging.getLogger("warmup_agent.pipeline")
@@ -72,6 +73,7 @@ class Agent:
         self.profile = None           # traffic.TrafficProfile (openai engine)
         self.memory = MemorySampler()
         self.stages: list[StageTiming] = []
+        self.context = StageContext()  # what the stages share (stages/context.py); lives as long as the agent
         self.started = clock()        # the zero of every timestamp we record (see run())
         self._boundary = self.started
         # When the process started, on `clock` (procstart.process_started()); the CLI
@@ -85,7 +87,12 @@ class Agent:
         self.host_facts: dict = {}
         self.engine_facts: dict = {}
         self.prompts = None           # traffic.PromptFactory, made once the tokenizer is loaded
-        self._engine_lock = threading.Lock()
+        # The engine lock (public: stages take it around their own engine calls).  Held
+        # around each call into the loaded engine: a warmup batch or probe (send,
+        # send_requests), solidify, the validation checks and the fingerprint before
+        # SERVING.  So those calls never overlap: the watch thread's probes after
+        # SERVING and a re-warm's stages take turns at the engine.
+        self.engine_lock = threading.Lock()
         self._watch_stop = threading.Event()
         self._engine_crashed = False
         self._probe_seq = 0
@@ -125,20 +132,20 @@ class Agent:
         return self.sm.state
 
     def reserve(self) -> None:
-        with self._stage("reserve", 1):
-            reserve.run(self)
+        with self._stage("reserve", 1) as timing:
+            reserve.run(self, self.context, timing.detail)
 
     def prewarm(self) -> None:
-        with self._stage("prewarm", 2):
-            prewarm.run(self)
+        with self._stage("prewarm", 2) as timing:
+            prewarm.run(self, self.context, timing.detail)
 
     def solidify(self) -> None:
-        with self._stage("solidify", 3):
-            solidify.run(self)
+        with self._stage("solidify", 3) as timing:
+            solidify.run(self, self.context, timing.detail)
 
     def ready(self) -> None:
-        with self._stage("ready", 4):
-            ready.run(self)
+        with self._stage("ready", 4) as timing:
+            ready.run(self, self.context, timing.detail)
             if self.sm.state == State.SERVING:
                 self.serving_at = self.clock()
                 self.metrics["warmup_time_to_ready_seconds"].set(self.serving_at - self.started)
@@ -198,7 +205,7 @@ class Agent:
     def send(self, prompts: list[list[int]], kind: str, max_new_tokens: int = 1) -> float:
         """Send one batch to the engine as agent traffic; return its time to first token.
         Counted in warmup_requests_total{kind} and the engine-seconds behind warmup_cost_ratio."""
-        with self._engine_lock:
+        with self.engine_lock:
             t0 = time.perf_counter()
             results = self.engine.generate(prompts, max_new_tokens=max_new_tokens, warmup=True)
             busy = time.perf_counter() - t0
@@ -214,7 +221,7 @@ class Agent:
     def send_requests(self, requests: list, kind: str) -> list:
         """One batch of traffic-profile requests (traffic.WarmRequest) as agent
         traffic, for engines that speak the profile (openai); counted like send()."""
-        with self._engine_lock:
+        with self.engine_lock:
             t0 = time.perf_counter()
             results = self.engine.generate_requests(requests, warmup=True)
             busy = time.perf_counter() - t0
@@ -349,7 +356,7 @@ class Agent:
             watch.join(timeout=30)
         self.memory.stop()
         self.sm.stop_watchdog()
-        cache = getattr(self, "kernel_cache", None)
+        cache = self.context.kernel_cache
         if cache is not None:
             cache.close()  # its Redis connection and invalidation listener
 
@@ -427,7 +434,7 @@ class Agent:
             "first_request_total_tax_ratio": (self.probe_totals[0] / statistics.median(self.probe_totals[1:])
                                               if len(self.probe_totals) > 1 else None),
             "time_per_output_token_window_seconds": {percentile_label(q): v for q, v in self.tpot_window.quantiles().items()},
-            "traffic_profile": getattr(self, "profile_summary", None),
+            "traffic_profile": self.context.profile_summary,
             "readiness_thresholds_seconds": {"p50": self.cfg["readiness.p50_threshold_seconds"],
                                              "p90": self.cfg["readiness.p90_threshold_seconds"]},
             "final_state": self.sm.state.name,

@@ -32,6 +32,7 @@ from warmup_agent import hardware
 from warmup_agent.gpu import sizing
 from warmup_agent.model_dir import check_model_dir, check_safetensors_header, safetensors_files
 from warmup_agent.progress import coldstart
+from warmup_agent.stages.context import StageContext
 
 log = logging.getLogger("warmup_agent.stages.reserve")
 
@@ -85,9 +86,8 @@ class Steps:
             self.record(name, time.perf_counter() - t0)
 
 
-def run(agent) -> None:
+def run(agent, ctx: StageContext, detail: dict) -> None:
     cfg = agent.cfg
-    detail = agent.stages[-1].detail
     step = Steps(agent, detail)
     with step("host_facts"):            # NVML init, per-GPU facts, NVLink links
         host = hardware.read_host()
@@ -101,7 +101,7 @@ def run(agent) -> None:
     gpu = None
     if host.gpus and device.startswith("cuda"):
         gpu = hardware.visible_gpu(host.gpus, _device_index(device), os.environ.get("CUDA_VISIBLE_DEVICES"))
-    agent.gpu = gpu
+    ctx.gpu = gpu
     if gpu is not None:
         detail["gpu_uuid"] = gpu.uuid
         with step("pin_cpus"):
@@ -135,7 +135,7 @@ def run(agent) -> None:
     problem = sizing.check_fits(plan, gpu.memory_free_bytes, f"{model_path} on GPU {gpu.index} ({gpu.uuid})")
     if problem:
         agent.fail("insufficient_gpu_memory", problem)
-    agent.gpu_free_bytes = gpu.memory_free_bytes
+    ctx.gpu_free_bytes = gpu.memory_free_bytes
     if agent.engine.sets_up_device:
         # The first `import torch` of the process lands here (nothing imports it
         # earlier on a GPU host); timed apart so it is not read as reservation.

@@ -26,6 +26,7 @@ from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.stages import prewarm, ready, reserve, solidify
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State, StateMachine
+from warmup_agent.traffic import PromptFactory, TrafficProfile
 
 log = logging.getLogger("warmup_agent.pipeline")
 
@@ -70,7 +71,7 @@ class Agent:
         # probes, and each probe's whole-answer time (the first-request tax on it).
         self.tpot_window = SlidingWindow(cfg["readiness.window_size"])
         self.probe_totals: list[float] = []
-        self.profile = None           # traffic.TrafficProfile (openai engine)
+        self.profile: TrafficProfile | None = None   # prewarm, engines that speak the profile (openai)
         self.memory = MemorySampler()
         self.stages: list[StageTiming] = []
         self.context = StageContext()  # what the stages share (stages/context.py); lives as long as the agent
@@ -86,7 +87,7 @@ class Agent:
         self.warmup_requests = 0
         self.host_facts: dict = {}
         self.engine_facts: dict = {}
-        self.prompts = None           # traffic.PromptFactory, made once the tokenizer is loaded
+        self.prompts: PromptFactory | None = None   # made by prewarm once the tokenizer is loaded
         # The engine lock (public: stages take it around their own engine calls).  Held
         # around each call into the loaded engine: a warmup batch or probe (send,
         # send_requests), solidify, the validation checks and the fingerprint before
@@ -111,9 +112,10 @@ class Agent:
         run_at = self.started = self._boundary = self.clock()
         if self.process_started is not None and self.process_started < run_at:
             self.started = self.process_started
-            self.startup = StageTiming("startup", 0, start=0.0, end=run_at - self.started, status="ok")
-            self.progress.startup_finished(self.startup.duration)
-            coldstart("completed", "startup", 0, duration=round(self.startup.duration, 6), state=self.sm.state.name)
+            startup = run_at - self.started
+            self.startup = StageTiming("startup", 0, start=0.0, end=startup, status="ok")
+            self.progress.startup_finished(startup)
+            coldstart("completed", "startup", 0, duration=round(startup, 6), state=self.sm.state.name)
         self.sm.begin(run_at)  # INIT's deadline covers the agent's own work only
         self.sm.start_watchdog()
         self.memory.start()
@@ -174,12 +176,13 @@ class Agent:
         finally:
             end = self.clock()
             timing.end = end - self.started
+            duration = timing.end - timing.start   # timing.duration, now that it has ended
             self._boundary = end
-            self.metrics["model_loading_phase_duration_seconds"].labels(phase=name).set(timing.duration)
-            self.metrics["warmup_stage_duration_seconds"].labels(stage=name).observe(timing.duration)
-            self.progress.stage_finished(name, timing.duration, ok=timing.status == "ok")
+            self.metrics["model_loading_phase_duration_seconds"].labels(phase=name).set(duration)
+            self.metrics["warmup_stage_duration_seconds"].labels(stage=name).observe(duration)
+            self.progress.stage_finished(name, duration, ok=timing.status == "ok")
             coldstart("completed" if timing.status == "ok" else "failed", name, phase,
-                      duration=round(timing.duration, 6), state=self.sm.state.name)
+                      duration=round(duration, 6), state=self.sm.state.name)
 
     def checkpoint(self) -> None:
         """Raise AgentFailure if the machine failed (a deadline, say) or started
@@ -269,6 +272,7 @@ class Agent:
         would otherwise skip the prefill of a repeated probe and look faster than
         real traffic."""
         self._probe_seq += 1
+        assert self.prompts is not None, "prewarm makes the prompt factory before any probe"
         return self.prompts.prompt(self.cfg["readiness.probe_prompt_length"], variant=self._probe_seq)
 
     def record_probe(self, ttft: float, kind: str = "probe") -> None:

@@ -17,7 +17,7 @@ import logging
 import time
 
 from warmup_agent import memory_budget, traffic
-from warmup_agent.engines.base import EngineError
+from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State

@@ -120,7 +120,7 @@ def test_warmup_backs_off_from_a_batch_that_runs_out_of_memory(embedded_model):
     from warmup_agent.states import State
     agent = _agent_with_oom_from(embedded_model, 4)
     assert agent.run() == State.SERVING
-    assert sorted({b for _, b in agent.warmed_shapes}) == [1, 2]
+    assert sorted({b for _, b in agent.context.warmed_shapes}) == [1, 2]
     prewarm = next(s for s in agent.stages if s.name == "prewarm")
     assert prewarm.detail["dropped_batches"] == [4]
 

@@ -15,14 +15,22 @@ from exporter.metrics import AgentMetrics
 from exporter.server import ExporterServer
 from tests.helpers.servers import http_get
 from warmup_agent import config
+from warmup_agent.engines.base import Engine
 from warmup_agent.pipeline import Agent
 from warmup_agent.states import State
 
 P50, P90 = 0.85, 2.1
 
 
-class NoEngine:
-    """The constructor only reads the config; probes are fed through record_probe."""
+class NoEngine(Engine):
+    """Never loaded or asked to generate: probes are fed through record_probe.
+    An Engine subclass so the record reads the base's capability defaults."""
+    name = "none"
+
+    def _never(self, *args, **kwargs):
+        raise AssertionError("never loaded or asked to generate in these tests")
+
+    load_tokenizer = load_weights = facts = tokenize = generate = weight_fingerprint = _never
 
 
 def scraped_thresholds(port: int) -> dict[str, float]:

@@ -10,9 +10,14 @@ import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from warmup_agent import __version__
 from warmup_agent.config import ConfigError
+
+if TYPE_CHECKING:  # the CLI imports these lazily: `--help` stays fast and imports no engine
+    from warmup_agent.engines.base import Engine
+    from warmup_agent.pipeline import Agent
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
 
@@ -174,14 +179,7 @@ def cmd_run(args) -> int:
     # The clock starts at process start: a first run's imports and embedded model
     # creation are part of the time to SERVING (the "startup" stage).
     agent = Agent(cfg, engine, metrics=metrics, progress=progress, process_started=process_started())
-    if hasattr(engine, "on_server_exit"):
-        # A supervised server that crashes sends the agent back to PRELOAD (readiness
-        # false at once); once it answers again the agent re-warms it.
-        engine.on_server_exit = agent.on_engine_exit
-        engine.on_server_ready = agent.on_engine_ready
-    if hasattr(engine, "metrics_url"):
-        from exporter.engine_metrics import EngineMetricsCollector
-        metrics.registry.register(EngineMetricsCollector(lambda: getattr(engine, "metrics_url", None)))
+    connect_engine(engine, agent, metrics.registry)
 
     from warmup_agent import proxy as routing
     proxy = routing.from_config(agent, cfg)  # None unless proxy.listen is set
@@ -248,6 +246,19 @@ def cmd_run(args) -> int:
             proxy.stop()
         server.stop()
         engine.close()
+
+
+def connect_engine(engine: Engine, agent: Agent, registry) -> None:
+    """Wire the engine's optional capabilities (engines/base.py) to the agent and
+    the exporter's registry.  A supervised server that crashes sends the agent back
+    to PRELOAD (readiness false at once); once it answers again the agent re-warms
+    it; engines without a server ignore the callbacks.  An engine with its own
+    Prometheus endpoint (metrics_url) gets a collector that reads it at scrape
+    time; an engine without one (metrics_url None) gets none."""
+    engine.set_server_callbacks(agent.on_engine_exit, agent.on_engine_ready)
+    if engine.metrics_url is not None:
+        from exporter.engine_metrics import EngineMetricsCollector
+        registry.register(EngineMetricsCollector(lambda: engine.metrics_url))
 
 
 def _summary(record: dict) -> str:

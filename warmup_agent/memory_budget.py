@@ -24,15 +24,18 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from warmup_agent.errors import ReasonedError
+
 log = logging.getLogger("warmup_agent.memory_budget")
 
 REASON = "prewarm_memory_budget_exceeded"
 
 
-class BudgetExceeded(Exception):
-    """Not even the smallest batch fits; `reason` is the failure's name."""
+class BudgetExceeded(ReasonedError):
+    """Not even the smallest batch fits; `reason` is always REASON."""
 
-    reason = REASON
+    def __init__(self, message: str):
+        super().__init__(REASON, message)
 
 
 @dataclass

@@ -18,25 +18,25 @@ from dataclasses import dataclass, field
 
 from exporter.metrics import AgentMetrics
 from warmup_agent import __version__
-from warmup_agent.engines.base import Engine, EngineError
+from warmup_agent.engines.base import Engine
+from warmup_agent.errors import EngineError, ReasonedError
 from warmup_agent.memory import MemorySampler
 from warmup_agent.progress import Progress, coldstart
 from warmup_agent.readiness.runtime import Readiness, percentile_label
 from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.stages import prewarm, ready, reserve, solidify
+from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State, StateMachine
+from warmup_agent.traffic import PromptFactory, TrafficProfile
 
 log = logging.getLogger("warmup_agent.pipeline")
 
 STAGES = ("reserve", "prewarm", "solidify", "ready")
 
 
-class AgentFailure(Exception):
-    """The warmup failed with a named reason; the state machine is FAILED."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason, self.message = reason, message
+class AgentFailure(ReasonedError):
+    """The warmup failed (or stopped: reason "draining") with a named reason; the
+    state machine is FAILED or DRAINING."""
 
 
 @dataclass
@@ -74,9 +74,10 @@ class Agent:
         # probes, and each probe's whole-answer time (the first-request tax on it).
         self.tpot_window = SlidingWindow(cfg["readiness.window_size"])
         self.probe_totals: list[float] = []
-        self.profile = None           # traffic.TrafficProfile (openai engine)
+        self.profile: TrafficProfile | None = None   # prewarm, engines that speak the profile (openai)
         self.memory = MemorySampler()
         self.stages: list[StageTiming] = []
+        self.context = StageContext()  # what the stages share (stages/context.py); lives as long as the agent
         self.started = clock()        # the zero of every timestamp we record (see run())
         self._boundary = self.started
         # When the process started, on `clock` (procstart.process_started()); the CLI
@@ -89,8 +90,13 @@ class Agent:
         self.warmup_requests = 0
         self.host_facts: dict = {}
         self.engine_facts: dict = {}
-        self.prompts = None           # traffic.PromptFactory, made once the tokenizer is loaded
-        self._engine_lock = threading.Lock()
+        self.prompts: PromptFactory | None = None   # made by prewarm once the tokenizer is loaded
+        # The engine lock (public: stages take it around their own engine calls).  Held
+        # around each call into the loaded engine: a warmup batch or probe (send,
+        # send_requests), solidify, the validation checks and the fingerprint before
+        # SERVING.  So those calls never overlap: the watch thread's probes after
+        # SERVING and a re-warm's stages take turns at the engine.
+        self.engine_lock = threading.Lock()
         self._watch_stop = threading.Event()
         self._engine_crashed = False
         self._probe_seq = 0
@@ -112,9 +118,10 @@ class Agent:
         run_at = self.started = self._boundary = self.clock()
         if self.process_started is not None and self.process_started < run_at:
             self.started = self.process_started
-            self.startup = StageTiming("startup", 0, start=0.0, end=run_at - self.started, status="ok")
-            self.progress.startup_finished(self.startup.duration)
-            coldstart("completed", "startup", 0, duration=round(self.startup.duration, 6), state=self.sm.state.name)
+            startup = run_at - self.started
+            self.startup = StageTiming("startup", 0, start=0.0, end=startup, status="ok")
+            self.progress.startup_finished(startup)
+            coldstart("completed", "startup", 0, duration=round(startup, 6), state=self.sm.state.name)
         self.sm.begin(run_at)  # INIT's deadline covers the agent's own work only
         self.sm.start_watchdog()
         self.memory.start()
@@ -133,20 +140,20 @@ class Agent:
         return self.sm.state
 
     def reserve(self) -> None:
-        with self._stage("reserve", 1):
-            reserve.run(self)
+        with self._stage("reserve", 1) as timing:
+            reserve.run(self, self.context, timing.detail)
 
     def prewarm(self) -> None:
-        with self._stage("prewarm", 2):
-            prewarm.run(self)
+        with self._stage("prewarm", 2) as timing:
+            prewarm.run(self, self.context, timing.detail)
 
     def solidify(self) -> None:
-        with self._stage("solidify", 3):
-            solidify.run(self)
+        with self._stage("solidify", 3) as timing:
+            solidify.run(self, self.context, timing.detail)
 
     def ready(self) -> None:
-        with self._stage("ready", 4):
-            ready.run(self)
+        with self._stage("ready", 4) as timing:
+            ready.run(self, self.context, timing.detail)
             if self.sm.state == State.SERVING:
                 self.serving_at = self.clock()
                 self.metrics["warmup_time_to_ready_seconds"].set(self.serving_at - self.started)
@@ -175,12 +182,13 @@ class Agent:
         finally:
             end = self.clock()
             timing.end = end - self.started
+            duration = timing.end - timing.start   # timing.duration, now that it has ended
             self._boundary = end
-            self.metrics["model_loading_phase_duration_seconds"].labels(phase=name).set(timing.duration)
-            self.metrics["warmup_stage_duration_seconds"].labels(stage=name).observe(timing.duration)
-            self.progress.stage_finished(name, timing.duration, ok=timing.status == "ok")
+            self.metrics["model_loading_phase_duration_seconds"].labels(phase=name).set(duration)
+            self.metrics["warmup_stage_duration_seconds"].labels(stage=name).observe(duration)
+            self.progress.stage_finished(name, duration, ok=timing.status == "ok")
             coldstart("completed" if timing.status == "ok" else "failed", name, phase,
-                      duration=round(timing.duration, 6), state=self.sm.state.name)
+                      duration=round(duration, 6), state=self.sm.state.name)
 
     def checkpoint(self) -> None:
         """Raise AgentFailure if the machine failed (a deadline, say) or started
@@ -206,7 +214,7 @@ class Agent:
     def send(self, prompts: list[list[int]], kind: str, max_new_tokens: int = 1) -> float:
         """Send one batch to the engine as agent traffic; return its time to first token.
         Counted in warmup_requests_total{kind} and the engine-seconds behind warmup_cost_ratio."""
-        with self._engine_lock:
+        with self.engine_lock:
             t0 = time.perf_counter()
             results = self.engine.generate(prompts, max_new_tokens=max_new_tokens, warmup=True)
             busy = time.perf_counter() - t0
@@ -222,7 +230,7 @@ class Agent:
     def send_requests(self, requests: list, kind: str) -> list:
         """One batch of traffic-profile requests (traffic.WarmRequest) as agent
         traffic, for engines that speak the profile (openai); counted like send()."""
-        with self._engine_lock:
+        with self.engine_lock:
             t0 = time.perf_counter()
             results = self.engine.generate_requests(requests, warmup=True)
             busy = time.perf_counter() - t0
@@ -243,7 +251,7 @@ class Agent:
         judges time to first token only, and 16 decoded tokens every 5 s took 12.5 %
         of a transformers-serve H200 pod's engine time, which kept
         warmup_cost_ratio over its alert threshold on a healthy pod."""
-        if hasattr(self.engine, "generate_requests") and self.profile is not None:
+        if self.engine.speaks_profile and self.profile is not None:
             from warmup_agent.traffic import probe_request
             max_tokens = self.cfg["readiness.probe_max_tokens"] if decode else 1
             r = self.send_requests([probe_request(self.profile, self.cfg["readiness.probe_prompt_length"],
@@ -270,6 +278,7 @@ class Agent:
         would otherwise skip the prefill of a repeated probe and look faster than
         real traffic."""
         self._probe_seq += 1
+        assert self.prompts is not None, "prewarm makes the prompt factory before any probe"
         return self.prompts.prompt(self.cfg["readiness.probe_prompt_length"], variant=self._probe_seq)
 
     def record_probe(self, ttft: float, kind: str = "probe") -> None:
@@ -354,7 +363,7 @@ class Agent:
             watch.join(timeout=30)
         self.memory.stop()
         self.sm.stop_watchdog()
-        cache = getattr(self, "kernel_cache", None)
+        cache = self.context.kernel_cache
         if cache is not None:
             cache.close()  # its Redis connection and invalidation listener
 
@@ -410,10 +419,10 @@ class Agent:
         return {
             "version": __version__,
             "engine": self.cfg["engine"],
-            "model": getattr(self.engine, "model_path", None),
+            "model": self.engine.model_path,
             "host": self.host_facts,
             "engine_facts": self.engine_facts,
-            "quantization": q.as_dict() if (q := getattr(self.engine, "quantization", None)) is not None else None,
+            "quantization": q.as_dict() if (q := self.engine.quantization) is not None else None,
             "started_unix": time.time() - (self.clock() - self.started),
             # process start to run(), when known; the stages start where it ends
             "startup_seconds": None if self.startup is None else self.startup.duration,
@@ -430,7 +439,7 @@ class Agent:
             "first_request_total_tax_ratio": (self.probe_totals[0] / statistics.median(self.probe_totals[1:])
                                               if len(self.probe_totals) > 1 else None),
             "time_per_output_token_window_seconds": {percentile_label(q): v for q, v in self.tpot_window.quantiles().items()},
-            "traffic_profile": getattr(self, "profile_summary", None),
+            "traffic_profile": self.context.profile_summary,
             # The thresholds in force, as warmup_readiness_threshold_seconds shows them
             # (adaptive: the last re-fit), and the configured ceiling they came from.
             "readiness_thresholds_seconds": self.readiness.thresholds_in_force(),

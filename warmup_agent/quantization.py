@@ -27,7 +27,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from warmup_agent.engines.base import EngineError
+from warmup_agent.errors import EngineError
 
 FP8_E4M3_MAX = 448.0              # largest finite float8_e4m3fn; beyond it a cast gives NaN, so we clamp
 _MIN_AMAX = 1e-12                 # an all-zero group gets a tiny scale instead of 0/0

@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-from warmup_agent.engines.base import EngineError
+from warmup_agent.errors import EngineError
 
 _PR_SET_PDEATHSIG = 1
 

@@ -4,11 +4,28 @@ Stages never know which engine they drive: every engine call goes through
 `Engine`.  Adapters: `torch` (in-process transformers, the embedded default),
 `vllm` (in-process vLLM) and `openai` (an OpenAI-compatible server, supervised
 or already running).
+
+What only some engines can do is declared here too, with a default that means
+"not this engine" (see "Optional capabilities" on `Engine`).  Callers use those
+declarations; nothing asks an engine with hasattr/getattr what it has.
 """
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable
+
+from warmup_agent.errors import EngineError
+
+if TYPE_CHECKING:  # types only: none of these is imported at run time from here
+    from warmup_agent.engines.text_prompts import TextPrompts
+    from warmup_agent.gpu.loader import LoadReport
+    from warmup_agent.quantization import QuantizationInfo
+    from warmup_agent.traffic import WarmRequest
+
+__all__ = ["Engine", "EngineError", "EngineFacts", "RequestResult", "SolidifyReport"]
 
 
 @dataclass
@@ -44,21 +61,127 @@ class SolidifyReport:
     detail: dict = field(default_factory=dict)
 
 
-class EngineError(Exception):
-    """A failure of the model or engine with a named reason (goes into
-    model_loading_failures_total{reason}).  `message` is one line for the user."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-
 class Engine(abc.ABC):
     """Abstract engine.  Call order: load_tokenizer, load_weights, then any of
-    generate/solidify/weight_fingerprint, finally close."""
+    generate/solidify/weight_fingerprint, finally close.
+
+    Optional capabilities.  Every engine has the members below; the defaults say
+    "this engine cannot" and make the calling code do nothing (or skip a step).
+    An adapter that can overrides them:
+
+    ==========================  ==============================  ===================================
+    member                      default                         overridden by, used by
+    ==========================  ==============================  ===================================
+    model_path                  None (no local model dir)       torch, vllm, openai (when local);
+                                                                reserve checks and sizes it
+    quantization                None (not said)                 all three; prewarm, validation, record
+    configure(**options)        ignores the options             torch; reserve (GPU loader options)
+    sets_up_device              False                           torch; reserve then calls
+    init_device(), context_     no device, None, reserves 0     init_device (CUDA context) and
+    seconds, reserve_memory(n)                                  reserve_memory
+    load_report                 None                            torch (gpu/loader.py); prewarm
+    skeleton_wait_seconds       None                            torch; prewarm
+    speaks_profile              False                           openai; prewarm warms the traffic
+    generate_requests(), apis,  raises, (), None, {}            profile and probes are profile
+    text, capabilities                                          requests (pipeline.Agent.probe)
+    has_compile_artifacts()     True                            openai; solidify skips the cache
+    set_server_callbacks(x, r)  ignores them (no server)        openai; cli (crash -> PRELOAD)
+    metrics_url                 None (no engine /metrics)       openai; cli registers the collector
+    torch_model()               None                            torch; readiness/validation.py
+    interrupt()                 nothing to stop                 openai; cli on SIGTERM in warmup
+    ==========================  ==============================  ===================================
+    """
 
     name: str = "abstract"
+
+    # -- what the engine knows about its model ------------------------------------------
+    #: How the model is quantized as this engine runs it (warmup_agent/quantization.py,
+    #: issue 16).  None: the engine does not say (the agent exports no quantization info).
+    quantization: QuantizationInfo | None = None
+    #: How load_weights read the weights (the torch engine's loader, gpu/loader.py):
+    #: path, order, bytes, seconds.  None: no report (prewarm records nothing).
+    load_report: LoadReport | None = None
+    #: Seconds load_weights waited for the background transformers import (torch
+    #: engine).  None: it did not wait, or the engine has no such import.
+    skeleton_wait_seconds: float | None = None
+
+    @property
+    def model_path(self) -> str | None:
+        """The Hugging Face-layout model directory on this machine, when the engine
+        has one: reserve checks its files (warmup_agent/model_dir.py) and that the
+        weights fit.  Default None: no local directory, and reserve skips both."""
+        return None
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The engine's own Prometheus endpoint (a server's /metrics), read at scrape
+        time by exporter.engine_metrics.  Default None: no such endpoint, and the
+        CLI registers no engine collector."""
+        return None
+
+    def torch_model(self) -> Any:
+        """The loaded model as an in-process torch module (transformers), which
+        readiness/validation.py checks for structure and numerics.  Default None:
+        the engine does not expose its model, and those checks are skipped."""
+        return None
+
+    # -- the device (stage reserve) -----------------------------------------------------
+    #: True when the agent sets up the engine's device itself: reserve then creates the
+    #: CUDA context (init_device) under its deadline and reserves memory
+    #: (reserve_memory).  False (default): the engine or its server does that.
+    sets_up_device: bool = False
+    #: Seconds init_device spent creating the CUDA context; None: none was created.
+    context_seconds: float | None = None
+
+    def configure(self, **options: Any) -> None:
+        """Options of the config for the engine's own loader (reserve passes the
+        prewarm.* staging options and the gpu.* deadlines).  Default: ignored."""
+        return None
+
+    def init_device(self) -> object:
+        """Resolve the device and create its context; return the device.  Called by
+        reserve only when `sets_up_device`.  Default: nothing to create, None."""
+        return None
+
+    def reserve_memory(self, nbytes: int) -> int:
+        """Reserve (and touch) `nbytes` of device memory; return the bytes reserved.
+        Called by reserve only when `sets_up_device`.  Default: reserves nothing, 0."""
+        return 0
+
+    # -- the traffic profile (prewarm, probes) ------------------------------------------
+    #: True when the engine takes whole traffic-profile requests (generate_requests:
+    #: chat or completions, sampling parameters, answer lengths).  Prewarm then warms
+    #: the profile (traffic.py) instead of the token-id grid, and readiness probes are
+    #: real-looking requests that time decode too.  False (default): token ids only.
+    speaks_profile: bool = False
+    #: The APIs the engine answers ("chat", "completions"); filled by an engine that
+    #: speaks the profile once it knows.  Default: none.
+    apis: Sequence[str] = ()
+    #: Exact-length text prompts from the model's own tokenizer and chat template
+    #: (engines/text_prompts.py), needed to learn a profile from prewarm.requests_file.
+    #: None: not available.
+    text: TextPrompts | None = None
+    #: What the engine learned its server accepts (recorded with the profile).
+    capabilities: Mapping[str, Any] = MappingProxyType({})
+
+    def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
+        """One batch of traffic-profile requests (traffic.WarmRequest), sent at once;
+        only called when `speaks_profile`.  Default: not supported."""
+        raise NotImplementedError(f"engine {self.name} does not speak the traffic profile")
+
+    # -- a model server (solidify, the CLI) ---------------------------------------------
+    def has_compile_artifacts(self) -> bool:
+        """Whether there is anything compiled to share through the kernel cache
+        (solidify opens the cache only then).  Default True: in-process engines
+        compile into the cache folders themselves."""
+        return True
+
+    def set_server_callbacks(self, on_exit: Callable[[int], None] | None,
+                             on_ready: Callable[[], None] | None) -> None:
+        """For an engine that supervises a model server: call `on_exit(returncode)`
+        when the server crashes and `on_ready()` when it answers again.  Default:
+        there is no server, so they are never called (and not kept)."""
+        return None
 
     @abc.abstractmethod
     def load_tokenizer(self) -> None:

@@ -34,11 +34,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 from warmup_agent.engines.text_prompts import TextPrompts
 from warmup_agent.traffic import _SEED_TEXT, WarmRequest
+
+if TYPE_CHECKING:
+    from warmup_agent.supervisor import Supervisor
 
 # Optional fields that make a warmup answer exactly max_tokens long on servers
 # that know them (vLLM); dropped for a server that rejects unknown fields.
@@ -93,9 +96,11 @@ def parse_adapters(spec: str | None) -> list[tuple[str, str]]:
 class OpenAIEngine(Engine):
     """`server_command`: the server to start and supervise (None: use `openai.url`).
     `on_server_exit(returncode)` / `on_server_ready()` are called when a supervised
-    server crashes and when it is healthy again after a restart."""
+    server crashes and when it is healthy again after a restart (given here or
+    through set_server_callbacks)."""
 
     name = "openai"
+    speaks_profile = True   # generate_requests, apis, text, capabilities (Engine)
 
     def __init__(self, cfg, server_command: list[str] | None = None, log: logging.Logger | None = None,
                  on_server_exit: Callable[[int], None] | None = None,
@@ -126,7 +131,7 @@ class OpenAIEngine(Engine):
         self.model_dir: str | None = (model_path or cfg["model.path"]
                                       or (option(self.command, "--model") if self.command else None))
         self.quantization = self._detect_quantization()
-        self.supervisor = None
+        self.supervisor: Supervisor | None = None   # the server we started (server_command), once started
         self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
         self.startup: dict[str, float] = {}
         self.adapters: list[str] = []      # registered LoRA adapter names
@@ -180,6 +185,7 @@ class OpenAIEngine(Engine):
     def server_command(self) -> list[str]:
         """The command as started: a vLLM command that sets no memory budget gets
         --kv-cache-memory-bytes (without it the CPU build takes ~8 GiB)."""
+        assert self.command, "only a supervised server has a command"
         cmd = list(self.command)
         is_vllm = any("vllm" in w for w in cmd[:3])
         if is_vllm and not option(cmd, "--kv-cache-memory-bytes") and not option(cmd, "--gpu-memory-utilization"):
@@ -192,6 +198,13 @@ class OpenAIEngine(Engine):
             return configured
         import psutil
         return int(min(psutil.virtual_memory().available * 0.25, 4 << 30))
+
+    def set_server_callbacks(self, on_exit: Callable[[int], None] | None,
+                             on_ready: Callable[[], None] | None) -> None:
+        """Crash and recovery of the supervised server (Engine.set_server_callbacks);
+        set before load_weights starts it."""
+        self.on_server_exit = on_exit
+        self.on_server_ready = on_ready
 
     def has_compile_artifacts(self) -> bool:
         """Whether the supervised server wrote anything into the compile-cache
@@ -284,7 +297,7 @@ class OpenAIEngine(Engine):
             # (`transformers serve DIR`) even when /v1/models does not say so.
             if self.model_dir and self.model_dir in ids:
                 candidates = [self.model_dir]
-            elif local and self.command and any(os.path.abspath(w) == local for w in self.command if os.path.isdir(w)):
+            elif self.model_dir and local and self.command and any(os.path.abspath(w) == local for w in self.command if os.path.isdir(w)):
                 candidates = [self.model_dir] + ids[:1]
             elif ids:
                 candidates = ids[:1]
@@ -387,7 +400,7 @@ class OpenAIEngine(Engine):
         head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "unknown"
         width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
-        kv = 2 * layers * kv_heads * head_dim * width if all((layers, kv_heads, head_dim, width)) else None
+        kv = 2 * layers * kv_heads * head_dim * width if layers and kv_heads and head_dim and width else None
         extra = {"url": self.url, "startup_seconds": dict(self.startup), "lora_adapters": list(self.adapters)}
         if self.supervisor is not None:
             extra.update(server_pid=self.supervisor.pid, server_restarts=self.supervisor.restarts)

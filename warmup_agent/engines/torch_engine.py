@@ -2,20 +2,24 @@
 
 Loads any Hugging Face-layout model directory with safetensors weights.  Every
 integrity problem a model directory can have (empty or non-JSON config.json,
-missing or truncated shards, shapes that disagree with the config, a broken
-tokenizer) becomes an EngineError with a named reason and one line for the user.
+missing or truncated shards: warmup_agent/model_dir.py; shapes that disagree
+with the config, a broken tokenizer: here) becomes an EngineError with a named reason and one line for the user.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 import threading
 import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from warmup_agent import quantization
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
+from warmup_agent.model_dir import check_model_dir, read_safetensors_header, safetensors_files
+
+if TYPE_CHECKING:
+    from warmup_agent.gpu.loader import LoadReport
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -29,90 +33,6 @@ def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-
-
-def check_model_dir(path: str) -> dict:
-    """Cheap structural checks before any weight is read; returns config.json.
-
-    Catches the seed's "HF cache pollution" failures (empty or non-JSON config,
-    truncated shards) with a named reason instead of a deep library traceback."""
-    if not os.path.isdir(path):
-        raise EngineError("model_dir_missing", f"{path}: model directory does not exist")
-    if not os.access(path, os.R_OK | os.X_OK):
-        raise EngineError("model_dir_unreadable", f"{path}: model directory is not readable")
-    cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise EngineError("config_missing", f"{cfg_path}: missing; expected a Hugging Face config.json") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise EngineError("config_invalid", f"{cfg_path}: cannot read: {e}") from None
-    if not text.strip():
-        raise EngineError("config_invalid", f"{cfg_path}: file is empty; expected a JSON object")
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise EngineError("config_invalid", f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise EngineError("config_invalid", f"{cfg_path}: expected a JSON object with a 'model_type' key")
-    shards = safetensors_files(path)
-    if not shards:
-        raise EngineError("weights_missing", f"{path}: no *.safetensors weight files")
-    for shard in shards:
-        check_safetensors_header(shard)
-    return config
-
-
-def safetensors_files(path: str) -> list[str]:
-    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-
-
-_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                   "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def read_safetensors_header(shard: str) -> dict:
-    """The JSON header of a shard, checked against the file: every tensor's byte
-    range must match its dtype and shape, the ranges must tile the data section
-    without gaps or overlaps, and the data section must end where the file ends.
-
-    Format: 8-byte little-endian header length, a JSON header mapping each tensor
-    to dtype, shape and [begin, end) offsets into the data that follows."""
-    size = os.path.getsize(shard)
-    try:
-        with open(shard, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise EngineError("weights_corrupt", f"{shard}: truncated ({size} bytes; no safetensors header)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8 or n > 100 * 1024 * 1024:
-                raise EngineError("weights_corrupt", f"{shard}: header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise EngineError("weights_corrupt", f"{shard}: unreadable safetensors header ({e})") from None
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    cursor = 0
-    for name, meta in sorted(tensors.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        begin, end = meta["data_offsets"]
-        numel = 1
-        for d in meta["shape"]:
-            numel *= d
-        want = numel * _ST_DTYPE_BYTES.get(meta["dtype"], 0)
-        if begin != cursor or end - begin != want:
-            raise EngineError("weights_corrupt",
-                              f"{shard}: header lies about tensor {name}: bytes [{begin}, {end}) for {meta['dtype']} {meta['shape']} ({want} bytes expected at offset {cursor})")
-        cursor = end
-    if 8 + n + cursor != size:
-        raise EngineError("weights_corrupt",
-                          f"{shard}: header promises {cursor} bytes of tensor data but the file holds {size - 8 - n} (truncated or padded shard)")
-    return tensors
-
-
-def check_safetensors_header(shard: str) -> int:
-    """Bytes of tensor data in a verified shard."""
-    tensors = read_safetensors_header(shard)
-    return max((m["data_offsets"][1] for m in tensors.values()), default=0)
 
 
 def check_shapes_against_config(path: str) -> None:
@@ -142,56 +62,74 @@ def check_shapes_against_config(path: str) -> None:
 
 class TorchEngine(Engine):
     name = "torch"
+    sets_up_device = True   # reserve creates the CUDA context and reserves memory (Engine)
 
     def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto"):
-        self.model_path = model_path
+        self._model_path = model_path
         self._dtype_name = dtype
         self._device_name = device
-        self.tokenizer = None
-        self.model = None
-        self.device = None
-        self.dtype = None
+        # torch and transformers objects are typed Any (mypy does not follow them);
+        # None until loaded: the tokenizer by load_tokenizer, the rest by load_weights
+        # (the device and dtype already by init_device on a GPU host).
+        self.tokenizer: Any | None = None
+        self.model: Any | None = None            # the transformers model (torch.nn.Module)
+        self.device: Any | None = None           # torch.device
+        self.dtype: Any | None = None            # torch.dtype
         self._config: dict = {}
-        self._compiled = None
+        self._compiled: Any | None = None        # torch.compile(model), solidify mode compile
         # GPU options (set by stage 1 through configure(); defaults suit a CPU run).
-        self.options = {"progressive": True, "chunk_bytes": 64 << 20, "buffers": 4, "workers": 4,
-                        "manifest": None, "cuda_context_timeout": 60.0, "kernel_compile_timeout": 600.0,
-                        "graph_max_len": 512}
-        self.load_report = None
-        self.context_seconds = None
+        self.options: dict[str, Any] = {"progressive": True, "chunk_bytes": 64 << 20, "buffers": 4, "workers": 4,
+                                        "manifest": None, "cuda_context_timeout": 60.0,
+                                        "kernel_compile_timeout": 600.0, "graph_max_len": 512}
+        self.load_report: LoadReport | None = None
+        self.context_seconds: float | None = None
         self.reserved_bytes = 0
         self._decoders: dict = {}
-        self.last_output = None
+        self.last_output: Any | None = None      # the last generate()'s tokens, a tensor
         self.graph_fallback_reason: str | None = None
-        self._skeleton = None         # Future of (meta model, expected shapes, tied names)
-        self.skeleton_wait_seconds = None
-        self.quantization = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization.py)
+        self._skeleton: Future | None = None     # Future of (meta model, expected shapes, tied names)
+        self.skeleton_wait_seconds: float | None = None
+        self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization.py)
         self.fp8_layers = 0
 
-    def configure(self, **options) -> None:
+    @property
+    def model_path(self) -> str:
+        """The model directory (reserve checks it: Engine.model_path)."""
+        return self._model_path
+
+    def torch_model(self) -> Any:
+        """The loaded transformers model (validation checks it: Engine.torch_model)."""
+        return self.model
+
+    def configure(self, **options: Any) -> None:
         """GPU options from the config (see stages/reserve.py)."""
         self.options.update({k: v for k, v in options.items() if v is not None})
 
-    def init_device(self):
+    def _ensure_device(self) -> Any:
+        """The torch.device, resolved (with the dtype) on first use."""
+        if self.device is None:
+            self.device = self._resolve_device()
+            self.dtype = self._resolve_dtype(self.device)
+        return self.device
+
+    def init_device(self) -> Any:
         """Resolve the device and create its CUDA context under the deadline
         gpu.cuda_context_timeout_seconds (reason cuda_context_timeout)."""
         import torch
 
         from warmup_agent.gpu.deadline import run_with_deadline
-        if self.device is None:
-            self.device = self._resolve_device()
-            self.dtype = self._resolve_dtype()
-        if self.device.type == "cuda":
+        device = self._ensure_device()
+        if device.type == "cuda":
             t0 = time.perf_counter()
 
             def create():
-                torch.cuda.set_device(self.device)
-                torch.empty(1, device=self.device).fill_(0)
-                torch.cuda.synchronize(self.device)
+                torch.cuda.set_device(device)
+                torch.empty(1, device=device).fill_(0)
+                torch.cuda.synchronize(device)
             run_with_deadline(create, self.options["cuda_context_timeout"], "cuda_context_timeout",
-                              f"CUDA context creation on {self.device}")
+                              f"CUDA context creation on {device}")
             self.context_seconds = time.perf_counter() - t0
-        return self.device
+        return device
 
     def reserve_memory(self, nbytes: int) -> int:
         """Reserve and touch nbytes of device memory in the caching allocator."""
@@ -211,11 +149,11 @@ class TorchEngine(Engine):
             dev = torch.device("cuda", 0)   # an explicit index: set_device and the stages need one
         return dev
 
-    def _resolve_dtype(self):
+    def _resolve_dtype(self, device):
         import torch
         if self._dtype_name == "auto":
             # bf16 on GPU; float32 on CPU, where bf16 matmuls are emulated and slow on AVX2.
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self._dtype_name)
 
     def _read_config(self) -> None:
@@ -248,9 +186,7 @@ class TorchEngine(Engine):
     def load_weights(self) -> None:
         if not self._config:
             self._read_config()
-        if self.device is None:
-            self.device = self._resolve_device()
-            self.dtype = self._resolve_dtype()
+        self._ensure_device()
         if self.options["manifest"]:
             from warmup_agent.gpu.loader import check_manifest
             check_manifest(self.model_path, self.options["manifest"])
@@ -268,8 +204,6 @@ class TorchEngine(Engine):
         the naive start pays it too); on a CPU the weights are read meanwhile."""
         if self._skeleton is not None or not (self.options["progressive"] or self.quantization.fp8_weights):
             return
-        from concurrent.futures import Future
-
         from warmup_agent.gpu import loader
         future: Future = Future()
 
@@ -290,7 +224,7 @@ class TorchEngine(Engine):
         checked against the skeleton, and then the tensors become the parameters
         (no second copy)."""
         from warmup_agent.gpu import loader
-        on_gpu = self.device.type == "cuda"
+        on_gpu = self._ensure_device().type == "cuda"
         if not on_gpu:
             # Measured on the H200 (bench run3): overlapping the pinned loader with the
             # import cost it the GIL (0.4 s -> 1.0-1.6 s) and saved no wall time; on a
@@ -303,9 +237,11 @@ class TorchEngine(Engine):
                              self.options["buffers"], self.options["workers"])
         self._warm_blas()
         self._start_skeleton()
+        skeleton = self._skeleton
+        assert skeleton is not None   # started: this loader runs only when progressive or FP8
         t0 = time.perf_counter()
         try:
-            model, expected, tied = self._skeleton.result()
+            model, expected, tied = skeleton.result()
         except EngineError:
             raise
         except Exception as e:  # noqa: BLE001 - an unknown architecture or a broken config
@@ -357,9 +293,10 @@ class TorchEngine(Engine):
         if info.get("mismatched_keys"):
             raise EngineError("weights_shape_mismatch",
                               f"{self.model_path}: tensor shapes do not match config.json (first: {info['mismatched_keys'][0]})")
-        self.model = model.to(self.device).eval()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device = self._ensure_device()
+        self.model = model.to(device).eval()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     # -- facts -------------------------------------------------------------------------
     def facts(self) -> EngineFacts:
@@ -378,6 +315,7 @@ class TorchEngine(Engine):
                            max_context=c.get("max_position_embeddings"), vocab_size=c.get("vocab_size"))
 
     def tokenize(self, text: str) -> list[int]:
+        assert self.tokenizer is not None, "load_tokenizer() first"
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- requests ----------------------------------------------------------------------
@@ -397,6 +335,7 @@ class TorchEngine(Engine):
         if decoder and len({len(p) for p in prompts}) == 1 and len(prompts[0]) + max_new_tokens <= decoder.max_len:
             return self._generate_static(decoder, prompts, max_new_tokens)
         model = self._compiled or self.model
+        assert model is not None and self.tokenizer is not None, "load_weights() and load_tokenizer() first"
         longest = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
@@ -502,6 +441,7 @@ class TorchEngine(Engine):
         scratch memory)."""
         import torch
         h = hashlib.sha256()
+        assert self.model is not None, "load_weights() first"
         items = list(self.model.state_dict().items())
         step = (1 << 24) if self.device is not None and self.device.type == "cuda" else (1 << 20)
         with torch.inference_mode():

@@ -38,7 +38,7 @@ class VllmEngine(Engine):
 
     def __init__(self, cfg, model_path: str, log: logging.Logger | None = None):
         self.cfg = cfg
-        self.model_path = model_path
+        self._model_path = model_path
         self.log = log or logging.getLogger("warmup_agent.engines.vllm")
         self.llm: Any = None       # vllm.LLM once loaded (vllm is imported lazily)
         self.engine: Any = None    # its LLMEngine
@@ -47,6 +47,11 @@ class VllmEngine(Engine):
         self._tokenizer: Any = None
         self._lock = threading.Lock()             # LLMEngine.step() is not re-entrant
         self.quantization = self._detect_quantization()
+
+    @property
+    def model_path(self) -> str:
+        """The model directory vLLM loads (reserve checks it: Engine.model_path)."""
+        return self._model_path
 
     def _detect_quantization(self):
         """What vLLM will run quantized: it reads config.json's quantization_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from warmup_agent.engines.base import EngineError
+from warmup_agent.errors import EngineError
 
 
 def run_with_deadline(fn, seconds: float, reason: str, what: str):

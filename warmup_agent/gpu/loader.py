@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from warmup_agent.engines.base import EngineError
+from warmup_agent.errors import EngineError
 
 _ST_TORCH = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",

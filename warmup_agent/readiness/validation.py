@@ -41,14 +41,13 @@ class Check:
 
 
 def _torch_model(engine):
-    model = getattr(engine, "model", None)
-    return model if getattr(engine, "name", None) == "torch" and model is not None else None
+    return engine.torch_model()   # None unless the engine exposes it (Engine.torch_model)
 
 
 def check_structure(engine) -> Check:
     model = _torch_model(engine)
     if model is None:
-        return Check("structure", "skipped", f"engine {getattr(engine, 'name', '?')} does not expose its model")
+        return Check("structure", "skipped", f"engine {engine.name} does not expose its model")
     import torch
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
@@ -82,7 +81,7 @@ def check_structure(engine) -> Check:
 def check_numerics(engine, prompts: list[list[int]], mean_min: float, mean_max: float, abs_max: float) -> Check:
     model = _torch_model(engine)
     if model is None:
-        return Check("numerics", "skipped", f"engine {getattr(engine, 'name', '?')} does not expose logits")
+        return Check("numerics", "skipped", f"engine {engine.name} does not expose logits")
     import torch
     means, peaks = [], []
     with torch.inference_mode():
@@ -113,13 +112,13 @@ def check_fp8_ranges(engine, max_saturated_ratio: float, max_error: float) -> Ch
     own quantize/dequantize path (readiness/fp8_ranges.py).  Reasons fp8_saturation
     (more saturated values than validation.fp8_max_saturated_ratio allows) and
     fp8_roundtrip_error (over validation.fp8_max_roundtrip_error)."""
-    info = getattr(engine, "quantization", None)
+    info = engine.quantization
     if info is None or not info.fp8:
         return Check("fp8_ranges", "skipped", "the model is not quantized to FP8")
     model = _torch_model(engine)
     if model is None:
         return Check("fp8_ranges", "skipped",
-                     f"engine {getattr(engine, 'name', '?')} does not expose its layers' FP8 scales (docs/fp8.md)",
+                     f"engine {engine.name} does not expose its layers' FP8 scales (docs/fp8.md)",
                      {"quantization": info.as_dict()})
     from warmup_agent import quantization
     from warmup_agent.readiness import fp8_ranges

@@ -17,8 +17,9 @@ import logging
 import time
 
 from warmup_agent import memory_budget, traffic
-from warmup_agent.engines.base import EngineError
+from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
+from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State
 from warmup_agent.traffic import PromptFactory, Shape, grid
 
@@ -62,15 +63,14 @@ def _fit_budget(agent, lengths: list[int], batches: list[int], max_new: int) -> 
     return memory_budget.plan(batches, shape.prompt_tokens, cost / (shape.batch * shape.prompt_tokens), budget).batches
 
 
-def _start_ramp(agent) -> None:
+def _start_ramp(agent, ctx: StageContext) -> None:
     from warmup_agent.gpu.ramp import RampSampler
-    agent.ramp = None
-    gpu = getattr(agent, "gpu", None)
+    ctx.ramp = None
     interval = agent.cfg["gpu.ramp_sample_interval_seconds"]
-    if gpu is not None and interval > 0:
-        agent.ramp = RampSampler.for_gpu(gpu.uuid, interval)
-        if agent.ramp is not None:
-            agent.ramp.start()
+    if ctx.gpu is not None and interval > 0:
+        ctx.ramp = RampSampler.for_gpu(ctx.gpu.uuid, interval)
+        if ctx.ramp is not None:
+            ctx.ramp.start()
 
 
 def load_profile(agent, lengths: list[int]) -> traffic.TrafficProfile:
@@ -79,7 +79,7 @@ def load_profile(agent, lengths: list[int]) -> traffic.TrafficProfile:
     cfg, engine = agent.cfg, agent.engine
     path = cfg["prewarm.requests_file"]
     if path:
-        text = getattr(engine, "text", None)
+        text = engine.text
         if text is None:
             raise EngineError("invalid_config", "key 'prewarm.requests_file': prompts are counted with the model's "
                               "tokenizer; give --model DIR (model.path) with a tokenizer.json")
@@ -98,7 +98,8 @@ def load_profile(agent, lengths: list[int]) -> traffic.TrafficProfile:
     return profile
 
 
-def warm_profile(agent, lengths: list[int], batches: list[int], detail: dict, t_start: float) -> None:
+def warm_profile(agent, ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
+                 t_start: float) -> None:
     """Warm the traffic profile: prefill shapes, then each family at each batch size
     with the longest answer.  A family the server refuses (HTTP 400) is recorded
     and skipped: user requests of that family fail on it as well, warm or not."""
@@ -121,22 +122,21 @@ def warm_profile(agent, lengths: list[int], batches: list[int], detail: dict, t_
             log.warning(f"the server refuses sampling family {head.family}: {e.message}")
         agent.progress.step(i + 1, len(plan), f"{head.endpoint} {head.family} len={head.prompt_tokens} "
                                                f"batch={len(batch)} out={head.max_tokens}")
-    agent.profile_summary = {
+    ctx.profile_summary = summary = {
         "source": profile.source, "requests_seen": profile.requests_seen, "endpoints": profile.endpoints,
         "families": sorted(f for f in profile.families if f not in refused), "refused_families": refused,
         "prompt_lengths": profile.prompt_lengths, "max_tokens": profile.max_tokens,
-        "capabilities": dict(getattr(agent.engine, "capabilities", {}))}
+        "capabilities": dict(agent.engine.capabilities)}
     detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=sorted({r.prompt_tokens for b in plan for r in b}),
-                  batches=batches, profile=agent.profile_summary,
+                  batches=batches, profile=summary,
                   seconds={"traffic": time.perf_counter() - t_start})
-    agent.warmed_shapes = sorted(warmed)
+    ctx.warmed_shapes = sorted(warmed)
 
 
-def run(agent) -> None:
+def run(agent, ctx: StageContext, detail: dict) -> None:
     cfg, engine = agent.cfg, agent.engine
-    detail = agent.stages[-1].detail
     agent.move(State.PRELOAD)
-    _start_ramp(agent)
+    _start_ramp(agent, ctx)
 
     clock = time.perf_counter
     # Weights before the tokenizer: the engine reads them while transformers is
@@ -151,26 +151,26 @@ def run(agent) -> None:
     t2 = clock()
     facts = engine.facts()
     agent.engine_facts = vars(facts)
-    quant = getattr(engine, "quantization", None)     # warmup_agent/quantization.py (issue 16)
+    quant = engine.quantization     # warmup_agent/quantization.py (issue 16)
     if quant is not None:
         agent.metrics["warmup_model_quantization_info"].info(quant.labels())
         detail["quantization"] = quant.as_dict()
-    report = getattr(engine, "load_report", None)
+    report = engine.load_report
     if report is not None:
         detail["weight_load"] = report.as_dict()
         if report.seconds > 0:
             agent.metrics["warmup_weight_load_bytes_per_second"].set(report.bytes / report.seconds)
-    if getattr(engine, "skeleton_wait_seconds", None) is not None:
+    if engine.skeleton_wait_seconds is not None:
         detail["waited_for_transformers_import_seconds"] = engine.skeleton_wait_seconds
     agent.sm.record_fingerprint(engine.weight_fingerprint())
     t3 = clock()
 
     agent.prompts = PromptFactory(engine.tokenize)
     lengths = warmup_lengths(cfg, engine.tokenize)
-    batches = warmup_batches(cfg, facts, getattr(agent, "gpu_free_bytes", None), max(lengths))
+    batches = warmup_batches(cfg, facts, ctx.gpu_free_bytes, max(lengths))
     max_new = cfg["prewarm.max_new_tokens"]
-    if hasattr(engine, "generate_requests"):
-        warm_profile(agent, lengths, batches, detail, t3)
+    if engine.speaks_profile:
+        warm_profile(agent, ctx, lengths, batches, detail, t3)
         detail["seconds"].update(weights=t1 - t0, tokenizer=t2 - t1, fingerprint=t3 - t2)
         agent.move(State.PRIME)
         return
@@ -197,5 +197,5 @@ def run(agent) -> None:
     detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=lengths, batches=batches,
                   dropped_batches=sorted({s.batch for s in shapes} - {s.batch for s in warmed}),
                   seconds={"weights": t1 - t0, "tokenizer": t2 - t1, "fingerprint": t3 - t2, "traffic": clock() - t3})
-    agent.warmed_shapes = [(s.prompt_tokens, s.batch) for s in warmed]
+    ctx.warmed_shapes = [(s.prompt_tokens, s.batch) for s in warmed]
     agent.move(State.PRIME)

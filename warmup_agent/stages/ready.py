@@ -17,6 +17,7 @@ import time
 
 from warmup_agent.readiness import validation
 from warmup_agent.readiness.window import nearest_rank
+from warmup_agent.stages.context import StageContext
 
 
 def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> bool:
@@ -35,10 +36,9 @@ def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> b
     return statistics.median(recent[:half]) <= ratio * statistics.median(recent[half:])
 
 
-def run(agent) -> None:
+def run(agent, ctx: StageContext, detail: dict) -> None:
     cfg = agent.cfg
     rd = agent.readiness
-    detail = agent.stages[-1].detail
     max_probes = cfg["readiness.max_probes"]
     # Decode is gated only where probes time it (engines that speak the traffic profile).
     gate_decode = cfg["readiness.require_decode"] and agent.profile is not None
@@ -78,7 +78,7 @@ def run(agent) -> None:
     detail.update(probes=len(agent.probes))
     if cfg["validation.enabled"]:
         validate(agent, detail)
-    with agent._engine_lock:
+    with agent.engine_lock:
         fingerprint = agent.engine.weight_fingerprint()
     if not agent.sm.serve(fingerprint):
         agent.checkpoint()
@@ -104,7 +104,7 @@ def validate(agent, detail: dict) -> None:
         if not c.ok:
             agent.fail(c.reason, c.message)
 
-    with agent._engine_lock:
+    with agent.engine_lock:
         record(validation.check_structure(agent.engine))
         record(validation.check_numerics(agent.engine, prompts, cfg["validation.logits_mean_min"],
                                          cfg["validation.logits_mean_max"], cfg["validation.logits_abs_max"]))

@@ -29,9 +29,10 @@ import sys
 import time
 
 from warmup_agent import hardware
-from warmup_agent.engines.torch_engine import check_model_dir, check_safetensors_header, safetensors_files
 from warmup_agent.gpu import sizing
+from warmup_agent.model_dir import check_model_dir, check_safetensors_header, safetensors_files
 from warmup_agent.progress import coldstart
+from warmup_agent.stages.context import StageContext
 
 log = logging.getLogger("warmup_agent.stages.reserve")
 
@@ -52,15 +53,15 @@ def _device_index(device: str) -> int:
 
 
 def configure_engine(agent) -> None:
-    """Hand the GPU options of the config to an engine that takes them."""
-    cfg, engine = agent.cfg, agent.engine
-    if hasattr(engine, "configure"):
-        engine.configure(progressive=cfg["prewarm.progressive_load"], chunk_bytes=cfg["prewarm.staging_chunk_bytes"],
-                         buffers=cfg["prewarm.staging_buffers"], workers=cfg["prewarm.loader_threads"],
-                         manifest=cfg["prewarm.weights_manifest"],
-                         cuda_context_timeout=cfg["gpu.cuda_context_timeout_seconds"],
-                         kernel_compile_timeout=cfg["gpu.kernel_compile_timeout_seconds"],
-                         graph_max_len=cfg["solidify.graph_max_length"])
+    """Hand the GPU options of the config to the engine (Engine.configure: only the
+    torch engine takes them; the others ignore them)."""
+    cfg = agent.cfg
+    agent.engine.configure(progressive=cfg["prewarm.progressive_load"], chunk_bytes=cfg["prewarm.staging_chunk_bytes"],
+                           buffers=cfg["prewarm.staging_buffers"], workers=cfg["prewarm.loader_threads"],
+                           manifest=cfg["prewarm.weights_manifest"],
+                           cuda_context_timeout=cfg["gpu.cuda_context_timeout_seconds"],
+                           kernel_compile_timeout=cfg["gpu.kernel_compile_timeout_seconds"],
+                           graph_max_len=cfg["solidify.graph_max_length"])
 
 
 class Steps:
@@ -85,9 +86,8 @@ class Steps:
             self.record(name, time.perf_counter() - t0)
 
 
-def run(agent) -> None:
+def run(agent, ctx: StageContext, detail: dict) -> None:
     cfg = agent.cfg
-    detail = agent.stages[-1].detail
     step = Steps(agent, detail)
     with step("host_facts"):            # NVML init, per-GPU facts, NVLink links
         host = hardware.read_host()
@@ -101,7 +101,7 @@ def run(agent) -> None:
     gpu = None
     if host.gpus and device.startswith("cuda"):
         gpu = hardware.visible_gpu(host.gpus, _device_index(device), os.environ.get("CUDA_VISIBLE_DEVICES"))
-    agent.gpu = gpu
+    ctx.gpu = gpu
     if gpu is not None:
         detail["gpu_uuid"] = gpu.uuid
         with step("pin_cpus"):
@@ -112,7 +112,7 @@ def run(agent) -> None:
     else:
         detail["pinned_cpus"] = None  # no GPU: no locality to pin to; keep the cgroup's cpuset
 
-    model_path = getattr(agent.engine, "model_path", None)
+    model_path = agent.engine.model_path   # None: no local model directory to check
     if not model_path:
         return
     on_gpu = device.startswith("cuda") and gpu is not None
@@ -135,8 +135,8 @@ def run(agent) -> None:
     problem = sizing.check_fits(plan, gpu.memory_free_bytes, f"{model_path} on GPU {gpu.index} ({gpu.uuid})")
     if problem:
         agent.fail("insufficient_gpu_memory", problem)
-    agent.gpu_free_bytes = gpu.memory_free_bytes
-    if hasattr(agent.engine, "init_device"):
+    ctx.gpu_free_bytes = gpu.memory_free_bytes
+    if agent.engine.sets_up_device:
         # The first `import torch` of the process lands here (nothing imports it
         # earlier on a GPU host); timed apart so it is not read as reservation.
         with step("torch_import"):

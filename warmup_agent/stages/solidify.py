@@ -14,6 +14,8 @@ import logging
 import os
 import time
 
+from warmup_agent.stages.context import StageContext
+
 log = logging.getLogger("warmup_agent.stages.solidify")
 
 
@@ -40,22 +42,21 @@ def _publish(cache) -> None:
         log.warning("kernel cache publish failed (%s: %s)", type(e).__name__, e)
 
 
-def run(agent) -> None:
-    detail = agent.stages[-1].detail
+def run(agent, ctx: StageContext, detail: dict) -> None:
     mode = agent.cfg["solidify.mode"]
     # Opened on every run (cheap with a local tier only) so its metrics and the
     # shared tier's state are visible; only compilation fills it.
     # A server engine whose server compiled nothing into the cache folders it was
     # given (`transformers serve`, eager) has nothing to share: skip the cache,
     # whose namespace costs a torch import (seconds on a GPU host) on the way to SERVING.
-    wanted = mode != "none" and getattr(agent.engine, "has_compile_artifacts", lambda: True)()
+    wanted = mode != "none" and agent.engine.has_compile_artifacts()
     cache = open_kernel_cache(agent) if wanted else None
-    previous, agent.kernel_cache = getattr(agent, "kernel_cache", None), cache   # the agent closes it at stop
+    previous, ctx.kernel_cache = ctx.kernel_cache, cache   # the agent closes it at stop
     if previous is not None:  # a re-warm opens a fresh one
         previous.close()
     t0 = time.perf_counter()
-    with agent._engine_lock:
-        shapes = getattr(agent, "warmed_shapes", [])
+    with agent.engine_lock:
+        shapes = ctx.warmed_shapes
         if cache is not None and mode == "compile":
             report = cache.compile_once("solidify", lambda: agent.engine.solidify(shapes, mode=mode))
         else:
@@ -68,10 +69,10 @@ def run(agent) -> None:
     reason = report.detail.get("fallback_reason")
     if reason:
         agent.metrics["warmup_solidify_fallbacks_total"].labels(reason=reason.split(":")[0]).inc()
-    gpu = getattr(agent, "gpu", None)
+    gpu = ctx.gpu
     if gpu is not None:
         agent.metrics["warmup_cuda_graphs"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
-    ramp = getattr(agent, "ramp", None)
+    ramp = ctx.ramp
     if ramp is not None:
         slope = ramp.stop()
         detail["ramp_samples"] = len(ramp.samples)

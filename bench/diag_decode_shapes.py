@@ -18,6 +18,8 @@ exactly N new tokens) and times every decode step with a streamer:
   inside    prompt 90, 8 tokens (KV 90..98: seen during new83)
   new200    prompt 200 (all new KV lengths)
   new300_nocudnn / again300_nocudnn / new400_nocudnn: with cuDNN attention off
+  tile600/664/728, covered650, again650: decode coverage as the agent warms it
+    (prompts one answer apart), then a new prompt length inside the covered range
 Printed and written as JSON: per case the prefill seconds, the median and
 total decode-step seconds and the steps slower than 2x the warm median.
 """
@@ -108,7 +110,13 @@ def main() -> int:
         torch.backends.cuda.enable_cudnn_sdp(False)
         for c in [("new300_nocudnn", 300, 64), ("again300_nocudnn", 300, 64), ("new400_nocudnn", 400, 64)]:
             go(*c)
+        # Decode coverage as the agent does it (traffic.decode_tiles): answers from
+        # prompts one answer apart, then a prompt length never sent whose decode
+        # lengths the tiles reached.  covered650 against again650 is what remains.
         torch.backends.cuda.enable_cudnn_sdp(True)
+        for c in [("tile600", 600, 64), ("tile664", 664, 64), ("tile728", 728, 64), ("covered650", 650, 64),
+                  ("again650", 650, 64)]:
+            go(*c)
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         for c in [("new500_cudnn_only", 500, 64), ("again500_cudnn_only", 500, 64)]:

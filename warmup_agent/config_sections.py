@@ -60,6 +60,7 @@ class PrewarmSection:
     max_batch: int
     memory_budget_bytes: int
     requests_file: str | None
+    decode_coverage: bool
     max_output_tokens: int
 
 

@@ -104,7 +104,8 @@ def warm_profile(agent, ctx: StageContext, lengths: list[int], batches: list[int
     with the longest answer.  A family the server refuses (HTTP 400) is recorded
     and skipped: user requests of that family fail on it as well, warm or not."""
     agent.profile = profile = load_profile(agent, lengths)
-    plan = profile.warm_requests(batches, lengths, agent.cfg["prewarm.max_new_tokens"])
+    plan = profile.warm_requests(batches, lengths, agent.cfg["prewarm.max_new_tokens"],
+                                 decode_coverage=agent.cfg["prewarm.decode_coverage"])
     refused: dict[str, str] = {}
     warmed = set()
     for i, batch in enumerate(plan):

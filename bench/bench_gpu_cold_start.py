@@ -167,7 +167,7 @@ def child_agent(model_dir: str, data_dir: str) -> dict:
     # sampling overhead: alternate blocks with the NVML sampler on and off
     on, off = [], []
     for _ in range(4):
-        s = RampSampler.for_gpu(agent.gpu.uuid, cfg["gpu.ramp_sample_interval_seconds"]).start()
+        s = RampSampler.for_gpu(agent.context.gpu.uuid, cfg["gpu.ramp_sample_interval_seconds"]).start()
         on += [engine.generate([ids])[0].first_token_seconds for _ in range(15)]
         s.stop()
         off += [engine.generate([ids])[0].first_token_seconds for _ in range(15)]

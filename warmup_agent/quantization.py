@@ -266,7 +266,10 @@ def scaled_mm_operands(weight, weight_scale_inv):
     sk4 = sk + (-sk % 4)
     k4 = sk4 * 128
     if k4 == k:
-        wp = weight.contiguous()
+        # detach(): a plain tensor on the same storage.  The Parameter itself, stored
+        # as a module attribute, would register as a second parameter (and the
+        # structure check counts it as an unexpected tensor, seen on the H200).
+        wp = weight.detach().contiguous()
     else:
         raw = torch.zeros(n, k4, dtype=torch.uint8, device=weight.device)
         raw[:, :k] = weight.view(torch.uint8)

@@ -514,7 +514,7 @@ def test_fast_path_operands_fit_torch_layout_checks_and_match_the_emulation(k, m
         y = layer(x)
     assert layer._fast is True, layer.fallback_reason
     # the fast path's operands are no new parameters (the structure check counts them)
-    assert set(dict(layer.named_parameters())) == {"weight", "weight_scale_inv"}
+    assert set(layer.state_dict()) == {"weight", "weight_scale_inv"}
     assert layer._weight_mm.shape == (256, k + (-(k // 128) % 4) * 128)
     assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)), "the layer's weight still reads as loaded"
     ref = layer._emulated(x)

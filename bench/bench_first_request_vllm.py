@@ -68,6 +68,8 @@ def _real_request(eng) -> tuple[float, float]:
                 if any(c.get("text") for c in json.loads(line[5:]).get("choices", [])):
                     first = time.perf_counter()
     end = time.perf_counter()
+    if first is None:
+        raise RuntimeError("the stream ended without a token of text")
     return first - t0, end - t0
 
 

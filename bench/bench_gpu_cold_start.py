@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -129,7 +130,7 @@ def child_engine_plain(model_dir: str, seed_script: bool) -> dict:
     if seed_script:
         engine.tokenize("Hello world")
         with torch.no_grad():
-            engine.model(torch.ones((1, 512), dtype=torch.long).cuda())
+            engine.torch_model()(torch.ones((1, 512), dtype=torch.long).cuda())
         torch.cuda.synchronize()
     ids = engine.tokenize(PROMPT)[:PROMPT_TOKENS]
     first = engine.generate([ids])[0].first_token_seconds
@@ -165,15 +166,19 @@ def child_agent(model_dir: str, data_dir: str) -> dict:
     unwarmed = sorted(quantization.kernel_shapes(engine.model) - warmed)   # FP8 GEMM (M, N, K) first seen now
     steady = [engine.generate([ids])[0].first_token_seconds for _ in range(STEADY)]
     # sampling overhead: alternate blocks with the NVML sampler on and off
+    assert agent.context.gpu is not None, "the reserve stage found no GPU"
     on, off = [], []
     for _ in range(4):
-        s = RampSampler.for_gpu(agent.context.gpu.uuid, cfg["gpu.ramp_sample_interval_seconds"]).start()
+        sampler = RampSampler.for_gpu(agent.context.gpu.uuid, cfg["gpu.ramp_sample_interval_seconds"])
+        assert sampler is not None, "no NVML on a GPU host"
+        s = sampler.start()
         on += [engine.generate([ids])[0].first_token_seconds for _ in range(15)]
         s.stop()
         off += [engine.generate([ids])[0].first_token_seconds for _ in range(15)]
     rec = agent.record()
     stages = {s["name"]: s for s in rec["stages"]}
     report = engine.load_report
+    assert report is not None, "SERVING without a load report"
     return dict(imported_unix=t_imported, ready_unix=t_ready, first_ttft=first, steady_median=statistics.median(steady),
                 load_seconds=report.seconds, load_bytes=report.bytes, load_path=report.path,
                 load_weights_stage=stages["prewarm"].get("weight_load"),
@@ -202,7 +207,7 @@ def child_floors(model_dir: str) -> dict:
             fd = os.open(f, os.O_RDONLY)
             off = 0
             while True:
-                n = os.preadv(fd, [memoryview(buf)], off)
+                n = os.preadv(fd, [buf.data], off)
                 if n <= 0:
                     break
                 off += n
@@ -272,7 +277,7 @@ def main() -> int:
     floors = json.loads(subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "floors", "--model", args.model],
                                        capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip().splitlines()[-1])
     print("floors", floors, flush=True)
-    runs = {"naive": [], "seed": [], "agent": []}
+    runs: dict[str, list[dict]] = {"naive": [], "seed": [], "agent": []}
     order = ["naive", "seed", "agent"]
     for i in range(args.runs):
         for mode in order[i % 3:] + order[:i % 3]:       # rotate who goes first
@@ -301,7 +306,7 @@ def summarize(args, runs: dict, floors: dict, stopped_early: bool) -> dict:
         "sampling_overhead": statistics.median(r["sampling_on_median"] / r["sampling_off_median"] for r in agent),
     }
     import torch
-    result = {
+    result: dict[str, Any] = {
         "figures": figures,
         "targets": {"first_request_tax_p99": 1.10, "load_over_floor": 1.5, "ready_over_naive": 1.0, "sampling_overhead": 1.01},
         "definitions": {

@@ -59,15 +59,33 @@ def main() -> int:
 
     from exporter.metrics import AgentMetrics
     from warmup_agent import config
-    from warmup_agent.engines.base import Engine
+    from warmup_agent.engines.base import Engine, EngineFacts, RequestResult
     from warmup_agent.pipeline import Agent
     from warmup_agent.proxy import RoutingProxy
     from warmup_agent.states import State
 
     class NoEngine(Engine):
-        """The proxy never calls the agent's engine; abstract methods unused."""
+        """The proxy never calls the agent's engine: the agent is moved to SERVING by hand."""
         name = "none"
-        load_tokenizer = load_weights = facts = tokenize = generate = weight_fingerprint = lambda *a, **k: None
+
+        def load_tokenizer(self) -> None:
+            pass
+
+        def load_weights(self) -> None:
+            pass
+
+        def facts(self) -> EngineFacts:
+            raise NotImplementedError("the proxy bench loads no model")
+
+        def tokenize(self, text: str) -> list[int]:
+            raise NotImplementedError("the proxy bench loads no model")
+
+        def generate(self, prompts: list[list[int]], max_new_tokens: int = 1,
+                     warmup: bool = False) -> list[RequestResult]:
+            raise NotImplementedError("the proxy bench loads no model")
+
+        def weight_fingerprint(self) -> str:
+            raise NotImplementedError("the proxy bench loads no model")
 
     upstream = args.upstream or SSEStandIn(EVENTS, record=False).url
     label = "loopback_sse" if not args.upstream else "upstream"
@@ -81,7 +99,7 @@ def main() -> int:
     via = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
     body = json.dumps({"model": args.model, "prompt": "hello", "max_tokens": 8, "temperature": 0,
                        "stream": True}).encode()
-    samples = {"direct": ([], []), "proxy": ([], [])}
+    samples: dict[str, tuple[list[float], list[float]]] = {"direct": ([], []), "proxy": ([], [])}
     for i in range(args.warmup + args.requests):
         # Alternate which side goes first so drift and caches hit both sides alike.
         order = (("direct", direct), ("proxy", via)) if i % 2 == 0 else (("proxy", via), ("direct", direct))

@@ -46,6 +46,7 @@ import time
 import traceback
 import urllib.request
 from types import SimpleNamespace
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -105,8 +106,8 @@ def nvlink_count(cell: str) -> int:
 
 def parse_query(text: str) -> list[dict]:
     """`nvidia-smi -q` -> per GPU: bus id, UUID, minor number, product, memory total (MiB)."""
-    gpus = []
-    cur = None
+    gpus: list[dict[str, Any]] = []
+    cur: dict[str, Any] | None = None
     section = ""
     for ln in text.splitlines():
         m = re.match(r"^GPU ([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f])\s*$", ln)
@@ -132,8 +133,8 @@ def parse_query(text: str) -> list[dict]:
 
 def parse_nvlink_status(text: str) -> dict:
     """`nvidia-smi nvlink -s` -> {gpu index: {"links": n listed, "active": n with a speed}}."""
-    out = {}
-    cur = None
+    out: dict[int, dict[str, int]] = {}
+    cur: dict[str, int] | None = None
     for ln in text.splitlines():
         m = re.match(r"^GPU (\d+):", ln)
         if m:
@@ -261,7 +262,7 @@ def run_cmd(cmd: list[str], timeout: float = 60) -> dict:
 
 def sysfs_facts(bus_ids: list[str], root: str = "/sys/bus/pci/devices") -> dict:
     """NUMA node and local CPUs of each PCI device, from the kernel (independent of NVML)."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for bus in bus_ids:
         d = os.path.join(root, bus)
         try:
@@ -321,10 +322,10 @@ def host_step(result: dict, replay: dict | None) -> None:
     result["host"] = {"nvidia_smi": smi, "nvml_answers": answers, "sysfs": sysfs, "cpu_count": cpus,
                       "agent_topology": topo, "nvml_error": err,
                       "cpu_plan": {str(k): v for k, v in hardware.assign_cpus(gpus, sorted(os.sched_getaffinity(0))).items()}}
-    parsed = {"topo_m": parse_topo(smi["topo_m"]["stdout"]), "q": parse_query(smi["q"]["stdout"]),
-              "nvlink_s": parse_nvlink_status(smi["nvlink_s"]["stdout"])}
-    result["host"]["nvidia_smi_parsed"] = parsed
-    rows = compare_topology(topo, parsed["topo_m"], parsed["q"], parsed["nvlink_s"], sysfs)
+    topo_m, q, nvlink_s = (parse_topo(smi["topo_m"]["stdout"]), parse_query(smi["q"]["stdout"]),
+                           parse_nvlink_status(smi["nvlink_s"]["stdout"]))
+    result["host"]["nvidia_smi_parsed"] = {"topo_m": topo_m, "q": q, "nvlink_s": nvlink_s}
+    rows = compare_topology(topo, topo_m, q, nvlink_s, sysfs)
     result["topology_comparison"] = {"rows": rows, "all_match": all(r["match"] for r in rows),
                                      "mismatches": [r for r in rows if not r["match"]]}
 
@@ -364,9 +365,9 @@ class AgentProc:
         self.cmd = cmd
         self.spawned = time.time()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
-        self.ready_seconds = None
-        self.state = None
-        self.probes_at_serving = None
+        self.ready_seconds: float | None = None
+        self.state: str | None = None
+        self.probes_at_serving: int | None = None
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -443,7 +444,7 @@ def cpus_of(pid: int) -> dict:
 
 def nvml_processes(nv) -> dict:
     """{NVML index: {pid: used bytes (None: NVML cannot say)}} of the compute processes on every GPU."""
-    out = {}
+    out: dict[int, dict] = {}     # {pid: bytes}, or {"error": why} where NVML would not say
     for i in range(nv.nvmlDeviceGetCount()):
         h = nv.nvmlDeviceGetHandleByIndex(i)
         try:
@@ -506,8 +507,9 @@ def hard_deadline(args) -> float:
 def run_pair(k: int, args, nv, answers: list[dict], work: str) -> dict:
     """Start two agents (swapped on odd k), check them, measure, drain them."""
     order = ["0", "1"] if k % 2 == 0 else ["1", "0"]
-    out = {"start": k, "cuda_visible_devices": order, "agents": {}, "errors": []}
-    env, data_dir = {}, None
+    out: dict[str, Any] = {"start": k, "cuda_visible_devices": order, "agents": {}, "errors": []}
+    env: dict[str, str] = {}
+    data_dir: str | None = None
     if args.dry_run:   # the embedded model (made once, before the pair) on the CPU
         env["WARMUP_AGENT_MODEL_DEVICE"], data_dir = "cpu", os.path.join(work, "data")
         env.update({"WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[8, 16]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
@@ -539,7 +541,7 @@ def run_pair(k: int, args, nv, answers: list[dict], work: str) -> dict:
                                  for i, v in procs.items()}
         uuid_by_index = {i: g["uuid"] for i, g in enumerate(answers)}
         for a in agents:
-            info = {"cvd": a.cvd, "port": a.port, "pid": a.proc.pid, "spawn_to_serving_seconds": a.ready_seconds,
+            info: dict[str, Any] = {"cvd": a.cvd, "port": a.port, "pid": a.proc.pid, "spawn_to_serving_seconds": a.ready_seconds,
                     "state": a.state}
             try:
                 info["cpus"] = cpus_of(a.proc.pid)
@@ -568,7 +570,7 @@ def run_pair(k: int, args, nv, answers: list[dict], work: str) -> dict:
             info["agent_gauges"] = {s["name"]: s["value"] for s in samples if s["name"] in (
                 "warmup_first_request_tax_ratio", "warmup_time_to_ready_seconds")}
             rec = a.record() or {}
-            reserve = next((s for s in rec.get("stages", []) if s.get("name") == "reserve"), {})
+            reserve: dict[str, Any] = next((s for s in rec.get("stages", []) if s.get("name") == "reserve"), {})
             info["agent_reserve"] = {k: reserve.get(k) for k in ("gpu_uuid", "pinned_cpus", "reserved_bytes", "cuda_context_seconds")}
             info["agent_topology"] = (rec.get("host") or {}).get("topology")
             out["agents"][a.name] = info
@@ -585,21 +587,21 @@ def run_pair(k: int, args, nv, answers: list[dict], work: str) -> dict:
         out["labels_ok"] = all(i["labels"]["ok"] for i in infos)
         # --- first-request tax: wait for NEXT+1 probes after SERVING on both ----------------------
         t_wait = min(time.time() + 30, hard_deadline(args))
-        while serving and time.time() < t_wait and \
-                any(a.probes() < a.probes_at_serving + NEXT + 1 for a in serving):
+        need = [(a, a.probes_at_serving + NEXT + 1) for a in serving if a.probes_at_serving is not None]
+        while need and time.time() < t_wait and any(a.probes() < n for a, n in need):
             time.sleep(0.2)
     except Exception as e:  # noqa: BLE001 - keep what was measured, drain, go on
         out["errors"].append(f"start {k}: {type(e).__name__}: {e}")
         out["traceback"] = traceback.format_exc()[-3000:]
     finally:
         # --- drain: SIGTERM to both at once --------------------------------------------------------
-        t = {}
+        t: dict[str, float] = {}
         for a in agents:
             if a.proc.poll() is None:
                 a.proc.send_signal(signal.SIGTERM)
                 t[a.name] = time.time()
         draining_seen = {a.name: False for a in agents}
-        exited = {}
+        exited: dict[str, float] = {}
         while len(exited) < len(t) and any(time.time() - t0 < args.drain_timeout for t0 in t.values()):
             for a in agents:
                 if a.name in t and a.name not in exited and a.proc.poll() is not None:
@@ -679,7 +681,7 @@ def main() -> int:
     kind = "dryrun_cpu" if args.dry_run else "h200x2"
     stamp = time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
     path = os.path.join(args.out_dir, f"two_gpu_{kind}_{stamp}.json")
-    result = {"provenance": provenance(), "kind": kind, "argv": sys.argv[1:], "child_env": CHILD_ENV,
+    result: dict[str, Any] = {"provenance": provenance(), "kind": kind, "argv": sys.argv[1:], "child_env": CHILD_ENV,
               "targets": {"multi_gpu_first_request_tax_p99": TAX_TARGET},
               "definitions": {"multi_gpu_first_request_tax_p99": __doc__.split("multi_gpu_first_request_tax_p99 = ")[1].split("\n\n")[0]},
               "errors": [], "pairs": []}

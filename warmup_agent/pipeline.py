@@ -156,7 +156,7 @@ class Agent:
             ready.run(self, self.context, timing.detail)
             if self.sm.state == State.SERVING:
                 self.serving_at = self.clock()
-                self.metrics["warmup_time_to_ready_seconds"].set(self.serving_at - self.started)
+                self.metrics.warmup_time_to_ready_seconds.set(self.serving_at - self.started)
 
     # -- helpers the stages use --------------------------------------------------------------
     @contextlib.contextmanager
@@ -184,8 +184,8 @@ class Agent:
             timing.end = end - self.started
             duration = timing.end - timing.start   # timing.duration, now that it has ended
             self._boundary = end
-            self.metrics["model_loading_phase_duration_seconds"].labels(phase=name).set(duration)
-            self.metrics["warmup_stage_duration_seconds"].labels(stage=name).observe(duration)
+            self.metrics.model_loading_phase_duration_seconds.labels(phase=name).set(duration)
+            self.metrics.warmup_stage_duration_seconds.labels(stage=name).observe(duration)
             self.progress.stage_finished(name, duration, ok=timing.status == "ok")
             coldstart("completed" if timing.status == "ok" else "failed", name, phase,
                       duration=round(duration, 6), state=self.sm.state.name)
@@ -220,9 +220,9 @@ class Agent:
             busy = time.perf_counter() - t0
         self.last_results = results
         ttft = max(r.first_token_seconds for r in results)
-        self.metrics["warmup_requests_total"].labels(kind=kind).inc(len(prompts))
-        self.metrics["warmup_first_token_latency_seconds"].labels(kind=kind).observe(ttft)
-        self.metrics["warmup_engine_seconds_total"].labels(kind=kind).inc(busy)
+        self.metrics.warmup_requests_total.labels(kind=kind).inc(len(prompts))
+        self.metrics.warmup_first_token_latency_seconds.labels(kind=kind).observe(ttft)
+        self.metrics.warmup_engine_seconds_total.labels(kind=kind).inc(busy)
         if kind == "warmup":
             self.warmup_requests += len(prompts)
         return ttft
@@ -235,9 +235,9 @@ class Agent:
             results = self.engine.generate_requests(requests, warmup=True)
             busy = time.perf_counter() - t0
         ttft = max(r.first_token_seconds for r in results)
-        self.metrics["warmup_requests_total"].labels(kind=kind).inc(len(requests))
-        self.metrics["warmup_first_token_latency_seconds"].labels(kind=kind).observe(ttft)
-        self.metrics["warmup_engine_seconds_total"].labels(kind=kind).inc(busy)
+        self.metrics.warmup_requests_total.labels(kind=kind).inc(len(requests))
+        self.metrics.warmup_first_token_latency_seconds.labels(kind=kind).observe(ttft)
+        self.metrics.warmup_engine_seconds_total.labels(kind=kind).inc(busy)
         if kind == "warmup":
             self.warmup_requests += len(requests)
         return results
@@ -295,7 +295,7 @@ class Agent:
     def on_engine_exit(self, returncode: int) -> None:
         """The supervised server died: readiness goes false at once (PRELOAD)."""
         log.warning("engine server exited with code %s: back to PRELOAD until it is warm again", returncode)
-        self.metrics["model_loading_failures_total"].labels(reason="server_crashed").inc()
+        self.metrics.model_loading_failures_total.labels(reason="server_crashed").inc()
         if not self.sm.state.terminal:
             self._engine_crashed = True
             self.sm.transition(State.PRELOAD)
@@ -370,7 +370,7 @@ class Agent:
     # -- reporting ---------------------------------------------------------------------------
     def _init_metrics(self) -> None:
         torch_version = _module_version("torch")
-        self.metrics["warmup_build_info"].info({
+        self.metrics.warmup_build_info.info({
             "version": __version__, "python": platform.python_version(), "torch": torch_version,
             "engine": self.cfg["engine"]})
         # Known label values at 0 from the start (Prometheus practice): on-call reads
@@ -379,14 +379,14 @@ class Agent:
         from warmup_agent.failures import REASONS
         from warmup_agent.states import illegal_pairs
         for reason in REASONS:
-            self.metrics["model_loading_failures_total"].labels(reason=reason)
+            self.metrics.model_loading_failures_total.labels(reason=reason)
         for frm, to in illegal_pairs():
-            self.metrics["warmup_illegal_transitions_total"].labels(**{"from": frm.name, "to": to.name})
-        self.metrics["warmup_memory_jitter_ratio"].set_function(self.memory.ratio)
-        self.metrics["warmup_cost_ratio"].set_function(self.cost_ratio)
+            self.metrics.warmup_illegal_transitions_total.labels(**{"from": frm.name, "to": to.name})
+        self.metrics.warmup_memory_jitter_ratio.set_function(self.memory.ratio)
+        self.metrics.warmup_cost_ratio.set_function(self.cost_ratio)
 
     def cost_ratio(self) -> float:
-        busy = sum(s.value for m in self.metrics["warmup_engine_seconds_total"].collect()
+        busy = sum(s.value for m in self.metrics.warmup_engine_seconds_total.collect()
                    for s in m.samples if s.name.endswith("_total"))
         up = self.clock() - self.started
         return busy / up if up > 0 else 0.0

@@ -232,7 +232,7 @@ def _make_handler(proxy: RoutingProxy):
 
         def _first_token(self, route: str, ttft: float) -> None:
             """A user request's time to first token: histogram, and the readiness window."""
-            proxy.metrics["warmup_proxy_first_token_seconds"].labels(route=route).observe(ttft)
+            proxy.metrics.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
             if route == "main":
                 proxy.agent.record_probe(ttft, kind="user")
 
@@ -281,7 +281,7 @@ def _make_handler(proxy: RoutingProxy):
 
         def _count(self, route: str, code: int, warmup: bool) -> None:
             if not warmup:
-                proxy.metrics["warmup_proxy_requests_total"].labels(route=route, code=str(code)).inc()
+                proxy.metrics.warmup_proxy_requests_total.labels(route=route, code=str(code)).inc()
 
         def _error(self, code: int, kind: str, message: str, extra: dict | None = None) -> None:
             body = json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()

@@ -154,13 +154,13 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
     agent.engine_facts = vars(facts)
     quant = engine.quantization     # warmup_agent/quantization.py (issue 16)
     if quant is not None:
-        agent.metrics["warmup_model_quantization_info"].info(quant.labels())
+        agent.metrics.warmup_model_quantization_info.info(quant.labels())
         detail["quantization"] = quant.as_dict()
     report = engine.load_report
     if report is not None:
         detail["weight_load"] = report.as_dict()
         if report.seconds > 0:
-            agent.metrics["warmup_weight_load_bytes_per_second"].set(report.bytes / report.seconds)
+            agent.metrics.warmup_weight_load_bytes_per_second.set(report.bytes / report.seconds)
     if engine.skeleton_wait_seconds is not None:
         detail["waited_for_transformers_import_seconds"] = engine.skeleton_wait_seconds
     agent.sm.record_fingerprint(engine.weight_fingerprint())

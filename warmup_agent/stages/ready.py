@@ -70,10 +70,10 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
                    f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
     steady = statistics.median(agent.probes[1:]) if len(agent.probes) > 1 else agent.probes[0]
-    agent.metrics["warmup_first_request_tax_ratio"].set(agent.first_request_seconds / steady)
+    agent.metrics.warmup_first_request_tax_ratio.set(agent.first_request_seconds / steady)
     if len(agent.probe_totals) > 1:
         # The same tax on the whole answer: first probe's total / median of the later ones.
-        agent.metrics["warmup_first_request_total_tax_ratio"].set(
+        agent.metrics.warmup_first_request_total_tax_ratio.set(
             agent.probe_totals[0] / statistics.median(agent.probe_totals[1:]))
     detail.update(probes=len(agent.probes))
     if cfg["validation.enabled"]:
@@ -86,9 +86,9 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
 
 def export_fp8_ranges(metrics, check) -> None:
     for name, r in check.detail.get("ranges", {}).items():
-        metrics["warmup_fp8_range_checked_values"].labels(range=name).set(r["checked"])
-        metrics["warmup_fp8_range_saturated_values"].labels(range=name).set(r["saturated"])
-        metrics["warmup_fp8_range_roundtrip_error_ratio"].labels(range=name).set(r["max_error"])
+        metrics.warmup_fp8_range_checked_values.labels(range=name).set(r["checked"])
+        metrics.warmup_fp8_range_saturated_values.labels(range=name).set(r["saturated"])
+        metrics.warmup_fp8_range_roundtrip_error_ratio.labels(range=name).set(r["max_error"])
 
 
 def validate(agent, detail: dict) -> None:
@@ -100,7 +100,7 @@ def validate(agent, detail: dict) -> None:
     def record(c: validation.Check) -> None:
         checks.append(c)
         detail.setdefault("validation", {})[c.name] = {"result": c.result, "message": c.message, **c.detail}
-        agent.metrics["warmup_validation_checks_total"].labels(check=c.name, result=c.result).inc()
+        agent.metrics.warmup_validation_checks_total.labels(check=c.name, result=c.result).inc()
         if not c.ok:
             agent.fail(c.reason, c.message)
 

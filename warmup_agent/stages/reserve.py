@@ -69,7 +69,7 @@ class Steps:
     the warmup_reserve_step_duration_seconds gauge (one clock: perf_counter)."""
 
     def __init__(self, agent, detail: dict):
-        self._gauge = agent.metrics["warmup_reserve_step_duration_seconds"]
+        self._gauge = agent.metrics.warmup_reserve_step_duration_seconds
         self.seconds = detail.setdefault("steps_seconds", {})
 
     def record(self, name: str, seconds: float) -> None:
@@ -155,4 +155,4 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
             with step("memory_reserve"):
                 reserved = agent.engine.reserve_memory(plan.total_bytes)
             detail["reserved_bytes"] = reserved
-            agent.metrics["warmup_gpu_memory_reserved_bytes"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)
+            agent.metrics.warmup_gpu_memory_reserved_bytes.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)

@@ -61,21 +61,21 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
             report = cache.compile_once("solidify", lambda: agent.engine.solidify(shapes, mode=mode))
         else:
             report = agent.engine.solidify(shapes, mode=mode)
-    agent.metrics["warmup_engine_seconds_total"].labels(kind="solidify").inc(time.perf_counter() - t0)
+    agent.metrics.warmup_engine_seconds_total.labels(kind="solidify").inc(time.perf_counter() - t0)
     _publish(cache)
     if cache is not None:
         detail["kernel_cache"] = "degraded" if cache.degraded else "ok"
     detail.update(method=report.method, shapes=report.shapes, **report.detail)
     reason = report.detail.get("fallback_reason")
     if reason:
-        agent.metrics["warmup_solidify_fallbacks_total"].labels(reason=reason.split(":")[0]).inc()
+        agent.metrics.warmup_solidify_fallbacks_total.labels(reason=reason.split(":")[0]).inc()
     gpu = ctx.gpu
     if gpu is not None:
-        agent.metrics["warmup_cuda_graphs"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
+        agent.metrics.warmup_cuda_graphs.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
     ramp = ctx.ramp
     if ramp is not None:
         slope = ramp.stop()
         detail["ramp_samples"] = len(ramp.samples)
         if slope is not None and gpu is not None:
             detail["ramp_slope_per_second"] = slope
-            agent.metrics["warmup_gpu_utilization_ramp_slope"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(slope)
+            agent.metrics.warmup_gpu_utilization_ramp_slope.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(slope)

@@ -15,6 +15,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from exporter.metrics import AgentMetrics
 from warmup_agent import __version__
@@ -198,7 +199,7 @@ class Agent:
         if self.sm.state == State.DRAINING:
             raise AgentFailure("draining", "stopped by a signal")
 
-    def fail(self, reason: str, message: str) -> None:
+    def fail(self, reason: str, message: str) -> NoReturn:
         self.sm.fail(reason, message)
         raise AgentFailure(reason, message)
 

@@ -99,6 +99,7 @@ class Agent:
         # SERVING and a re-warm's stages take turns at the engine.
         self.engine_lock = threading.Lock()
         self._watch_stop = threading.Event()
+        self._watch_thread: threading.Thread | None = None   # watch() starts it after SERVING
         self._engine_crashed = False
         self._probe_seq = 0
         self._init_metrics()
@@ -359,7 +360,7 @@ class Agent:
         # Wait for a probe in flight: a daemon thread still inside a forward pass when
         # the interpreter finalises aborts the process ("terminate called without an
         # active exception", exit -6) instead of the drain's exit 0.
-        watch = getattr(self, "_watch_thread", None)
+        watch = self._watch_thread
         if watch is not None and watch is not threading.current_thread():
             watch.join(timeout=30)
         self.memory.stop()

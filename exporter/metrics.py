@@ -20,8 +20,9 @@ _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram, "info": In
 
 class AgentMetrics(MetricHandles):
     """Each metric is a typed attribute (`metrics.warmup_state`, declared in the
-    generated metric_handles.py) and, for code that still addresses metrics by
-    string, an item (`metrics["warmup_state"]`)."""
+    generated metric_handles.py), which is how the agent's code reaches it (a test
+    scans warmup_agent/ for names as strings).  By name, for code that has the name
+    as data (the tests walking the catalogue): `metrics.get(name)`, `metrics[name]`."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()

@@ -141,6 +141,34 @@ def test_stages_share_only_the_declared_context():
             assert not undeclared, f"stages/{f} sets {sorted(undeclared)} on the Agent: a StageContext field?"
 
 
+
+def test_nothing_probes_the_agent_or_itself_for_an_attribute():
+    """Issue 17: the Agent declares what it holds in __init__ (`_watch_thread`,
+    `readiness`), so no code asks `getattr(agent, ...)` / `getattr(self, ...)`."""
+    found = probes(("agent", "self"))
+    assert not found, found
+
+
+def test_stages_type_their_agent_without_importing_the_pipeline():
+    """Issue 17: each stage's run(agent, ctx, detail) names its agent `Agent`, imported
+    for types only: the pipeline imports the stages, never the other way at run time."""
+    import subprocess
+    import sys
+    stages = os.path.join(ROOT, "warmup_agent", "stages")
+    names = sorted(f[:-3] for f in os.listdir(stages) if f.endswith(".py") and f not in ("__init__.py", "context.py"))
+    assert names == ["prewarm", "ready", "reserve", "solidify"]
+    for name in names:
+        with open(os.path.join(stages, name + ".py"), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        run = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run")
+        assert [a.arg for a in run.args.args] == ["agent", "ctx", "detail"], name
+        assert run.args.args[0].annotation is not None and ast.unparse(run.args.args[0].annotation) == "Agent", name
+    code = ("import sys\n"
+            + "".join(f"import warmup_agent.stages.{n}\n" for n in names)
+            + "assert 'warmup_agent.pipeline' not in sys.modules, 'a stage imports the pipeline at run time'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
 def test_the_agent_owns_one_context_with_empty_defaults(clean_env):
     from warmup_agent.pipeline import Agent
     from warmup_agent.stages.context import StageContext

@@ -97,3 +97,39 @@ def test_every_agent_metric_is_a_typed_attribute_and_the_same_object_as_its_item
     for s in CATALOGUE:
         if s.source == "scrape":
             assert not hasattr(m, s.name), s.name
+
+
+def metric_lookups_by_name(source: str, names: frozenset[str]) -> list[str]:
+    """Where `source` addresses one of the agent's metrics by its name as a string:
+    a subscript of something called *metrics* by a string (`metrics["warmup_state"]`),
+    or any string that is exactly a metric's name (`metrics.get("warmup_state")`,
+    `getattr(metrics, "warmup_state")`, a helper given the name)."""
+    import ast
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                and isinstance(node.slice.value, str) and "metrics" in ast.unparse(node.value).split(".")[-1]:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            found.append(f"{node.lineno}: {node.value!r}")
+    return sorted(found)
+
+
+def test_agent_code_uses_the_typed_metric_handles_not_names():
+    """Issue 17: warmup_agent/ reaches each of its metrics as a typed attribute
+    (`metrics.warmup_state`), which mypy checks, never by its name as a string, where a
+    typo fails only when that line runs.  (AgentMetrics still answers m["name"].)"""
+    from exporter import metric_handles
+    names = frozenset(metric_handles.NAMES)
+    # The scan finds what it is meant to find.
+    sample = 'a.metrics["warmup_state"].set(1)\nself._metrics.get("warmup_requests_total")\nm["x"]\n'
+    assert metric_lookups_by_name(sample, names) == [
+        "1: 'warmup_state'", "1: a.metrics['warmup_state']", "2: 'warmup_requests_total'"]
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "warmup_agent")):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                with open(path, encoding="utf-8") as fh:
+                    found += [f"{os.path.relpath(path, ROOT)}:{hit}" for hit in metric_lookups_by_name(fh.read(), names)]
+    assert not found, "use the typed handle (metrics.<name>) instead:\n" + "\n".join(found)

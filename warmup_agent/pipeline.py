@@ -15,6 +15,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from exporter.metrics import AgentMetrics
 from warmup_agent import __version__
@@ -98,6 +99,7 @@ class Agent:
         # SERVING and a re-warm's stages take turns at the engine.
         self.engine_lock = threading.Lock()
         self._watch_stop = threading.Event()
+        self._watch_thread: threading.Thread | None = None   # watch() starts it after SERVING
         self._engine_crashed = False
         self._probe_seq = 0
         self._init_metrics()
@@ -156,7 +158,7 @@ class Agent:
             ready.run(self, self.context, timing.detail)
             if self.sm.state == State.SERVING:
                 self.serving_at = self.clock()
-                self.metrics["warmup_time_to_ready_seconds"].set(self.serving_at - self.started)
+                self.metrics.warmup_time_to_ready_seconds.set(self.serving_at - self.started)
 
     # -- helpers the stages use --------------------------------------------------------------
     @contextlib.contextmanager
@@ -184,8 +186,8 @@ class Agent:
             timing.end = end - self.started
             duration = timing.end - timing.start   # timing.duration, now that it has ended
             self._boundary = end
-            self.metrics["model_loading_phase_duration_seconds"].labels(phase=name).set(duration)
-            self.metrics["warmup_stage_duration_seconds"].labels(stage=name).observe(duration)
+            self.metrics.model_loading_phase_duration_seconds.labels(phase=name).set(duration)
+            self.metrics.warmup_stage_duration_seconds.labels(stage=name).observe(duration)
             self.progress.stage_finished(name, duration, ok=timing.status == "ok")
             coldstart("completed" if timing.status == "ok" else "failed", name, phase,
                       duration=round(duration, 6), state=self.sm.state.name)
@@ -198,7 +200,7 @@ class Agent:
         if self.sm.state == State.DRAINING:
             raise AgentFailure("draining", "stopped by a signal")
 
-    def fail(self, reason: str, message: str) -> None:
+    def fail(self, reason: str, message: str) -> NoReturn:
         self.sm.fail(reason, message)
         raise AgentFailure(reason, message)
 
@@ -220,9 +222,9 @@ class Agent:
             busy = time.perf_counter() - t0
         self.last_results = results
         ttft = max(r.first_token_seconds for r in results)
-        self.metrics["warmup_requests_total"].labels(kind=kind).inc(len(prompts))
-        self.metrics["warmup_first_token_latency_seconds"].labels(kind=kind).observe(ttft)
-        self.metrics["warmup_engine_seconds_total"].labels(kind=kind).inc(busy)
+        self.metrics.warmup_requests_total.labels(kind=kind).inc(len(prompts))
+        self.metrics.warmup_first_token_latency_seconds.labels(kind=kind).observe(ttft)
+        self.metrics.warmup_engine_seconds_total.labels(kind=kind).inc(busy)
         if kind == "warmup":
             self.warmup_requests += len(prompts)
         return ttft
@@ -235,9 +237,9 @@ class Agent:
             results = self.engine.generate_requests(requests, warmup=True)
             busy = time.perf_counter() - t0
         ttft = max(r.first_token_seconds for r in results)
-        self.metrics["warmup_requests_total"].labels(kind=kind).inc(len(requests))
-        self.metrics["warmup_first_token_latency_seconds"].labels(kind=kind).observe(ttft)
-        self.metrics["warmup_engine_seconds_total"].labels(kind=kind).inc(busy)
+        self.metrics.warmup_requests_total.labels(kind=kind).inc(len(requests))
+        self.metrics.warmup_first_token_latency_seconds.labels(kind=kind).observe(ttft)
+        self.metrics.warmup_engine_seconds_total.labels(kind=kind).inc(busy)
         if kind == "warmup":
             self.warmup_requests += len(requests)
         return results
@@ -295,7 +297,7 @@ class Agent:
     def on_engine_exit(self, returncode: int) -> None:
         """The supervised server died: readiness goes false at once (PRELOAD)."""
         log.warning("engine server exited with code %s: back to PRELOAD until it is warm again", returncode)
-        self.metrics["model_loading_failures_total"].labels(reason="server_crashed").inc()
+        self.metrics.model_loading_failures_total.labels(reason="server_crashed").inc()
         if not self.sm.state.terminal:
             self._engine_crashed = True
             self.sm.transition(State.PRELOAD)
@@ -358,7 +360,7 @@ class Agent:
         # Wait for a probe in flight: a daemon thread still inside a forward pass when
         # the interpreter finalises aborts the process ("terminate called without an
         # active exception", exit -6) instead of the drain's exit 0.
-        watch = getattr(self, "_watch_thread", None)
+        watch = self._watch_thread
         if watch is not None and watch is not threading.current_thread():
             watch.join(timeout=30)
         self.memory.stop()
@@ -370,7 +372,7 @@ class Agent:
     # -- reporting ---------------------------------------------------------------------------
     def _init_metrics(self) -> None:
         torch_version = _module_version("torch")
-        self.metrics["warmup_build_info"].info({
+        self.metrics.warmup_build_info.info({
             "version": __version__, "python": platform.python_version(), "torch": torch_version,
             "engine": self.cfg["engine"]})
         # Known label values at 0 from the start (Prometheus practice): on-call reads
@@ -379,14 +381,14 @@ class Agent:
         from warmup_agent.failures import REASONS
         from warmup_agent.states import illegal_pairs
         for reason in REASONS:
-            self.metrics["model_loading_failures_total"].labels(reason=reason)
+            self.metrics.model_loading_failures_total.labels(reason=reason)
         for frm, to in illegal_pairs():
-            self.metrics["warmup_illegal_transitions_total"].labels(**{"from": frm.name, "to": to.name})
-        self.metrics["warmup_memory_jitter_ratio"].set_function(self.memory.ratio)
-        self.metrics["warmup_cost_ratio"].set_function(self.cost_ratio)
+            self.metrics.warmup_illegal_transitions_total.labels(**{"from": frm.name, "to": to.name})
+        self.metrics.warmup_memory_jitter_ratio.set_function(self.memory.ratio)
+        self.metrics.warmup_cost_ratio.set_function(self.cost_ratio)
 
     def cost_ratio(self) -> float:
-        busy = sum(s.value for m in self.metrics["warmup_engine_seconds_total"].collect()
+        busy = sum(s.value for m in self.metrics.warmup_engine_seconds_total.collect()
                    for s in m.samples if s.name.endswith("_total"))
         up = self.clock() - self.started
         return busy / up if up > 0 else 0.0

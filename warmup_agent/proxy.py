@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING
 from warmup_agent.states import State
 
 if TYPE_CHECKING:
+    from exporter.metrics import AgentMetrics
     from warmup_agent.config import Config
+    from warmup_agent.pipeline import Agent
 
 log = logging.getLogger("warmup_agent.proxy")
 
@@ -102,8 +104,8 @@ class RoutingProxy:
     upstream_url: the main engine; fallback_url: a smaller model server or None;
     listen: (host, port), port 0 for any free port."""
 
-    def __init__(self, agent, upstream_url: str, fallback_url: str | None = None,
-                 listen: tuple[str, int] = ("127.0.0.1", 0), metrics=None,
+    def __init__(self, agent: Agent, upstream_url: str, fallback_url: str | None = None,
+                 listen: tuple[str, int] = ("127.0.0.1", 0), metrics: AgentMetrics | None = None,
                  retry_after_seconds: int = 5, timeout_seconds: float = 300.0):
         self.agent = agent
         self.metrics = metrics if metrics is not None else agent.metrics
@@ -142,7 +144,7 @@ class RoutingProxy:
         return max(1, math.ceil(self.readiness.retry_after(self.retry_after_seconds)))
 
 
-def from_config(agent, cfg: Config) -> RoutingProxy | None:
+def from_config(agent: Agent, cfg: Config) -> RoutingProxy | None:
     """The proxy `proxy.*` asks for (None when proxy.listen is empty), not started.
     Raises ConfigError (one line) for a missing upstream or an address in use."""
     from warmup_agent.config import ConfigError
@@ -232,7 +234,7 @@ def _make_handler(proxy: RoutingProxy):
 
         def _first_token(self, route: str, ttft: float) -> None:
             """A user request's time to first token: histogram, and the readiness window."""
-            proxy.metrics["warmup_proxy_first_token_seconds"].labels(route=route).observe(ttft)
+            proxy.metrics.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
             if route == "main":
                 proxy.agent.record_probe(ttft, kind="user")
 
@@ -281,7 +283,7 @@ def _make_handler(proxy: RoutingProxy):
 
         def _count(self, route: str, code: int, warmup: bool) -> None:
             if not warmup:
-                proxy.metrics["warmup_proxy_requests_total"].labels(route=route, code=str(code)).inc()
+                proxy.metrics.warmup_proxy_requests_total.labels(route=route, code=str(code)).inc()
 
         def _error(self, code: int, kind: str, message: str, extra: dict | None = None) -> None:
             body = json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()

@@ -18,9 +18,12 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from warmup_agent.periodic import Periodic
+
+if TYPE_CHECKING:
+    from exporter.metrics import AgentMetrics
 
 log = logging.getLogger("warmup_agent.states")
 
@@ -80,7 +83,7 @@ class StateMachine:
     from a daemon thread so a stuck stage cannot hold the pod forever.
     """
 
-    def __init__(self, metrics=None, deadlines: dict[State, float] | None = None,
+    def __init__(self, metrics: AgentMetrics | None = None, deadlines: dict[State, float] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self._metrics = metrics
         self._deadlines = {s: d for s, d in (deadlines or {}).items() if d and d > 0}
@@ -110,7 +113,7 @@ class StateMachine:
     def _publish(self) -> None:
         if self._metrics is None:
             return
-        gauge = self._metrics.get("warmup_state")
+        gauge = self._metrics.warmup_state
         for s in State:
             gauge.labels(state=s.name).set(1 if s == self.state else 0)
 
@@ -126,14 +129,14 @@ class StateMachine:
             if to not in TRANSITIONS[frm]:
                 log.warning("illegal state transition %s -> %s rejected", frm.name, to.name)
                 if self._metrics is not None:
-                    self._metrics.get("warmup_illegal_transitions_total").labels(
+                    self._metrics.warmup_illegal_transitions_total.labels(
                         **{"from": frm.name, "to": to.name}).inc()
                 return False
             self.state = to
             self.entered_at = self._clock()
             self.history.append((to, self.entered_at))
             if self._metrics is not None:
-                self._metrics.get("warmup_state_transitions_total").labels(
+                self._metrics.warmup_state_transitions_total.labels(
                     **{"from": frm.name, "to": to.name}).inc()
             self._publish()
         log.info("state %s -> %s", frm.name, to.name)
@@ -150,7 +153,7 @@ class StateMachine:
             self.failure_reason = reason
             self.failure_message = message or reason
             if self._metrics is not None:
-                self._metrics.get("model_loading_failures_total").labels(reason=reason).inc()
+                self._metrics.model_loading_failures_total.labels(reason=reason).inc()
             self.transition(State.FAILED)
 
     def record_fingerprint(self, fingerprint: str) -> None:
@@ -183,7 +186,7 @@ class StateMachine:
             state = self.state
             reason = f"{state.name.lower()}_deadline_exceeded"
             if self._metrics is not None:
-                self._metrics.get("warmup_state_deadline_exceeded_total").labels(state=state.name).inc()
+                self._metrics.warmup_state_deadline_exceeded_total.labels(state=state.name).inc()
             self.fail(reason, f"{state.name} took longer than its deadline of {self._deadlines[state]:g} s")
             return reason
 

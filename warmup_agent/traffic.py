@@ -8,6 +8,7 @@ plans, compilation) on a user's request.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Plain text that any BPE tokenizer splits into many tokens; repeated and cut to
@@ -223,7 +224,7 @@ def probe_family(profile: "TrafficProfile") -> str:
     return "sampled" if "sampled" in profile.families else next(iter(profile.families))
 
 
-def default_profile(endpoints: list[str], max_tokens: int, prompt_lengths: list[int]) -> TrafficProfile:
+def default_profile(endpoints: Sequence[str], max_tokens: int, prompt_lengths: list[int]) -> TrafficProfile:
     """Without a requests file: greedy and sampled, on every endpoint the server
     answers, answers up to `max_tokens`."""
     return TrafficProfile(endpoints=list(endpoints), families={k: dict(FAMILY_DEFAULTS[k]) for k in ("greedy", "sampled")},

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
 from warmup_agent.kernel_cache import namespace as nsmod
@@ -26,6 +26,11 @@ from warmup_agent.kernel_cache import shared as shared_mod
 from warmup_agent.kernel_cache.local import ENV_VARS, KINDS, LocalTier, safe_relpath
 from warmup_agent.kernel_cache.shared import CHANNEL, REDIS_ERRORS, SharedTier, SharedUnavailable
 from warmup_agent.kernel_cache.signing import entry_key, load_secret, sign, verify
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from exporter.metrics import AgentMetrics
 
 log = logging.getLogger("warmup_agent.kernel_cache")
 T = TypeVar("T")
@@ -87,7 +92,7 @@ def _batches(items, size_of):
 
 
 class KernelCache:
-    def __init__(self, settings: Settings, components: dict, metrics=None, namespace: str | None = None,
+    def __init__(self, settings: Settings, components: dict, metrics: AgentMetrics | None = None, namespace: str | None = None,
                  announce_off: bool = True):
         self.settings = settings
         self.components = components
@@ -116,7 +121,7 @@ class KernelCache:
             self._log_once("off", logging.WARNING, "kernel cache: shared tier off (%s); using the local tier only",
                            self.off_reason)
         if self.shared is None:
-            self._gauge("warmup_kernel_cache_degraded", 1)
+            self._gauge(lambda m: m.warmup_kernel_cache_degraded, 1)
 
     @property
     def _tier(self) -> SharedTier:
@@ -132,7 +137,7 @@ class KernelCache:
 
     # --- construction -----------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg, metrics=None, model_config=None, compile_options: dict | None = None,
+    def from_config(cls, cfg, metrics: AgentMetrics | None = None, model_config=None, compile_options: dict | None = None,
                     runtime: dict | None = None, namespace: str | None = None,
                     announce_off: bool = True) -> "KernelCache":
         """Build from a warmup_agent.config.Config.
@@ -259,7 +264,7 @@ class KernelCache:
             if known.get(rel) == digest:
                 continue
             if st.st_size > s.max_entry_bytes:
-                self._inc("warmup_kernel_cache_publish_skipped_total", {"reason": "too_large"})
+                self._inc(lambda m: m.warmup_kernel_cache_publish_skipped_total, {"reason": "too_large"})
                 self._log_once(("too_large", kind), logging.WARNING,
                                "kernel cache: not publishing %s entry %r: %d bytes > kernel_cache.max_entry_bytes (%d) (logged once)",
                                kind, rel, st.st_size, s.max_entry_bytes)
@@ -287,7 +292,7 @@ class KernelCache:
             except SharedUnavailable:
                 break
             written += count
-        self._inc("warmup_kernel_cache_publishes_total", n=written)
+        self._inc(lambda m: m.warmup_kernel_cache_publishes_total, n=written)
         self.counts["published"] += written
         return written
 
@@ -341,7 +346,7 @@ class KernelCache:
                     return self._compile_as_winner(fn, lock_key, done_key, token)
                 if waited_since is None:
                     waited_since = time.monotonic()
-                    self._inc("warmup_kernel_cache_lock_waits_total")
+                    self._inc(lambda m: m.warmup_kernel_cache_lock_waits_total)
                     self.counts["lock_waits"] += 1
                     log.info("kernel cache: another pod is compiling %r; waiting up to %.0f s", key, s.lock_wait)
                 if time.monotonic() >= deadline:
@@ -375,7 +380,7 @@ class KernelCache:
 
     def _end_wait(self, since) -> None:
         if since is not None:
-            self._observe("warmup_kernel_cache_lock_wait_seconds", time.monotonic() - since)
+            self._observe(lambda m: m.warmup_kernel_cache_lock_wait_seconds, time.monotonic() - since)
 
     # --- invalidation --------------------------------------------------------------
     def invalidate(self, all_namespaces: bool = False) -> int:
@@ -456,7 +461,7 @@ class KernelCache:
 
     def _apply_invalidation(self, target: str) -> None:
         removed = self.local.clear()
-        self._inc("warmup_kernel_cache_invalidations_total")
+        self._inc(lambda m: m.warmup_kernel_cache_invalidations_total)
         self.counts["invalidations"] += 1
         log.warning("kernel cache: namespace %s invalidated; removed %d local files", target, removed)
         self._after_change(evict=False)
@@ -521,17 +526,17 @@ class KernelCache:
         if evict:
             removed = self.local.evict()
             if removed:
-                self._inc("warmup_kernel_cache_evictions_total", {"tier": "local"}, len(removed))
+                self._inc(lambda m: m.warmup_kernel_cache_evictions_total, {"tier": "local"}, len(removed))
                 self.counts["evictions"] += len(removed)
-        self._gauge("warmup_kernel_cache_bytes", self.local.total_bytes(), {"tier": "local"})
+        self._gauge(lambda m: m.warmup_kernel_cache_bytes, self.local.total_bytes(), {"tier": "local"})
         if self.shared is not None:
             try:
-                self._gauge("warmup_kernel_cache_bytes", self._shared_usage()[1], {"tier": "shared"})
+                self._gauge(lambda m: m.warmup_kernel_cache_bytes, self._shared_usage()[1], {"tier": "shared"})
             except SharedUnavailable:
                 pass
 
     def _on_shared_change(self, degraded: bool, reason: str) -> None:
-        self._gauge("warmup_kernel_cache_degraded", 1 if degraded else 0)
+        self._gauge(lambda m: m.warmup_kernel_cache_degraded, 1 if degraded else 0)
         if degraded:
             log.warning("kernel cache: shared tier unavailable (%s); continuing on the local tier, retrying every %.0f s",
                         reason, self.settings.retry_interval)
@@ -545,29 +550,32 @@ class KernelCache:
 
     def _request(self, tier: str, result: str, n: int = 1) -> None:
         self.counts[f"{tier}/{result}"] += n
-        self._inc("warmup_kernel_cache_requests_total", {"tier": tier, "result": result}, n)
+        self._inc(lambda m: m.warmup_kernel_cache_requests_total, {"tier": tier, "result": result}, n)
 
     def _init_metrics(self) -> None:
         if self.metrics is None:
             return
         for tier, results in _RESULTS.items():
             for result in results:
-                self.metrics.get("warmup_kernel_cache_requests_total").labels(tier=tier, result=result)
-        self._gauge("warmup_kernel_cache_degraded", 0)
+                self.metrics.warmup_kernel_cache_requests_total.labels(tier=tier, result=result)
+        self._gauge(lambda m: m.warmup_kernel_cache_degraded, 0)
 
-    def _inc(self, name: str, labels: dict | None = None, n: float = 1) -> None:
+    # The metrics are optional (the kernel-cache CLI runs without them): each helper
+    # takes the metric as a typed pick, `lambda m: m.warmup_kernel_cache_bytes`, which
+    # runs only when there are metrics.
+    def _inc(self, pick: Callable[[AgentMetrics], Counter], labels: dict | None = None, n: float = 1) -> None:
         if self.metrics is not None and n:
-            m = self.metrics.get(name)
+            m = pick(self.metrics)
             (m.labels(**labels) if labels else m).inc(n)
 
-    def _gauge(self, name: str, value: float, labels: dict | None = None) -> None:
+    def _gauge(self, pick: Callable[[AgentMetrics], Gauge], value: float, labels: dict | None = None) -> None:
         if self.metrics is not None:
-            m = self.metrics.get(name)
+            m = pick(self.metrics)
             (m.labels(**labels) if labels else m).set(value)
 
-    def _observe(self, name: str, value: float) -> None:
+    def _observe(self, pick: Callable[[AgentMetrics], Histogram], value: float) -> None:
         if self.metrics is not None:
-            self.metrics.get(name).observe(value)
+            pick(self.metrics).observe(value)
 
 
 def _redacted(url: str | None) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from warmup_agent import memory_budget, traffic
 from warmup_agent.errors import EngineError
@@ -22,6 +23,9 @@ from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State
 from warmup_agent.traffic import PromptFactory, Shape, grid
+
+if TYPE_CHECKING:  # types only: pipeline imports the stages
+    from warmup_agent.pipeline import Agent
 
 log = logging.getLogger("warmup_agent.stages.prewarm")
 
@@ -50,20 +54,22 @@ def warmup_batches(cfg, facts, free_bytes: int | None, max_length: int) -> list[
     return cfg["prewarm.batch_sizes"]
 
 
-def _fit_budget(agent, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
+def _fit_budget(agent: Agent, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
     """With prewarm.memory_budget_bytes set, measure one shape (the longest
     prompt at the smallest batch) and keep the batch sizes whose extrapolated
     cost fits the budget (warmup_agent/memory_budget.py)."""
     budget = agent.cfg["prewarm.memory_budget_bytes"]
     if not budget:
         return batches
+    prompts = agent.prompts
+    assert prompts is not None, "prewarm makes the prompt factory before it measures"
     shape = Shape(max(lengths), min(batches))
     _, cost = memory_budget.measure_peak_rss(
-        lambda: agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=max_new))
+        lambda: agent.send(prompts.batch(shape), "warmup", max_new_tokens=max_new))
     return memory_budget.plan(batches, shape.prompt_tokens, cost / (shape.batch * shape.prompt_tokens), budget).batches
 
 
-def _start_ramp(agent, ctx: StageContext) -> None:
+def _start_ramp(agent: Agent, ctx: StageContext) -> None:
     from warmup_agent.gpu.ramp import RampSampler
     ctx.ramp = None
     interval = agent.cfg["gpu.ramp_sample_interval_seconds"]
@@ -73,7 +79,7 @@ def _start_ramp(agent, ctx: StageContext) -> None:
             ctx.ramp.start()
 
 
-def load_profile(agent, lengths: list[int]) -> traffic.TrafficProfile:
+def load_profile(agent: Agent, lengths: list[int]) -> traffic.TrafficProfile:
     """The traffic to warm: learned from prewarm.requests_file, else the default
     (greedy and sampled on every API the server answers), limited to openai.api."""
     cfg, engine = agent.cfg, agent.engine
@@ -98,7 +104,7 @@ def load_profile(agent, lengths: list[int]) -> traffic.TrafficProfile:
     return profile
 
 
-def warm_profile(agent, ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
+def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
                  t_start: float) -> None:
     """Warm the traffic profile: prefill shapes, then each family at each batch size
     with the longest answer.  A family the server refuses (HTTP 400) is recorded
@@ -134,7 +140,7 @@ def warm_profile(agent, ctx: StageContext, lengths: list[int], batches: list[int
     ctx.warmed_shapes = sorted(warmed)
 
 
-def run(agent, ctx: StageContext, detail: dict) -> None:
+def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     cfg, engine = agent.cfg, agent.engine
     agent.move(State.PRELOAD)
     _start_ramp(agent, ctx)
@@ -154,19 +160,19 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
     agent.engine_facts = vars(facts)
     quant = engine.quantization     # warmup_agent/quantization.py (issue 16)
     if quant is not None:
-        agent.metrics["warmup_model_quantization_info"].info(quant.labels())
+        agent.metrics.warmup_model_quantization_info.info(quant.labels())
         detail["quantization"] = quant.as_dict()
     report = engine.load_report
     if report is not None:
         detail["weight_load"] = report.as_dict()
         if report.seconds > 0:
-            agent.metrics["warmup_weight_load_bytes_per_second"].set(report.bytes / report.seconds)
+            agent.metrics.warmup_weight_load_bytes_per_second.set(report.bytes / report.seconds)
     if engine.skeleton_wait_seconds is not None:
         detail["waited_for_transformers_import_seconds"] = engine.skeleton_wait_seconds
     agent.sm.record_fingerprint(engine.weight_fingerprint())
     t3 = clock()
 
-    agent.prompts = PromptFactory(engine.tokenize)
+    agent.prompts = prompts = PromptFactory(engine.tokenize)
     lengths = warmup_lengths(cfg, engine.tokenize)
     batches = warmup_batches(cfg, facts, ctx.gpu_free_bytes, max(lengths))
     max_new = cfg["prewarm.max_new_tokens"]
@@ -187,7 +193,7 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
             for _ in range(per_shape):
                 agent.checkpoint()
                 def send_one(shape=shape) -> float:
-                    return agent.send(agent.prompts.batch(shape), "warmup", max_new_tokens=max_new)
+                    return agent.send(prompts.batch(shape), "warmup", max_new_tokens=max_new)
                 backoff.run(shape.batch, send_one)
                 done += 1
                 agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")

@@ -14,10 +14,15 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from warmup_agent.readiness import validation
 from warmup_agent.readiness.window import nearest_rank
 from warmup_agent.stages.context import StageContext
+
+if TYPE_CHECKING:  # types only: pipeline imports the stages
+    from exporter.metrics import AgentMetrics
+    from warmup_agent.pipeline import Agent
 
 
 def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> bool:
@@ -36,7 +41,7 @@ def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> b
     return statistics.median(recent[:half]) <= ratio * statistics.median(recent[half:])
 
 
-def run(agent, ctx: StageContext, detail: dict) -> None:
+def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     cfg = agent.cfg
     rd = agent.readiness
     max_probes = cfg["readiness.max_probes"]
@@ -69,11 +74,13 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
         agent.fail("readiness_thresholds_not_met",
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
                    f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
+    first = agent.first_request_seconds
+    assert first is not None, "the gate opened, so the first probe was taken"
     steady = statistics.median(agent.probes[1:]) if len(agent.probes) > 1 else agent.probes[0]
-    agent.metrics["warmup_first_request_tax_ratio"].set(agent.first_request_seconds / steady)
+    agent.metrics.warmup_first_request_tax_ratio.set(first / steady)
     if len(agent.probe_totals) > 1:
         # The same tax on the whole answer: first probe's total / median of the later ones.
-        agent.metrics["warmup_first_request_total_tax_ratio"].set(
+        agent.metrics.warmup_first_request_total_tax_ratio.set(
             agent.probe_totals[0] / statistics.median(agent.probe_totals[1:]))
     detail.update(probes=len(agent.probes))
     if cfg["validation.enabled"]:
@@ -84,23 +91,25 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
         agent.checkpoint()
 
 
-def export_fp8_ranges(metrics, check) -> None:
+def export_fp8_ranges(metrics: AgentMetrics, check: validation.Check) -> None:
     for name, r in check.detail.get("ranges", {}).items():
-        metrics["warmup_fp8_range_checked_values"].labels(range=name).set(r["checked"])
-        metrics["warmup_fp8_range_saturated_values"].labels(range=name).set(r["saturated"])
-        metrics["warmup_fp8_range_roundtrip_error_ratio"].labels(range=name).set(r["max_error"])
+        metrics.warmup_fp8_range_checked_values.labels(range=name).set(r["checked"])
+        metrics.warmup_fp8_range_saturated_values.labels(range=name).set(r["saturated"])
+        metrics.warmup_fp8_range_roundtrip_error_ratio.labels(range=name).set(r["max_error"])
 
 
-def validate(agent, detail: dict) -> None:
+def validate(agent: Agent, detail: dict) -> None:
     """Structure, numerics, performance; the first failure fails the agent with its reason."""
     cfg = agent.cfg
-    prompts = [agent.prompts.prompt(n) for n in sorted({8, cfg["readiness.probe_prompt_length"]})]
+    factory = agent.prompts
+    assert factory is not None, "prewarm makes the prompt factory before ready validates"
+    prompts = [factory.prompt(n) for n in sorted({8, cfg["readiness.probe_prompt_length"]})]
     checks: list[validation.Check] = []
 
     def record(c: validation.Check) -> None:
         checks.append(c)
         detail.setdefault("validation", {})[c.name] = {"result": c.result, "message": c.message, **c.detail}
-        agent.metrics["warmup_validation_checks_total"].labels(check=c.name, result=c.result).inc()
+        agent.metrics.warmup_validation_checks_total.labels(check=c.name, result=c.result).inc()
         if not c.ok:
             agent.fail(c.reason, c.message)
 
@@ -116,7 +125,9 @@ def validate(agent, detail: dict) -> None:
     # Last: a baseline is recorded only for a model that passed the other two.
     path = cfg["validation.baseline_file"]
     if path:
-        record(validation.check_performance(agent.window.quantile(0.5), os.path.expanduser(path),
+        p50 = agent.window.quantile(0.5)
+        assert p50 is not None, "the gate opened on a window with samples"
+        record(validation.check_performance(p50, os.path.expanduser(path),
                                             validation.baseline_key(agent.engine, agent.sm.fingerprint),
                                             cfg["validation.performance_factor"]))
     else:

@@ -27,12 +27,16 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from warmup_agent import hardware
 from warmup_agent.gpu import sizing
 from warmup_agent.model_dir import check_model_dir, check_safetensors_header, safetensors_files
 from warmup_agent.progress import coldstart
 from warmup_agent.stages.context import StageContext
+
+if TYPE_CHECKING:  # types only: pipeline imports the stages
+    from warmup_agent.pipeline import Agent
 
 log = logging.getLogger("warmup_agent.stages.reserve")
 
@@ -52,7 +56,7 @@ def _device_index(device: str) -> int:
     return int(device.split(":")[1]) if ":" in device else 0
 
 
-def configure_engine(agent) -> None:
+def configure_engine(agent: Agent) -> None:
     """Hand the GPU options of the config to the engine (Engine.configure: only the
     torch engine takes them; the others ignore them)."""
     cfg = agent.cfg
@@ -68,8 +72,8 @@ class Steps:
     """Times the sub-steps of reserve into detail["steps_seconds"], the log and
     the warmup_reserve_step_duration_seconds gauge (one clock: perf_counter)."""
 
-    def __init__(self, agent, detail: dict):
-        self._gauge = agent.metrics["warmup_reserve_step_duration_seconds"]
+    def __init__(self, agent: Agent, detail: dict):
+        self._gauge = agent.metrics.warmup_reserve_step_duration_seconds
         self.seconds = detail.setdefault("steps_seconds", {})
 
     def record(self, name: str, seconds: float) -> None:
@@ -86,7 +90,7 @@ class Steps:
             self.record(name, time.perf_counter() - t0)
 
 
-def run(agent, ctx: StageContext, detail: dict) -> None:
+def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     cfg = agent.cfg
     step = Steps(agent, detail)
     with step("host_facts"):            # NVML init, per-GPU facts, NVLink links
@@ -155,4 +159,4 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
             with step("memory_reserve"):
                 reserved = agent.engine.reserve_memory(plan.total_bytes)
             detail["reserved_bytes"] = reserved
-            agent.metrics["warmup_gpu_memory_reserved_bytes"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)
+            agent.metrics.warmup_gpu_memory_reserved_bytes.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)

@@ -13,13 +13,18 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from warmup_agent.stages.context import StageContext
+
+if TYPE_CHECKING:  # types only: pipeline imports the stages
+    from warmup_agent.kernel_cache import KernelCache
+    from warmup_agent.pipeline import Agent
 
 log = logging.getLogger("warmup_agent.stages.solidify")
 
 
-def open_kernel_cache(agent):
+def open_kernel_cache(agent: Agent) -> KernelCache | None:
     """The two-tier kernel cache with the engines' cache variables pointed at its
     local tier and restored from the shared tier; None when it cannot be used."""
     try:
@@ -33,7 +38,7 @@ def open_kernel_cache(agent):
         return None
 
 
-def _publish(cache) -> None:
+def _publish(cache: KernelCache | None) -> None:
     if cache is None:
         return
     try:
@@ -42,7 +47,7 @@ def _publish(cache) -> None:
         log.warning("kernel cache publish failed (%s: %s)", type(e).__name__, e)
 
 
-def run(agent, ctx: StageContext, detail: dict) -> None:
+def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     mode = agent.cfg["solidify.mode"]
     # Opened on every run (cheap with a local tier only) so its metrics and the
     # shared tier's state are visible; only compilation fills it.
@@ -61,21 +66,21 @@ def run(agent, ctx: StageContext, detail: dict) -> None:
             report = cache.compile_once("solidify", lambda: agent.engine.solidify(shapes, mode=mode))
         else:
             report = agent.engine.solidify(shapes, mode=mode)
-    agent.metrics["warmup_engine_seconds_total"].labels(kind="solidify").inc(time.perf_counter() - t0)
+    agent.metrics.warmup_engine_seconds_total.labels(kind="solidify").inc(time.perf_counter() - t0)
     _publish(cache)
     if cache is not None:
         detail["kernel_cache"] = "degraded" if cache.degraded else "ok"
     detail.update(method=report.method, shapes=report.shapes, **report.detail)
     reason = report.detail.get("fallback_reason")
     if reason:
-        agent.metrics["warmup_solidify_fallbacks_total"].labels(reason=reason.split(":")[0]).inc()
+        agent.metrics.warmup_solidify_fallbacks_total.labels(reason=reason.split(":")[0]).inc()
     gpu = ctx.gpu
     if gpu is not None:
-        agent.metrics["warmup_cuda_graphs"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
+        agent.metrics.warmup_cuda_graphs.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
     ramp = ctx.ramp
     if ramp is not None:
         slope = ramp.stop()
         detail["ramp_samples"] = len(ramp.samples)
         if slope is not None and gpu is not None:
             detail["ramp_slope_per_second"] = slope
-            agent.metrics["warmup_gpu_utilization_ramp_slope"].labels(gpu=str(gpu.index), uuid=gpu.uuid).set(slope)
+            agent.metrics.warmup_gpu_utilization_ramp_slope.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(slope)

@@ -126,9 +126,11 @@ def validate(agent: Agent, detail: dict) -> None:
     path = cfg["validation.baseline_file"]
     if path:
         p50 = agent.window.quantile(0.5)
-        assert p50 is not None, "the gate opened on a window with samples"
-        record(validation.check_performance(p50, os.path.expanduser(path),
-                                            validation.baseline_key(agent.engine, agent.sm.fingerprint),
-                                            cfg["validation.performance_factor"]))
+        if p50 is None:   # readiness.window_seconds aged every sample out since the gate opened
+            record(validation.Check("performance", "skipped", "no probe left in the window (readiness.window_seconds)"))
+        else:
+            record(validation.check_performance(p50, os.path.expanduser(path),
+                                                validation.baseline_key(agent.engine, agent.sm.fingerprint),
+                                                cfg["validation.performance_factor"]))
     else:
         record(validation.Check("performance", "skipped", "no validation.baseline_file"))

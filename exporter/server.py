@@ -25,6 +25,7 @@ import socket
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -83,20 +84,36 @@ class _HTTPServer(ThreadingHTTPServer):
         log.debug("connection from %s ended: %s", client_address[0], sys.exc_info()[1])
 
 
+class ServedAgent(Protocol):
+    """What the exporter needs of the agent, and all it may use: warmup_agent's
+    Agent is one; tests serve stand-ins.  `cfg` (a warmup_agent Config, or None)
+    names the web config and admin token files."""
+    cfg: Any
+
+    def status(self) -> dict: ...
+
+    def request_rewarm(self) -> bool: ...
+
+    def request_drain(self) -> str: ...
+
+    @property
+    def state_name(self) -> str: ...
+
+
 class ExporterServer:
-    """Serves `agent` (anything with `.status()` returning a dict with "state")
+    """Serves `agent` (a ServedAgent: `.status()` returns a dict with "state")
     and `registry` on host:port in a daemon thread.
 
     `web_config` (a webconfig.WebConfig) and `admin_token` are taken from the
     agent's config (`agent.cfg`, keys exporter.web_config_file and
     exporter.admin_token_file) when not passed."""
 
-    def __init__(self, agent, registry, host: str, port: int, tls_cert: str | None = None,
+    def __init__(self, agent: ServedAgent, registry, host: str, port: int, tls_cert: str | None = None,
                  tls_key: str | None = None, basic_auth: tuple[str, str] | None = None,
                  web_config=None, admin_token: str | None = None):
         from warmup_agent import webconfig
         self.agent, self.registry = agent, registry
-        cfg = getattr(agent, "cfg", None)
+        cfg = agent.cfg
         if web_config is None and cfg is not None and cfg["exporter.web_config_file"]:
             if tls_cert or basic_auth:
                 from warmup_agent.config import ConfigError
@@ -147,19 +164,17 @@ class ExporterServer:
     def rewarm(self) -> tuple[int, dict]:
         """SERVING or DEGRADED -> PRELOAD, then the prewarm, solidify and ready stages
         again in a thread (Agent.rewarm).  Anything else is a conflict."""
-        sm = self.agent.sm
         if not self.agent.request_rewarm():
-            return 409, {"error": f"re-warm needs SERVING or DEGRADED; state is {sm.state.name}", "state": sm.state.name}
-        return 202, {"state": sm.state.name}
+            state = self.agent.state_name
+            return 409, {"error": f"re-warm needs SERVING or DEGRADED; state is {state}", "state": state}
+        return 202, {"state": self.agent.state_name}
 
     def drain(self) -> tuple[int, dict]:
-        from warmup_agent.states import State
-        sm = self.agent.sm
-        if sm.state == State.DRAINING:
-            return 200, {"state": "DRAINING"}
-        if not sm.transition(State.DRAINING):
-            return 409, {"error": f"cannot drain from {sm.state.name}", "state": sm.state.name}
-        return 202, {"state": sm.state.name}
+        outcome = self.agent.request_drain()
+        state = self.agent.state_name
+        if outcome == "refused":
+            return 409, {"error": f"cannot drain from {state}", "state": state}
+        return (200 if outcome == "already" else 202), {"state": state}
 
 
 def _make_handler(server: ExporterServer):

@@ -179,10 +179,20 @@ def test_no_secret_in_log_metrics_or_startupz(live):
 # --- in-process servers -----------------------------------------------------------------
 
 class Stub:
-    """An agent as far as the server is concerned (no config: nothing comes from files)."""
+    """An agent as far as the server is concerned (exporter.server.ServedAgent; no
+    config: nothing comes from files).  Admin calls are refused: these tests only
+    check who may make them."""
+    cfg = None
+    state_name = "SERVING"
 
     def status(self):
         return {"state": "SERVING"}
+
+    def request_rewarm(self):
+        return False
+
+    def request_drain(self):
+        return "refused"
 
 
 def serve(web_config=None, **kw):

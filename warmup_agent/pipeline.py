@@ -317,6 +317,18 @@ class Agent:
         self._start_rewarm()
         return True
 
+    def request_drain(self) -> str:
+        """Stop taking traffic (POST /admin/drain): "started" when the agent moved to
+        DRAINING now, "already" when it was draining, "refused" when the state
+        machine does not allow it from the current state."""
+        if self.sm.state == State.DRAINING:
+            return "already"
+        return "started" if self.sm.transition(State.DRAINING) else "refused"
+
+    @property
+    def state_name(self) -> str:
+        return self.sm.state.name
+
     def _start_rewarm(self) -> None:
         threading.Thread(target=self.rewarm, name="rewarm", daemon=True).start()
 

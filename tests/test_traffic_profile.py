@@ -146,3 +146,9 @@ def test_decode_gate_opens_on_a_noisy_but_steady_host():
     for i in range(10):
         w.add(0.19 if i % 4 == 1 else 0.029)   # P90/P50 = 6.5, as seen on two shared cores
     assert decode_converged(w, 10, 0.5, 1.5)
+
+
+def test_decode_coverage_with_no_batch_size_left_plans_nothing():
+    """A memory budget can drop every batch size: the plan is empty, not an error."""
+    p = traffic.default_profile(["chat"], 64, [16, 128])
+    assert p.warm_requests([], [16], 2) == []

@@ -200,7 +200,8 @@ class TrafficProfile:
                 for n in lengths:
                     batches.append([WarmRequest(ep, n, grid_max_tokens, "greedy", _frozen(greedy))] * b)
         typical = sorted(self.prompt_lengths or lengths)[len(self.prompt_lengths or lengths) // 2]
-        cover = (self.endpoints[0], min(batch_sizes), probe_family(self)) if decode_coverage and lengths else None
+        cover = ((self.endpoints[0], min(batch_sizes), probe_family(self))
+                 if decode_coverage and lengths and batch_sizes and self.endpoints else None)
         for ep in self.endpoints:
             for b in sorted(set(batch_sizes)):
                 for fam, params in self.families.items():

@@ -186,10 +186,10 @@ class TrafficProfile:
            (decode_tiles), so that its answers decode at every sequence length
            from the shortest prompt to the longest prompt + the longest answer.
            Measured on the H200 (bench/results/diag_decode_shapes_h200.json): an
-           eager server (transformers serve, torch 2.11) pays 50-65 ms per decode
+           eager server (transformers serve, torch 2.11) pays 40-68 ms more per decode
            step at a sequence length no earlier request reached (cuDNN attention
-           builds a plan per shape), 2.8-3.3x a seen one; one answer through
-           unseen lengths took 5.1 s against 1.8 s.  Batching servers (vLLM,
+           builds a plan per shape), about 3x a seen one; one answer through
+           unseen lengths took 4.0-6.4 s against 1.5-2.7 s.  Batching servers (vLLM,
            SGLang, TGI) use paged/varlen kernels without per-length plans, and
            an eager server runs one request at a time: batch 1 covers them."""
         batches: list[list[WarmRequest]] = []

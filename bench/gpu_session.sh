@@ -87,4 +87,4 @@ else
         echo "two-GPU rc=$? at $(( $(date +%s) - T0 )) s"
     fi
 fi
-tail -5 "$OUT_DIR"/logs/*.log
+tail -n 5 "$OUT_DIR"/logs/*.log

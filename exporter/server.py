@@ -25,7 +25,7 @@ import socket
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -94,7 +94,7 @@ class ServedAgent(Protocol):
 
     def request_rewarm(self) -> bool: ...
 
-    def request_drain(self) -> str: ...
+    def request_drain(self) -> Literal["started", "already", "refused"]: ...
 
     @property
     def state_name(self) -> str: ...

@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 from exporter.metrics import AgentMetrics
 from warmup_agent import __version__
@@ -317,7 +317,7 @@ class Agent:
         self._start_rewarm()
         return True
 
-    def request_drain(self) -> str:
+    def request_drain(self) -> Literal["started", "already", "refused"]:
         """Stop taking traffic (POST /admin/drain): "started" when the agent moved to
         DRAINING now, "already" when it was draining, "refused" when the state
         machine does not allow it from the current state."""

@@ -339,7 +339,7 @@ def _make_layer_class():
             return (xd @ self.dequantize_weight().t()).to(x2.dtype)
 
         def _scaled_mm(self, x2):
-            """The blockwise-scaled FP8 GEMM, on operands padded as scaled_mm_layout() says."""
+            """The blockwise-scaled FP8 GEMM, on operands padded as scaled_mm_operands() lays them out."""
             m, k_pad = x2.shape[0], self._weight_mm.shape[1] - self.in_features
             pad = -m % 4
             xp = torch.nn.functional.pad(x2, (0, k_pad, 0, pad)) if pad or k_pad else x2

@@ -257,6 +257,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8", action="store_true", help="FP8 variant: quantize the model (transformers 'fp8' layout) and run that")
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error("--runs: at least 1 (the figures are taken over the rounds run)")
     plain = child_engine_plain if args.fp8 else child_plain
     if args.child:
         out = {"naive": lambda: plain(args.model, False), "seed": lambda: plain(args.model, True),

@@ -88,7 +88,9 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(args.device).eval()
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "attn_implementation": model.config._attn_implementation,
             "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(), "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
-            "mem_efficient_sdp": torch.backends.cuda.mem_efficient_sdp_enabled(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "mem_efficient_sdp": torch.backends.cuda.mem_efficient_sdp_enabled(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            # a user-side switch found in libtorch_cuda.so (issue 19's note); recorded, since it may change the backend order
+            "TORCH_CUDNN_SDPA_DEPRIORITIZED": os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED")}
     print(info, flush=True)
     cases = [("warm1", 16, 64), ("warm2", 16, 64), ("new83", 83, 64), ("again83", 83, 64), ("inside", 90, 8),
              ("new200", 200, 64), ("again200", 200, 64)]

@@ -16,6 +16,9 @@ One command, on the H200:
   5. sends SIGTERM, watches /startupz for DRAINING, records exit code and time.
 With `--server-command "..."` it does the same once more with
 `--engine openai` supervising that server, and checks the server is gone.
+With `--fp8` (issue 16) the torch run serves the FP8 checkpoint of the same model
+(transformers' "fp8" layout, made locally) and keeps the quantization and FP8
+range series of the scrape: a healthy FP8 pod, through the same alert replay.
 
 Keys (issue 13): sigterm_exit_seconds (<= 5), sigterm_exit_code (0),
 healthy_pod_alerts_firing (0).  CPU smoke run: `--model embedded`.
@@ -164,6 +167,8 @@ def one_run(args, label: str, extra: list[str], server_command: list[str] | None
             res["record_time_to_ready_seconds"] = rec.get("time_to_ready_seconds")
             res["record_first_request_tax_ratio"] = rec.get("first_request_tax_ratio")
         res["fragmentation_series"] = [ln for ln in text.splitlines() if ln.startswith("gpu_fragmentation_rate")]
+        res["quantization_series"] = [ln for ln in text.splitlines()
+                                      if ln.startswith(("warmup_model_quantization_info", "warmup_fp8_range_"))]
         res["reserve_phase_series"] = [ln for ln in text.splitlines()
                                        if ln.startswith("model_loading_phase_duration_seconds") and "reserve" in ln]
         return res
@@ -215,17 +220,25 @@ def main() -> int:
     ap.add_argument("--sigterm-timeout", type=float, default=30.0)
     ap.add_argument("--server-command", help="also run --engine openai supervising this server "
                                              "({model} and {port} are substituted)")
+    ap.add_argument("--fp8", action="store_true", help="serve the model's FP8 checkpoint (made beside it, DIR-fp8) "
+                                                       "with the torch engine")
     ap.add_argument("--evaluate", metavar="RESULT_JSON", help="only replay the recorded scrapes of a result")
     args = ap.parse_args()
     if args.evaluate:
         return evaluate(args.evaluate, args.promtool)
+    if args.fp8 and (args.model == "embedded" or args.server_command):
+        ap.error("--fp8 runs the torch engine on a model directory: give --model DIR, not 'embedded', "
+                 "and no --server-command")
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     extra: list[str] = []
     if args.model != "embedded":
-        from bench.bench_gpu_cold_start import make_model
+        from bench.bench_gpu_cold_start import make_fp8_model, make_model
         make_model(args.model)
+        if args.fp8:
+            make_fp8_model(args.model, args.model + "-fp8")
+            args.model += "-fp8"
         extra = ["--model", args.model]
     device = {}
     try:
@@ -234,7 +247,8 @@ def main() -> int:
             device = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     except ImportError:
         pass
-    runs = {"torch": one_run(args, "torch", extra, None, out_dir)}
+    label = "torch_fp8" if args.fp8 else "torch"
+    runs = {label: one_run(args, label, extra, None, out_dir)}
     # Written now too, so a run cut short during the server part keeps the torch figures.
     write_result(args.out, {**provenance(), **device, **summarise(runs), "runs": runs})
     if args.server_command:

@@ -12,7 +12,8 @@
 #          bench_gpu_cold_start.py --fp8 (issue 16)
 # and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
-# PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one).
+# PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
+# parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, tests, fp8, server.
 # Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
 # .gpu-carry/promtool.gz (a promtool binary, gzipped) carried with the tree.
 set -u
@@ -30,10 +31,15 @@ gunzip -c .gpu-carry/promtool.gz > /tmp/pt/promtool && chmod +x /tmp/pt/promtool
 nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "GPUs", torch.cuda.device_count())'
 
 run_acceptance() {
-    timeout 170 python3 bench/gpu_acceptance.py --out "$OUT_DIR/gpu_acceptance_h200_run2.json" --promtool /tmp/pt/promtool \
+    timeout 170 python3 bench/gpu_acceptance.py --out "$OUT_DIR/gpu_acceptance_h200.json" --promtool /tmp/pt/promtool \
         --server-command "transformers serve {model} --host 127.0.0.1 --port {port} --device cuda" \
         > "$OUT_DIR/logs/acceptance.log" 2>&1
     echo "acceptance rc=$? at $(( $(date +%s) - T0 )) s"
+}
+run_acceptance_fp8() {  # $1: seconds; the torch engine on the FP8 checkpoint (issue 16)
+    timeout "$1" python3 bench/gpu_acceptance.py --fp8 --out "$OUT_DIR/gpu_acceptance_fp8_h200.json" \
+        --promtool /tmp/pt/promtool > "$OUT_DIR/logs/acceptance_fp8.log" 2>&1
+    echo "acceptance fp8 rc=$? at $(( $(date +%s) - T0 )) s"; tail -n 6 "$OUT_DIR/logs/acceptance_fp8.log"
 }
 run_server_bench() {  # $1: seconds
     timeout "$1" python3 bench/bench_gpu_server.py --starts ${SERVER_STARTS:-3} --steady ${SERVER_STEADY:-20} --budget-seconds $(( $1 - 20 )) \
@@ -45,9 +51,9 @@ run_fp8_bench() {  # $1: seconds
         --out "$OUT_DIR/gpu_cold_start_fp8_h200.json" > "$OUT_DIR/logs/fp8.log" 2>&1
     echo "fp8 bench rc=$? at $(( $(date +%s) - T0 )) s"
 }
-run_diag() {  # $1: seconds
-    timeout "$1" python3 bench/diag_decode_shapes.py --out "$OUT_DIR/diag_decode_shapes_h200.json" > "$OUT_DIR/logs/diag.log" 2>&1
-    echo "diag rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "prompt|attn" "$OUT_DIR/logs/diag.log"
+run_diag() {  # $1: seconds, $2: a name suffix for the output
+    timeout "$1" python3 bench/diag_decode_shapes.py --out "$OUT_DIR/diag_decode_shapes_h200$2.json" > "$OUT_DIR/logs/diag$2.log" 2>&1
+    echo "diag$2 rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "prompt|attn" "$OUT_DIR/logs/diag$2.log"
 }
 run_gpu_tests() {  # $1: seconds
     timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_cuda.py \
@@ -62,7 +68,10 @@ if [ -n "${PARTS:-}" ]; then
         name=${part%%:*}; cap=${part#*:}; [ "$cap" = "$part" ] && cap=$(left)
         t=$(left); [ "$cap" -gt "$t" ] && cap=$t; [ "$cap" -lt 30 ] && { echo "$name: no time left"; continue; }
         case $name in
-            acceptance) run_acceptance ;; diag) run_diag "$cap" ;; tests) run_gpu_tests "$cap" ;;
+            acceptance) run_acceptance ;; acceptance-fp8) run_acceptance_fp8 "$cap" ;;
+            diag) run_diag "$cap" "" ;; tests) run_gpu_tests "$cap" ;;
+            # the diagnosis again with the cuDNN attention switch libtorch_cuda.so reads (issue 19's note)
+            diag-cudnn-deprioritized) TORCH_CUDNN_SDPA_DEPRIORITIZED=1 run_diag "$cap" "_cudnn_deprioritized" ;;
             fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;; *) echo "unknown part $name" ;;
         esac
     done

@@ -522,6 +522,41 @@ def test_fast_path_operands_fit_torch_layout_checks_and_match_the_emulation(k, m
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
+def _refusing_scaled_mm(*a, **kw):
+    raise RuntimeError("Invalid scaling configuration\nmore detail")
+
+
+def _wrong_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    import torch
+    return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@pytest.mark.parametrize("gemm, reason", [(_refusing_scaled_mm, "torch._scaled_mm failed: Invalid scaling configuration"),
+                                          (_wrong_scaled_mm, "torch._scaled_mm differs from the emulation by 1 of the peak")])
+def test_a_layer_that_falls_back_emulates_on_its_own_unpadded_weight(gemm, reason, monkeypatch):
+    """K=640 pads to 1024 for the fast path; a layer that then falls back must not keep
+    the padded buffer alive behind its weight (1.6x its bytes here, 3 % at K=8960)."""
+    import torch
+    torch.manual_seed(0)
+    k, n = 640, 256
+    layer = quantization.layer_class()(k, n, (128, 128), bias=False, compute_dtype=torch.float32)
+    q, s = quantization.quantize_weight(torch.randn(n, k) * 0.02, (128, 128))
+    layer.weight.data.copy_(q)
+    layer.weight_scale_inv.data.copy_(s)
+    monkeypatch.setattr(torch, "_scaled_mm", gemm, raising=False)
+    monkeypatch.setattr(quantization, "_scaled_mm_ok", lambda *a: True)
+    x = torch.randn(8, k)
+    with torch.inference_mode():
+        y = layer(x)
+    assert layer._fast is False
+    assert layer.fallback_reason == reason
+    assert layer.weight.untyped_storage().nbytes() == n * k, "the padded operand still backs the weight"
+    assert layer.weight.is_contiguous() and layer._weight_mm is None and layer._scale_b is None
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)), "the weight still reads as loaded"
+    assert set(layer.state_dict()) == {"weight", "weight_scale_inv"}
+    assert torch.allclose(y, layer._emulated(x))
+
+
 def test_unpadded_scale_stride_is_what_torch_2_11_refuses():
     """The layout before the fix (scale rows padded in place of K): the check that failed on the H200."""
     import torch

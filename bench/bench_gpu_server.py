@@ -177,8 +177,11 @@ def server_cmd(model_dir: str, port: int, device: str) -> list[str]:
     return transformers_cli() + ["serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--device", device]
 
 
+SERVER_ENV: dict[str, str] = {}   # --server-env: the server's environment in both conditions
+
+
 def env_for(scratch: str) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **SERVER_ENV)
     # `transformers serve` lists its hub cache under /v1/models and fails without one.
     hub = os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")
     os.makedirs(hub, exist_ok=True)
@@ -291,6 +294,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "runs": runs,
         "starts_done": len(agent), "stopped_early_for_time": stopped_early, "starts": args.starts, "steady": args.steady, "device": args.device,
         "server": "transformers serve " + _version("transformers"),
+        "server_env": SERVER_ENV, "agent_env": dict(kv.split("=", 1) for kv in args.agent_env),
         "model": {"dir": model_dir, "shape": "Qwen2-1.5B" if args.device != "cpu" else "embedded tiny Llama",
                   "dtype": "bfloat16", "weights": "random"},
         **provenance(),
@@ -312,8 +316,12 @@ def main() -> int:
                     help="start no pair that would end later than this after the script started")
     ap.add_argument("--agent-env", action="append", default=[], metavar="K=V",
                     help="extra WARMUP_AGENT_* settings for the agent (repeatable)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="K=V",
+                    help="environment for the server, alone and under the agent alike (repeatable), "
+                         "e.g. TORCH_CUDNN_SDPA_DEPRIORITIZED=1")
     ap.add_argument("--logs", default=None, help="copy the server and agent logs here")
     args = ap.parse_args()
+    SERVER_ENV.update(kv.split("=", 1) for kv in args.server_env)
     scratch = tempfile.mkdtemp(prefix="bench-gpu-server-")
     t = time.time()
     model_dir = make_model(args.model or ("/tmp/qwen2-1.5b-random-chat" if args.device != "cpu" else os.path.join(scratch, "data")),

@@ -42,8 +42,9 @@ run_acceptance_fp8() {  # $1: seconds; the torch engine on the FP8 checkpoint (i
     echo "acceptance fp8 rc=$? at $(( $(date +%s) - T0 )) s"; tail -n 6 "$OUT_DIR/logs/acceptance_fp8.log"
 }
 run_server_bench() {  # $1: seconds
+    # SERVER_ARGS: more options, e.g. "--server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 --agent-env K=V"
     timeout "$1" python3 bench/bench_gpu_server.py --starts ${SERVER_STARTS:-3} --steady ${SERVER_STEADY:-20} --budget-seconds $(( $1 - 20 )) \
-        --out "$OUT_DIR/gpu_server_h200.json" --logs "$OUT_DIR/logs" > "$OUT_DIR/logs/gpu_server.log" 2>&1
+        --out "$OUT_DIR/gpu_server_h200.json" --logs "$OUT_DIR/logs" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server.log" 2>&1
     echo "gpu_server rc=$? at $(( $(date +%s) - T0 )) s"
 }
 run_fp8_bench() {  # $1: seconds

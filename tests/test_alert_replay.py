@@ -32,7 +32,17 @@ def _promtool():
 
 def test_recordings_are_there():
     names = {os.path.basename(p) for p in RECORDED}
-    assert {"cpu_torch_healthy.prom", "cpu_vllm_openai_healthy.prom", "h200_torch_healthy.prom"} <= names, names
+    assert {"cpu_torch_healthy.prom", "cpu_vllm_openai_healthy.prom", "h200_torch_healthy.prom",
+            "h200_torch_fp8_healthy.prom"} <= names, names
+
+
+def test_the_fp8_recording_is_a_pod_serving_fp8():
+    """h200_torch_fp8_healthy.prom stands for a healthy FP8 pod: its agent said so and its ranges passed."""
+    text = open(os.path.join(ROOT, "alerts", "tests", "recorded", "h200_torch_fp8_healthy.prom")).read()
+    assert 'warmup_model_quantization_info{kv_cache_dtype="auto",method="fp8",weight_dtype="float8_e4m3fn"} 1.0' in text
+    assert 'warmup_state{state="SERVING"} 1.0' in text
+    for rng in ("activations", "weights", "attention_scores"):
+        assert f'warmup_fp8_range_saturated_values{{range="{rng}"}} 0.0' in text
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=[os.path.basename(p) for p in RECORDED])

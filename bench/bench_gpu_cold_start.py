@@ -317,7 +317,7 @@ def summarize(args, runs: dict, floors: dict, stopped_early: bool) -> dict:
             "first_request_tax_p99": "p99 over the agent's cold starts of (TTFT of the first real request after SERVING / median TTFT of the next 20 identical requests); 20-token prompt",
             "load_over_floor": "median over agent runs of the progressive loader's seconds / max(checkpoint bytes / pinned H2D bandwidth, checkpoint bytes / single-thread read bandwidth from page cache)",
             "ready_over_naive": "median over paired runs of (agent: process spawn -> SERVING) / (naive: process spawn -> first response), imports included",
-        "first_request_over_steady_max_p99": "p99 over the agent's cold starts of (first request's TTFT / the slowest of the next 20): <= 1 when the first request lies inside its own steady spread",
+            "first_request_over_steady_max_p99": "p99 over the agent's cold starts of (first request's TTFT / the slowest of the next 20): <= 1 when the first request lies inside its own steady spread",
             "sampling_overhead": "median over agent runs of steady TTFT with the 50 ms NVML sampler running / stopped (4 alternating blocks of 15 requests each)",
         },
         "also": {

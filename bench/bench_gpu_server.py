@@ -177,11 +177,9 @@ def server_cmd(model_dir: str, port: int, device: str) -> list[str]:
     return transformers_cli() + ["serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--device", device]
 
 
-SERVER_ENV: dict[str, str] = {}   # --server-env: the server's environment in both conditions
-
-
-def env_for(scratch: str) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **SERVER_ENV)
+def env_for(scratch: str, server_env: dict[str, str]) -> dict:
+    """The server's environment, alone and under the agent alike (--server-env on top)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **server_env)
     # `transformers serve` lists its hub cache under /v1/models and fails without one.
     hub = os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")
     os.makedirs(hub, exist_ok=True)
@@ -193,7 +191,7 @@ def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
     port = free_port()
     log = open(os.path.join(scratch, f"alone-{i}.log"), "w")
     t0 = time.time()
-    proc = subprocess.Popen(server_cmd(model_dir, port, args.device), env=env_for(scratch), stdout=log,
+    proc = subprocess.Popen(server_cmd(model_dir, port, args.device), env=env_for(scratch, args.server_env), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
     try:
         t_health = wait_http(f"http://127.0.0.1:{port}/health", t0 + 300, proc)
@@ -208,7 +206,7 @@ def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
 def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     port, listen = free_port(), free_port()
     record = os.path.join(scratch, f"agent-{i}.json")
-    env = env_for(scratch)
+    env = env_for(scratch, args.server_env)
     env.update({"WARMUP_AGENT_PREWARM_REQUESTS_FILE": args.requests_file,
                 "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 32, 64, 128]",
                 # The client sends one request at a time: the traffic's concurrency is 1.
@@ -220,7 +218,7 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     if args.device == "cpu":   # the smoke check on a small busy CPU: fewer, shorter requests
         env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[16, 64]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1]",
                    WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS="4", WARMUP_AGENT_READINESS_MIN_PROBES="3")
-    env.update(kv.split("=", 1) for kv in args.agent_env)
+    env.update(args.agent_env)
     cmd = [sys.executable, "-m", "warmup_agent", "run", "--no-progress", "--engine", "openai", "--model", model_dir,
            "--listen", f"127.0.0.1:{listen}", "--record", record, "--"] + server_cmd(model_dir, port, args.device)
     log = open(os.path.join(scratch, f"agent-{i}.log"), "w")
@@ -294,7 +292,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "runs": runs,
         "starts_done": len(agent), "stopped_early_for_time": stopped_early, "starts": args.starts, "steady": args.steady, "device": args.device,
         "server": "transformers serve " + _version("transformers"),
-        "server_env": SERVER_ENV, "agent_env": dict(kv.split("=", 1) for kv in args.agent_env),
+        "server_env": args.server_env, "agent_env": args.agent_env,
         "model": {"dir": model_dir, "shape": "Qwen2-1.5B" if args.device != "cpu" else "embedded tiny Llama",
                   "dtype": "bfloat16", "weights": "random"},
         **provenance(),
@@ -321,7 +319,9 @@ def main() -> int:
                          "e.g. TORCH_CUDNN_SDPA_DEPRIORITIZED=1")
     ap.add_argument("--logs", default=None, help="copy the server and agent logs here")
     args = ap.parse_args()
-    SERVER_ENV.update(kv.split("=", 1) for kv in args.server_env)
+    # K=V lists -> dicts, once: the runs use them and the result records them
+    args.server_env = dict(kv.split("=", 1) for kv in args.server_env)
+    args.agent_env = dict(kv.split("=", 1) for kv in args.agent_env)
     scratch = tempfile.mkdtemp(prefix="bench-gpu-server-")
     t = time.time()
     model_dir = make_model(args.model or ("/tmp/qwen2-1.5b-random-chat" if args.device != "cpu" else os.path.join(scratch, "data")),

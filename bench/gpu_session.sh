@@ -13,7 +13,9 @@
 # and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
 # PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
-# parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, tests, fp8, server.
+# parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, tests, fp8, server, llamacpp.
+# llamacpp needs .gpu-carry/llama-cpp-src.tar.gz (tools/build_llama_server.py --source-tarball) or a
+# CUDA build carried back as .gpu-carry/llama-server-cuda.xz.* (the first llamacpp part writes it to OUT_DIR).
 # Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
 # .gpu-carry/promtool.gz (a promtool binary, gzipped) carried with the tree.
 set -u
@@ -56,6 +58,29 @@ run_diag() {  # $1: seconds, $2: a name suffix for the output
     timeout "$1" python3 bench/diag_decode_shapes.py --out "$OUT_DIR/diag_decode_shapes_h200$2.json" > "$OUT_DIR/logs/diag$2.log" 2>&1
     echo "diag$2 rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "prompt|attn" "$OUT_DIR/logs/diag$2.log"
 }
+llama_server_bin() {  # prints the CUDA llama-server: carried (.gpu-carry/llama-server-cuda.xz*), else built here
+    if ls .gpu-carry/llama-server-cuda.xz* >/dev/null 2>&1; then
+        cat .gpu-carry/llama-server-cuda.xz* | xz -d > /tmp/llama-server && chmod +x /tmp/llama-server && echo /tmp/llama-server && return
+    fi
+    local t=$(date +%s)
+    python3 tools/build_llama_server.py --cuda on --from-tarball .gpu-carry/llama-cpp-src.tar.gz --data-dir /tmp/wa-data \
+        --nice 0 > "$OUT_DIR/logs/llama_build.log" 2>&1 || { echo "llama-server build failed" >&2; tail -n 20 "$OUT_DIR/logs/llama_build.log" >&2; return 1; }
+    local bin; bin=$(tail -n 1 "$OUT_DIR/logs/llama_build.log")
+    echo "llama-server built in $(( $(date +%s) - t )) s: $bin" >&2
+    # carried back for the next calls (each file under 16 MiB)
+    strip -o /tmp/llama-server.stripped "$bin" && xz -T0 -6 -c /tmp/llama-server.stripped | split -b 15M - "$OUT_DIR/llama-server-cuda.xz."
+    ls -la "$OUT_DIR"/llama-server-cuda.xz.* >&2
+    echo "$bin"
+}
+run_llamacpp_bench() {  # $1: seconds; llama.cpp's server alone vs under the agent (issue 30)
+    local bin; bin=$(llama_server_bin) || return
+    "$bin" --version 2>&1 | tail -n 2
+    mkdir -p "$OUT_DIR/scrapes"
+    timeout "$1" python3 bench/bench_gpu_server.py --server llamacpp --llama-server "$bin" --starts ${SERVER_STARTS:-5} \
+        --steady ${SERVER_STEADY:-8} --budget-seconds $(( $1 - 20 )) --out "$OUT_DIR/gpu_server_llamacpp_h200.json" \
+        --logs "$OUT_DIR/logs" --scrapes "$OUT_DIR/scrapes" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server_llamacpp.log" 2>&1
+    echo "llamacpp bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|llamacpp_" "$OUT_DIR/logs/gpu_server_llamacpp.log"
+}
 run_gpu_tests() {  # $1: seconds
     timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_cuda.py \
         tests/test_gpu_fragmentation_cuda.py tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
@@ -73,7 +98,8 @@ if [ -n "${PARTS:-}" ]; then
             diag) run_diag "$cap" "" ;; tests) run_gpu_tests "$cap" ;;
             # the diagnosis again with the cuDNN attention switch libtorch_cuda.so reads (issue 19's note)
             diag-cudnn-deprioritized) TORCH_CUDNN_SDPA_DEPRIORITIZED=1 run_diag "$cap" "_cudnn_deprioritized" ;;
-            fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;; *) echo "unknown part $name" ;;
+            fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;;
+            llamacpp) run_llamacpp_bench "$cap" ;; *) echo "unknown part $name" ;;
         esac
     done
 elif [ "$(nvidia-smi -L | grep -c '^GPU')" -lt 2 ]; then
@@ -98,3 +124,5 @@ else
     fi
 fi
 tail -n 5 "$OUT_DIR"/logs/*.log
+# few files come back: everything but the JSONs and the carried-back binary goes in one tarball
+tar czf "$OUT_DIR/logs.tgz" -C "$OUT_DIR" logs $( [ -d "$OUT_DIR/scrapes" ] && echo scrapes ) && rm -rf "$OUT_DIR/logs" "$OUT_DIR/scrapes"

@@ -100,8 +100,29 @@ CORE: tuple[MetricSpec, ...] = (
                    "warmup_first_token_window_seconds. Only where probes decode (openai engine).",
                requires="decode_probes"),
     MetricSpec("warmup_first_request_total_tax_ratio", "gauge",
-               "Whole-answer time of the first probe after warmup divided by the median of the later probes; 1.0 means no cold-start tax on decode either (openai engine probes decode readiness.probe_max_tokens tokens; in-process engines' probes are 1 token).",
-               unit="short"),
+               "Whole-answer time of the first probe after warmup divided by the steady whole answer of the same length; 1.0 means no cold-start tax on decode either.",
+               unit="short",
+               doc="openai engine: the first probe asks for the traffic profile's longest answer, the later ones "
+                   "for readiness.probe_max_tokens; the steady whole answer is their median time to first token "
+                   "+ (tokens - 1) x their median time per output token (warmup_agent/probes.py). In-process "
+                   "engines' probes are 1 token."),
+    MetricSpec("warmup_per_length_decode_ratio", "gauge",
+               "Time per output token at sequence lengths no earlier request reached, over the steady time per output token (prewarm's per-length test); above prewarm.per_length_ratio the server pays per sequence length.",
+               unit="short", requires="decode_probes",
+               doc="The worse of two requests at new prompt lengths, after the first path was warm. An eager "
+                   "server whose attention builds a plan per shape (transformers serve on an H200) measured "
+                   "about 3; llama.cpp and vLLM about 1."),
+    MetricSpec("warmup_per_length_remedy_info", "info",
+               "Present (value 1) when prewarm measured that the server pays per sequence length; remedy says what removes the cost.",
+               labels=("remedy",), unit="short", requires="decode_probes"),
+    MetricSpec("warmup_paths_total", "gauge",
+               "Warmup paths (endpoint x sampling family x batch size x prompt length) by what the measured-benefit warmup did with them.",
+               labels=("result",), unit="short", requires="decode_probes",
+               doc="result: warm_on_first_call, converged, still_improving, skipped (budget or a refused family). "
+                   "The run record's prewarm stage lists every path with its calls."),
+    MetricSpec("warmup_budget_seconds", "gauge",
+               "Time budget of the measured-benefit warmup: prewarm.budget_ratio x the server's own start-up, at least prewarm.budget_min_seconds (or prewarm.budget_seconds).",
+               unit="s", requires="decode_probes"),
     # --- process ------------------------------------------------------------------
     MetricSpec("warmup_memory_jitter_ratio", "gauge",
                "Resident-memory jitter of the agent process: (max RSS - min RSS) / mean RSS over the sampling window.",

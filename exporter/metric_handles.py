@@ -32,6 +32,10 @@ class MetricHandles:
     warmup_first_request_tax_ratio: Gauge
     warmup_time_per_output_token_window_seconds: Gauge
     warmup_first_request_total_tax_ratio: Gauge
+    warmup_per_length_decode_ratio: Gauge
+    warmup_per_length_remedy_info: Info
+    warmup_paths_total: Gauge
+    warmup_budget_seconds: Gauge
     warmup_memory_jitter_ratio: Gauge
     warmup_kernel_cache_requests_total: Counter
     warmup_kernel_cache_bytes: Gauge
@@ -82,6 +86,10 @@ NAMES: tuple[str, ...] = (
     "warmup_first_request_tax_ratio",
     "warmup_time_per_output_token_window_seconds",
     "warmup_first_request_total_tax_ratio",
+    "warmup_per_length_decode_ratio",
+    "warmup_per_length_remedy_info",
+    "warmup_paths_total",
+    "warmup_budget_seconds",
     "warmup_memory_jitter_ratio",
     "warmup_kernel_cache_requests_total",
     "warmup_kernel_cache_bytes",

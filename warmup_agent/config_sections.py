@@ -60,7 +60,14 @@ class PrewarmSection:
     max_batch: int
     memory_budget_bytes: int
     requests_file: str | None
-    decode_coverage: bool
+    decode_coverage: str
+    budget_ratio: float
+    budget_min_seconds: float
+    budget_seconds: float
+    converge_tolerance: float
+    max_calls_per_path: int
+    warm_answer_tokens: int
+    per_length_ratio: float
     max_output_tokens: int
 
 
@@ -91,6 +98,7 @@ class ReadinessSection:
     water_level_window_seconds: int
     water_level_period_seconds: float
     water_level_headroom: float
+    min_probes_server: int
     probe_max_tokens: int
     require_decode: bool
     tpot_p90_threshold_seconds: float

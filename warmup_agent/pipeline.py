@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import platform
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from warmup_agent import __version__
 from warmup_agent.engines.base import Engine
 from warmup_agent.errors import EngineError, ReasonedError
 from warmup_agent.memory import MemorySampler
+from warmup_agent.probes import Probe, ProbeLog
 from warmup_agent.progress import Progress, coldstart
 from warmup_agent.readiness.runtime import Readiness, percentile_label
 from warmup_agent.readiness.window import SlidingWindow
@@ -74,7 +74,8 @@ class Agent:
         # Decode beside the first token (issue 19): time per output token of the
         # probes, and each probe's whole-answer time (the first-request tax on it).
         self.tpot_window = SlidingWindow(cfg["readiness.window_size"])
-        self.probe_totals: list[float] = []
+        # Every probe, and the first-request figures computed once from them (probes.py).
+        self.probe_log = ProbeLog()
         self.profile: TrafficProfile | None = None   # prewarm, engines that speak the profile (openai)
         self.memory = MemorySampler()
         self.stages: list[StageTiming] = []
@@ -86,12 +87,12 @@ class Agent:
         self.process_started = process_started
         self.startup: StageTiming | None = None
         self.serving_at: float | None = None
-        self.probes: list[float] = []
-        self.first_request_seconds: float | None = None
         self.warmup_requests = 0
         self.host_facts: dict = {}
         self.engine_facts: dict = {}
         self.prompts: PromptFactory | None = None   # made by prewarm once the tokenizer is loaded
+        # The last batch send() got back (probe() reads a 1-token probe's whole answer from it).
+        self.last_results: list = []
         # The engine lock (public: stages take it around their own engine calls).  Held
         # around each call into the loaded engine: a warmup batch or probe (send,
         # send_requests), solidify, the validation checks and the fingerprint before
@@ -103,6 +104,21 @@ class Agent:
         self._engine_crashed = False
         self._probe_seq = 0
         self._init_metrics()
+
+    @property
+    def probes(self) -> list[float]:
+        """Time to first token of every probe so far, in order."""
+        return self.probe_log.ttfts
+
+    @property
+    def probe_totals(self) -> list[float]:
+        """Whole-answer time of every probe so far, in order."""
+        return self.probe_log.totals
+
+    @property
+    def first_request_seconds(self) -> float | None:
+        figures = self.probe_log.figures
+        return None if figures is None else figures.ttft_seconds
 
     @property
     def window(self) -> SlidingWindow:
@@ -244,32 +260,32 @@ class Agent:
             self.warmup_requests += len(requests)
         return results
 
-    def probe(self, decode: bool = True) -> float:
+    def probe(self, decode: bool = True, max_tokens: int | None = None) -> float:
         """One readiness probe, recorded; returns its time to first token.  With an
-        engine that speaks the traffic profile the probe is a real-looking request
-        (sampled chat where the server answers chat) with readiness.probe_max_tokens
-        output tokens, so decode is timed too; else a 1-token prompt of token ids.
+        engine that speaks the traffic profile the probe is a request as a user
+        sends it: the profile's endpoint and sampling, a prompt of self.probe_length
+        tokens that no earlier request began with, `max_tokens` output tokens
+        (default readiness.probe_max_tokens); else a prompt of token ids.
         decode=False (the probes after SERVING): one output token.  The breaker
         judges time to first token only, and 16 decoded tokens every 5 s took 12.5 %
         of a transformers-serve H200 pod's engine time, which kept
         warmup_cost_ratio over its alert threshold on a healthy pod."""
         if self.engine.speaks_profile and self.profile is not None:
             from warmup_agent.traffic import probe_request
-            max_tokens = self.cfg["readiness.probe_max_tokens"] if decode else 1
-            r = self.send_requests([probe_request(self.profile, self.cfg["readiness.probe_prompt_length"],
-                                                  max_tokens)], "probe")[0]
-            self.record_probe(r.first_token_seconds)
-            self.record_decode(r)
-            return r.first_token_seconds
-        ttft = self.send([self.probe_prompt()], "probe")
-        self.record_probe(ttft)
-        self.record_decode(self.last_results[0])     # a 1-token probe: whole answer only
-        return ttft
+            tokens = (max_tokens or self.cfg["readiness.probe_max_tokens"]) if decode else 1
+            length = self.context.probe_length or self.cfg["readiness.probe_prompt_length"]
+            r = self.send_requests([probe_request(self.profile, length, tokens)], "probe")[0]
+        else:
+            self.send([self.probe_prompt()], "probe")
+            r = self.last_results[0]     # a 1-token probe: whole answer only
+        self.record_probe(r.first_token_seconds, probe=Probe(r.first_token_seconds, r.total_seconds,
+                                                             r.output_tokens, r.prompt_tokens))
+        self.record_decode(r)
+        return r.first_token_seconds
 
     def record_decode(self, r) -> None:
-        """Whole-answer time and time per output token of one probe: (total - first
-        token) / (output tokens - 1), the interval between streamed tokens."""
-        self.probe_totals.append(r.total_seconds)
+        """Time per output token of one probe: (total - first token) / (output
+        tokens - 1), the interval between streamed tokens."""
         if r.output_tokens > 1:
             self.tpot_window.add((r.total_seconds - r.first_token_seconds) / (r.output_tokens - 1))
             for q, v in self.tpot_window.quantiles().items():
@@ -283,14 +299,14 @@ class Agent:
         assert self.prompts is not None, "prewarm makes the prompt factory before any probe"
         return self.prompts.prompt(self.cfg["readiness.probe_prompt_length"], variant=self._probe_seq)
 
-    def record_probe(self, ttft: float, kind: str = "probe") -> None:
+    def record_probe(self, ttft: float, kind: str = "probe", probe: Probe | None = None) -> None:
         """One time-to-first-token sample of the main engine: a probe, or (kind="user")
         a real request through the proxy.  It feeds the window, the adaptive
         thresholds and the breaker (readiness/runtime.py, which also sets the window
-        gauges); only probes are kept in self.probes (user traffic would grow it
+        gauges); only probes are kept in the probe log (user traffic would grow it
         without bound)."""
         if kind == "probe":
-            self.probes.append(ttft)
+            self.probe_log.add(probe or Probe(ttft, ttft, 1))
         self.readiness.observe(ttft)
 
     # -- engine restarts (supervised servers) -------------------------------------------------
@@ -423,13 +439,14 @@ class Agent:
             "probes": len(self.probes),
             "engine": self.engine_facts,
             "breaker": self.readiness.breaker.state.value,
+            "warmup": self.context.warmup_summary,
             "failure_reason": self.sm.failure_reason,
             "failure_message": self.sm.failure_message,
         }
 
     def record(self) -> dict:
         """The run as JSON (`--record`): stages with start/end, probes, final state."""
-        steady = statistics.median(self.probes[1:]) if len(self.probes) > 1 else None
+        fr = self.probe_log.figures
         return {
             "version": __version__,
             "engine": self.cfg["engine"],
@@ -446,12 +463,16 @@ class Agent:
             "warmup_requests": self.warmup_requests,
             "probes_seconds": list(self.probes),
             "probe_count": len(self.probes),
-            "first_request_seconds": self.first_request_seconds,
-            "steady_first_token_seconds": steady,
-            "first_request_tax_ratio": (self.first_request_seconds / steady) if steady and self.first_request_seconds else None,
+            # The first-request figures, frozen when the gate opened (probes.py)
+            "first_request_seconds": None if fr is None else fr.ttft_seconds,
+            "steady_first_token_seconds": None if fr is None else fr.steady_ttft_seconds,
+            "first_request_tax_ratio": None if fr is None else fr.ttft_tax,
             "probe_total_seconds": list(self.probe_totals),
-            "first_request_total_tax_ratio": (self.probe_totals[0] / statistics.median(self.probe_totals[1:])
-                                              if len(self.probe_totals) > 1 else None),
+            "first_request_total_seconds": None if fr is None else fr.total_seconds,
+            "steady_total_seconds": None if fr is None else fr.steady_total_seconds,
+            "first_request_total_tax_ratio": None if fr is None else fr.total_tax,
+            "first_request_prompt_tokens": None if fr is None else fr.prompt_tokens,
+            "first_request_output_tokens": None if fr is None else fr.output_tokens,
             "time_per_output_token_window_seconds": {percentile_label(q): v for q, v in self.tpot_window.quantiles().items()},
             "traffic_profile": self.context.profile_summary,
             # The thresholds in force, as warmup_readiness_threshold_seconds shows them

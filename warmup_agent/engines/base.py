@@ -81,6 +81,8 @@ class Engine(abc.ABC):
     seconds, reserve_memory(n)                                  reserve_memory
     load_report                 None                            torch (gpu/loader.py); prewarm
     skeleton_wait_seconds       None                            torch; prewarm
+    server_start_seconds,       None, None                      openai; prewarm's budget, remedies
+    server_name
     speaks_profile              False                           openai; prewarm warms the traffic
     generate_requests(), apis,  raises, (), None, {}            profile and probes are profile
     text, capabilities                                          requests (pipeline.Agent.probe)
@@ -163,6 +165,18 @@ class Engine(abc.ABC):
     text: TextPrompts | None = None
     #: What the engine learned its server accepts (recorded with the profile).
     capabilities: Mapping[str, Any] = MappingProxyType({})
+
+    @property
+    def server_start_seconds(self) -> float | None:
+        """Seconds the supervised server took from spawn to healthy (its own start-up,
+        which sizes the warmup budget).  Default None: no server started by the agent."""
+        return None
+
+    @property
+    def server_name(self) -> str | None:
+        """What server the engine talks to, from its command line ("transformers serve",
+        "llama.cpp", "vllm", "sglang"), for remedies in log lines.  None: unknown."""
+        return None
 
     def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
         """One batch of traffic-profile requests (traffic.WarmRequest), sent at once;

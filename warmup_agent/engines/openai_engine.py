@@ -206,6 +206,22 @@ class OpenAIEngine(Engine):
         self.on_server_exit = on_exit
         self.on_server_ready = on_ready
 
+    @property
+    def server_start_seconds(self) -> float | None:
+        return self.supervisor.start_seconds if self.supervisor is not None else None
+
+    @property
+    def server_name(self) -> str | None:
+        words = [os.path.basename(w) for w in (self.command or [])[:4]]
+        text = " ".join(words)
+        if "transformers" in words and "serve" in words:
+            return "transformers serve"
+        for needle, name in (("llama-server", "llama.cpp"), ("llama_cpp", "llama.cpp"), ("vllm", "vllm"),
+                             ("sglang", "sglang"), ("text-generation-launcher", "tgi")):
+            if needle in text:
+                return name
+        return None
+
     def has_compile_artifacts(self) -> bool:
         """Whether the supervised server wrote anything into the compile-cache
         folders server_env() gave it (solidify shares them through the kernel cache)."""

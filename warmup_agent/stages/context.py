@@ -43,3 +43,14 @@ class StageContext:
     #: prewarm, engines that speak the traffic profile: what was warmed (source,
     #: endpoints, families, lengths); the run record's `traffic_profile`.
     profile_summary: dict | None = None
+    #: prewarm, engines that speak the traffic profile: the measured-benefit warmup's
+    #: summary (budget, per-length finding, paths warmed and skipped, with why);
+    #: /startupz shows it.  None: not run.
+    warmup_summary: dict | None = None
+    #: prewarm: the prompt length of the readiness probes, a profile length no
+    #: warmup request used (a user's first request meets an unwarmed length too).
+    #: None: readiness.probe_prompt_length.
+    probe_length: int | None = None
+    #: prewarm: output tokens of the first readiness probe (the profile's longest
+    #: answer).  None: readiness.probe_max_tokens like the others.
+    first_probe_tokens: int | None = None

@@ -104,40 +104,154 @@ def load_profile(agent: Agent, lengths: list[int]) -> traffic.TrafficProfile:
     return profile
 
 
+def remedy_for(server: str | None) -> str:
+    """What removes a per-sequence-length decode cost, in the user's words."""
+    if server == "transformers serve":
+        return ("set TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in the server's environment "
+                "(PyTorch's cuDNN attention builds a plan per sequence length)")
+    return ("the server's attention builds a plan per sequence length; for a PyTorch server set "
+            "TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in its environment, or keep prewarm.decode_coverage auto")
+
+
 def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
                  t_start: float) -> None:
-    """Warm the traffic profile: prefill shapes, then each family at each batch size
-    with the longest answer.  A family the server refuses (HTTP 400) is recorded
-    and skipped: user requests of that family fail on it as well, warm or not."""
+    """Warm the traffic profile by measured benefit (warmup_agent/benefit.py):
+    1. the anchor path (the probe family on the main endpoint, smallest batch, the
+       longest profile prompt) until it stops getting faster: the steady level;
+    2. the per-length test: two calls at sequence lengths no request reached; decode
+       slower than steady by more than prewarm.per_length_ratio means the server
+       pays per length (logged with its remedy, exported);
+    3. every other family and endpoint, then every profile length (prefill only),
+       then every larger batch size, each until warm;
+    4. decode coverage of the profile's lengths, when the server pays per length
+       (prewarm.decode_coverage auto) or always.
+    All under one time budget; a path the budget did not reach is skipped, and the
+    record says so.  A family the server refuses (HTTP 4xx) is skipped too: user
+    requests of that family fail on it as well, warm or not."""
+    from warmup_agent import benefit
+    from warmup_agent.benefit import Call, Path
+    from warmup_agent.traffic import WarmRequest, _frozen, decode_tiles, probe_family
+    cfg = agent.cfg
+    pc = cfg.prewarm
     agent.profile = profile = load_profile(agent, lengths)
-    plan = profile.warm_requests(batches, lengths, agent.cfg["prewarm.max_new_tokens"],
-                                 decode_coverage=agent.cfg["prewarm.decode_coverage"])
+    engine = agent.engine
+    seconds, why = benefit.budget_for(engine.server_start_seconds, pc.budget_ratio, pc.budget_min_seconds,
+                                      pc.budget_seconds)
+    budget = benefit.Budget(seconds, why)
+    agent.metrics.warmup_budget_seconds.set(seconds)
+    tol, max_calls = pc.converge_tolerance, pc.max_calls_per_path
+    answer = max(2, min(pc.warm_answer_tokens, profile.max_tokens))
+    fam0 = probe_family(profile)
+    ep0 = "chat" if "chat" in profile.endpoints else profile.endpoints[0]
+    b0 = min(batches) if batches else 1
+    plens = sorted(set(profile.prompt_lengths) or set(lengths))
+    lo, hi = plens[0], plens[-1]
+    steady = benefit.SteadyLevels()
     refused: dict[str, str] = {}
-    warmed = set()
-    for i, batch in enumerate(plan):
+    decoded: list[tuple[int, int]] = []     # (prompt, prompt + answer) ranges decoded so far
+    outcomes: list[benefit.Outcome] = []
+    sent = 0
+
+    def send(path: Path, tokens: int = answer) -> Call:
+        nonlocal sent
         agent.checkpoint()
-        head = batch[0]
-        if head.family in refused:
-            continue
+        req = WarmRequest(path.endpoint, path.prompt_tokens, tokens, path.family, _frozen(profile.families[path.family]))
+        results = agent.send_requests([req] * path.batch, "warmup")
+        decoded.append((path.prompt_tokens, path.prompt_tokens + tokens))
+        sent += 1
+        agent.progress.step(sent, sent + 1, f"{path.label} out={tokens}")
+        slow = max(results, key=lambda r: r.total_seconds)
+        return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens,
+                    slow.prompt_tokens)
+
+    def warm(path: Path, tokens: int = answer) -> None:
+        if path.family in refused:
+            outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
+            return
         try:
-            agent.send_requests(batch, "warmup")
-            warmed.add((head.prompt_tokens, len(batch)))
+            outcomes.append(benefit.warm_path(path, lambda p: send(p, tokens), steady, budget, tol, max_calls))
         except EngineError as e:
-            if head.family == "greedy" or e.reason != "request_failed" or "HTTP 4" not in e.message:
+            if e.reason != "request_failed" or "HTTP 4" not in e.message or path.family == fam0:
                 raise
-            refused[head.family] = e.message
-            log.warning(f"the server refuses sampling family {head.family}: {e.message}")
-        agent.progress.step(i + 1, len(plan), f"{head.endpoint} {head.family} len={head.prompt_tokens} "
-                                               f"batch={len(batch)} out={head.max_tokens}")
-    ctx.profile_summary = summary = {
+            refused[path.family] = e.message
+            log.warning(f"the server refuses sampling family {path.family}: {e.message}")
+            outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
+
+    # 1. the anchor: the steady level every other path is compared with
+    warm(Path(ep0, fam0, b0, hi))
+    # 2. does the server pay per sequence length?
+    per_length: dict = {"tested": False}
+    steady_tpot = steady.tpot_ref(b0)
+    if steady_tpot is not None and not budget.exhausted():
+        calls = [send(Path(ep0, fam0, b0, n)) for n in benefit.fresh_lengths(lo, hi, decoded, 2, answer)]
+        pays, ratios = benefit.pays_per_length(calls, steady_tpot, pc.per_length_ratio)
+        per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [c.prompt_tokens for c in calls],
+                      "steady_tpot_ms": round(steady_tpot * 1e3, 3)}
+        if ratios:
+            agent.metrics.warmup_per_length_decode_ratio.set(min(ratios))
+        if pays:
+            remedy = remedy_for(engine.server_name)
+            per_length["remedy"] = remedy
+            agent.metrics.warmup_per_length_remedy_info.info({"remedy": remedy})
+            log.warning(f"the server pays per sequence length: decode at new lengths ran {min(ratios):.1f}-"
+                        f"{max(ratios):.1f}x its steady time per token; remedy: {remedy}")
+    # 3. the other paths, each until warm
+    for fam in profile.families:
+        if fam != fam0:
+            warm(Path(ep0, fam, b0, hi))
+    for ep in profile.endpoints:
+        if ep != ep0:
+            for fam in profile.families:
+                if not (fam == "json_schema" and ep != "chat"):
+                    warm(Path(ep, fam, b0, hi))
+    for n in reversed(plens[:-1]):
+        warm(Path(ep0, fam0, b0, n), tokens=1)      # prefill at this length; decode is the anchor's
+    for b in sorted(set(batches)):
+        if b != b0:
+            warm(Path(ep0, fam0, b, hi))
+    # 4. decode coverage over the profile's lengths
+    mode = pc.decode_coverage
+    coverage: dict = {"mode": mode, "tiles": [], "skipped_tiles": []}
+    if mode == "always" or (mode == "auto" and per_length.get("pays")):
+        for n in decode_tiles(plens, profile.max_tokens):
+            if budget.exhausted():
+                coverage["skipped_tiles"].append(n)
+                continue
+            send(Path(ep0, fam0, b0, n), profile.max_tokens)
+            coverage["tiles"].append(n)
+        if coverage["skipped_tiles"]:
+            log.warning(f"warmup budget ({budget.seconds:.1f} s: {budget.why}) ran out before decode coverage of "
+                        f"prompt lengths {coverage['skipped_tiles']}: the first answers from there may decode cold")
+    # The probes' length: a profile length no warmup request used, as a user's would be.
+    used = {a for a, _ in decoded}
+    probe_length = plens[len(plens) // 2]
+    while probe_length in used:
+        probe_length += 1
+    ctx.probe_length = probe_length
+    ctx.first_probe_tokens = profile.max_tokens
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.result] = counts.get(o.result, 0) + 1
+    for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
+        agent.metrics.warmup_paths_total.labels(result=result).set(counts.get(result, 0))
+    skipped = [o.as_dict() for o in outcomes if o.result == "skipped"]
+    ctx.warmup_summary = summary = {
+        "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": counts,
+        "skipped": [{"path": s["path"], "reason": s["reason"]} for s in skipped], "requests": sent,
+        "probe_length": probe_length}
+    if budget.exhausted():
+        log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "
+                    f"{len(skipped)} path(s) not warmed; readiness probes decide")
+    ctx.profile_summary = profile_summary = {
         "source": profile.source, "requests_seen": profile.requests_seen, "endpoints": profile.endpoints,
         "families": sorted(f for f in profile.families if f not in refused), "refused_families": refused,
         "prompt_lengths": profile.prompt_lengths, "max_tokens": profile.max_tokens,
-        "capabilities": dict(agent.engine.capabilities)}
-    detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=sorted({r.prompt_tokens for b in plan for r in b}),
-                  batches=batches, profile=summary,
+        "capabilities": dict(engine.capabilities)}
+    detail.update(shapes=len({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls}),
+                  requests=agent.warmup_requests, lengths=sorted(used), batches=batches, profile=profile_summary,
+                  warmup=summary, paths=[o.as_dict() for o in outcomes],
                   seconds={"traffic": time.perf_counter() - t_start})
-    ctx.warmed_shapes = sorted(warmed)
+    ctx.warmed_shapes = sorted({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls})
 
 
 def run(agent: Agent, ctx: StageContext, detail: dict) -> None:

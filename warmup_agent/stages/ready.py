@@ -45,18 +45,23 @@ def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     cfg = agent.cfg
     rd = agent.readiness
     max_probes = cfg["readiness.max_probes"]
+    # Engines that speak the traffic profile probe as users send: the first probe
+    # asks for the profile's longest answer (it stands for the first user request),
+    # the later ones for readiness.probe_max_tokens, all at ctx.probe_length.
+    profile_probes = agent.engine.speaks_profile and agent.profile is not None
+    min_probes = cfg["readiness.min_probes_server"] if profile_probes else cfg["readiness.min_probes"]
+    rd.thresholds.min_samples = min_probes
     # Decode is gated only where probes time it (engines that speak the traffic profile).
-    gate_decode = cfg["readiness.require_decode"] and agent.profile is not None
+    gate_decode = cfg["readiness.require_decode"] and profile_probes
+    agent.probe_log.restart()     # a re-warm: its first probe is a first request again
 
     def decode_ok() -> bool:
-        return not gate_decode or decode_converged(agent.tpot_window, cfg["readiness.min_probes"],
+        return not gate_decode or decode_converged(agent.tpot_window, min_probes,
                                                    cfg["readiness.tpot_p90_threshold_seconds"],
                                                    cfg["readiness.tpot_convergence_ratio"])
     for i in range(max_probes):
         agent.checkpoint()
-        ttft = agent.probe()
-        if agent.first_request_seconds is None:
-            agent.first_request_seconds = ttft
+        ttft = agent.probe(max_tokens=ctx.first_probe_tokens if i == 0 and profile_probes else None)
         agent.progress.probe(i + 1, len(agent.window), rd.thresholds.min_samples, max_probes, ttft)
         if rd.thresholds.met(agent.window) and decode_ok():
             break
@@ -74,15 +79,13 @@ def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
         agent.fail("readiness_thresholds_not_met",
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
                    f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
-    first = agent.first_request_seconds
-    assert first is not None, "the gate opened, so the first probe was taken"
-    steady = statistics.median(agent.probes[1:]) if len(agent.probes) > 1 else agent.probes[0]
-    agent.metrics.warmup_first_request_tax_ratio.set(first / steady)
-    if len(agent.probe_totals) > 1:
-        # The same tax on the whole answer: first probe's total / median of the later ones.
-        agent.metrics.warmup_first_request_total_tax_ratio.set(
-            agent.probe_totals[0] / statistics.median(agent.probe_totals[1:]))
-    detail.update(probes=len(agent.probes))
+    # The first-request figures, once, from the gate's probes (warmup_agent/probes.py).
+    figures = agent.probe_log.freeze()
+    if figures is not None and figures.ttft_tax is not None:
+        agent.metrics.warmup_first_request_tax_ratio.set(figures.ttft_tax)
+    if figures is not None and figures.total_tax is not None:
+        agent.metrics.warmup_first_request_total_tax_ratio.set(figures.total_tax)
+    detail.update(probes=len(agent.probes), probe_prompt_tokens=ctx.probe_length)
     if cfg["validation.enabled"]:
         validate(agent, detail)
     with agent.engine_lock:

@@ -1,0 +1,109 @@
+"""The probe log: every readiness probe, and the first-request figures computed
+once, here, from them (issue 30).
+
+The first probe after warmup stands for the pod's first user request; the
+probes after it (same prompt length, fresh prompts) give the steady level.
+  first-request tax (TTFT)  first probe's TTFT / median TTFT of the later probes
+  whole-answer tax          first probe's whole answer / the steady whole answer
+                            of the same length: the median of the later probes'
+                            whole answers when they have as many output tokens,
+                            else steady TTFT + (tokens - 1) x median steady time
+                            per output token (later probes may be shorter, to
+                            keep readiness cheap on a slow server)
+The figures are frozen when the gate opens (`freeze`): probes after SERVING
+(one token each, to keep the window fresh) do not change what the first
+request met.  With a single probe there is no steady level and both are None.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Probe:
+    ttft: float
+    total: float
+    output_tokens: int
+    prompt_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.total - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class FirstRequest:
+    ttft_seconds: float
+    total_seconds: float
+    output_tokens: int
+    prompt_tokens: int
+    steady_ttft_seconds: float | None
+    steady_total_seconds: float | None
+
+    @property
+    def ttft_tax(self) -> float | None:
+        return self.ttft_seconds / self.steady_ttft_seconds if self.steady_ttft_seconds else None
+
+    @property
+    def total_tax(self) -> float | None:
+        return self.total_seconds / self.steady_total_seconds if self.steady_total_seconds else None
+
+
+def first_request(probes: list[Probe]) -> FirstRequest | None:
+    """The first-request figures of `probes` (the first one against the rest)."""
+    if not probes:
+        return None
+    first, later = probes[0], probes[1:]
+    steady_ttft = statistics.median(p.ttft for p in later) if later else None
+    steady_total: float | None = None
+    if later and all(p.output_tokens == first.output_tokens for p in later):
+        steady_total = statistics.median(p.total for p in later)
+    elif steady_ttft is not None:
+        tpots = [t for p in later if (t := p.tpot) is not None]
+        if first.output_tokens < 2:
+            steady_total = steady_ttft
+        elif tpots:
+            steady_total = steady_ttft + (first.output_tokens - 1) * statistics.median(tpots)
+    return FirstRequest(first.ttft, first.total, first.output_tokens, first.prompt_tokens, steady_ttft, steady_total)
+
+
+class ProbeLog:
+    def __init__(self) -> None:
+        self.probes: list[Probe] = []
+        self._frozen: FirstRequest | None = None
+        self._frozen_at: int | None = None
+
+    def add(self, probe: Probe) -> None:
+        self.probes.append(probe)
+
+    def restart(self) -> None:
+        """A re-warm: the next probe is a first request again."""
+        self.probes.clear()
+        self._frozen = None
+        self._frozen_at = None
+
+    def freeze(self) -> FirstRequest | None:
+        """Fix the first-request figures to the probes taken so far (the gate opened)."""
+        self._frozen = first_request(self.probes)
+        self._frozen_at = len(self.probes)
+        return self._frozen
+
+    @property
+    def gate_probes(self) -> list[Probe]:
+        """The probes that decided readiness (all of them until the gate opened)."""
+        return self.probes if self._frozen_at is None else self.probes[:self._frozen_at]
+
+    @property
+    def figures(self) -> FirstRequest | None:
+        return self._frozen if self._frozen_at is not None else first_request(self.probes)
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [p.ttft for p in self.probes]
+
+    @property
+    def totals(self) -> list[float]:
+        return [p.total for p in self.probes]

@@ -361,6 +361,8 @@ def main() -> int:
     ap.add_argument("--server", choices=("transformers", "llamacpp"), default="transformers")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (--server llamacpp; tools/build_llama_server.py)")
     ap.add_argument("--gguf", default=None, help="GGUF of the model (default: converted by tools/gguf_convert.py)")
+    ap.add_argument("--llama-tree", default=None, metavar="T.tar.gz",
+                    help="llama.cpp tree for the GGUF conversion (build_llama_server.py --source-tarball; default: download)")
     ap.add_argument("--prefix", default=None, help="figure name prefix (default tfserve / llamacpp)")
     ap.add_argument("--scrapes", default=None, help="keep each agent's /metrics scrape here (default: the scratch dir)")
     ap.add_argument("--steady", type=int, default=8)
@@ -391,8 +393,15 @@ def main() -> int:
             ap.error("--server llamacpp needs --llama-server BIN (tools/build_llama_server.py prints it)")
         if not args.gguf:
             t = time.time()
-            args.gguf = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gguf_convert.py"), model_dir],
-                                       check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            # --render-pad-tokens: the random model samples ids past its tokenizer's vocabulary;
+            # they must stream text (as a real model's tokens do) for any client to time them.
+            cmd = [sys.executable, os.path.join(ROOT, "tools", "gguf_convert.py"), model_dir, "--render-pad-tokens"]
+            if args.llama_tree:
+                cmd += ["--from-tarball", args.llama_tree, "--data-dir", os.path.join(scratch, "llama-data")]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"GGUF conversion failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            args.gguf = done.stdout.strip().splitlines()[-1]
             print(f"GGUF {args.gguf} in {time.time() - t:.1f} s", flush=True)
     args.requests_file = os.path.join(scratch, "requests.jsonl")
     write_requests_file(args.requests_file, model_dir, args.max_tokens)
@@ -416,7 +425,7 @@ def main() -> int:
                   f"(tax {r['ttft_tax']:.2f}), first total {r['first']['total'] * 1e3:.0f} ms / steady "
                   f"{r['steady_total_median'] * 1e3:.0f} ms (tax {r['total_tax']:.2f}), "
                   f"tokens {r['first']['output_tokens']}, prompt {r['first']['prompt_tokens']}, first answer's chunk gap "
-                  f"median {r['first']['gap_median'] * 1e3:.1f} ms max {r['first']['gap_max'] * 1e3:.0f} ms", flush=True)
+                  f"median {(r['first']['gap_median'] or 0) * 1e3:.1f} ms max {(r['first']['gap_max'] or 0) * 1e3:.0f} ms", flush=True)
         figures = summarize(args, runs, model_dir, out, stopped_early)
     if stopped_early:
         summarize(args, runs, model_dir, out, stopped_early)

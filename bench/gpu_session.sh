@@ -76,7 +76,8 @@ run_llamacpp_bench() {  # $1: seconds; llama.cpp's server alone vs under the age
     local bin; bin=$(llama_server_bin) || return
     "$bin" --version 2>&1 | tail -n 2
     mkdir -p "$OUT_DIR/scrapes"
-    timeout "$1" python3 bench/bench_gpu_server.py --server llamacpp --llama-server "$bin" --starts ${SERVER_STARTS:-5} \
+    local tree=.gpu-carry/llama-convert-tree.tar.gz; [ -f $tree ] || tree=.gpu-carry/llama-cpp-src.tar.gz
+    timeout "$1" python3 bench/bench_gpu_server.py --server llamacpp --llama-server "$bin" --llama-tree $tree --starts ${SERVER_STARTS:-5} \
         --steady ${SERVER_STEADY:-8} --budget-seconds $(( $1 - 20 )) --out "$OUT_DIR/gpu_server_llamacpp_h200.json" \
         --logs "$OUT_DIR/logs" --scrapes "$OUT_DIR/scrapes" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server_llamacpp.log" 2>&1
     echo "llamacpp bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|llamacpp_" "$OUT_DIR/logs/gpu_server_llamacpp.log"

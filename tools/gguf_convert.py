@@ -60,8 +60,22 @@ def _create_vocab_sentencepiece(self):
         raise FileNotFoundError(f"File not found: {self.dir_model / 'tokenizer.model'}")
     return _orig_spm(self)
 base.TextModel._create_vocab_sentencepiece = _create_vocab_sentencepiece
+# --render-pad-tokens: ids past the tokenizer's vocabulary ([PADn], UNUSED) become
+# user-defined tokens whose text is their name.  A random model samples them all the
+# time; as UNUSED they render no text and llama-server streams no chunk for them, so a
+# client could not time its tokens.  A real model never samples them.
+if sys.argv[3] == "1":
+    import gguf
+    _orig_vb = base.TextModel.get_vocab_base
+    def get_vocab_base(self):
+        tokens, toktypes, tokpre = _orig_vb(self)
+        toktypes = [gguf.TokenType.USER_DEFINED if t == gguf.TokenType.UNUSED and str(tok).startswith("[PAD") else t
+                    for tok, t in zip(tokens, toktypes)]
+        return tokens, toktypes, tokpre
+    base.TextModel.get_vocab_base = get_vocab_base
 script = sys.argv[2]
-sys.argv = sys.argv[2:]
+sys.argv = sys.argv[3:]
+sys.argv[0] = script
 runpy.run_path(script, run_name="__main__")
 """
 
@@ -82,14 +96,15 @@ def up_to_date(gguf: Path, model_dir: Path) -> bool:
     return all(gguf.stat().st_mtime > p.stat().st_mtime for p in inputs)
 
 
-def convert(tree: Path, model_dir: Path, out: Path, outtype: str, python: str) -> None:
+def convert(tree: Path, model_dir: Path, out: Path, outtype: str, python: str, render_pad_tokens: bool = False) -> None:
     script = tree / "convert_hf_to_gguf.py"
     if not script.is_file():
         raise BuildError(f"convert: {script} missing")
     tmp = out.with_name(out.name + ".part")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(tree / "gguf-py"), str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
-    cmd = [python, "-c", _WRAPPER, FALLBACK_PRE, str(script), str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
+    cmd = [python, "-c", _WRAPPER, FALLBACK_PRE, str(script), "1" if render_pad_tokens else "0",
+           str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
     log(f"convert: {model_dir} -> {out} ({outtype})")
     try:
         proc = subprocess.run(cmd, env=env, stdout=sys.stderr)
@@ -113,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="take the llama.cpp tree from build_llama_server.py --source-tarball output (no download)")
     ap.add_argument("--python", default=sys.executable, help="Python that runs the converter (default: this one)")
     ap.add_argument("--force", action="store_true", help="convert even when the GGUF is up to date")
+    ap.add_argument("--render-pad-tokens", action="store_true",
+                    help="ids past the tokenizer's vocabulary render their [PADn] name as text (a random model samples "
+                         "them; as unused tokens llama-server streams nothing for them, so a client cannot time them); "
+                         "the default file name gets -padtext")
     a = ap.parse_args(argv)
 
     data_dir = a.data_dir or default_data_dir()
@@ -127,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = a.model_dir.resolve()
         if not (model_dir / "config.json").is_file():
             raise BuildError(f"model: {model_dir} has no config.json")
-        out = (a.outfile or default_outfile(model_dir, a.outtype)).resolve()
+        out = (a.outfile or default_outfile(model_dir, a.outtype + ("-padtext" if a.render_pad_tokens else ""))).resolve()
         if not a.force and up_to_date(out, model_dir):
             log("cached")
             print(out)
@@ -136,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         tree = prepare_source(root, a.from_tarball)
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert(tree, model_dir, out, a.outtype, a.python)
+        convert(tree, model_dir, out, a.outtype, a.python, a.render_pad_tokens)
     except BuildError as e:
         print("gguf_convert: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1

@@ -175,6 +175,8 @@ def cmd_run(args) -> int:
     except EngineError as e:
         print(f"warmup-agent: {e.message}", file=sys.stderr)
         return EXIT_FAILED
+    # A supervised server's start-up overlaps the agent's own set-up from here on.
+    engine.prestart()
     from warmup_agent.procstart import process_started
     # The clock starts at process start: a first run's imports and embedded model
     # creation are part of the time to SERVING (the "startup" stage).
@@ -196,6 +198,7 @@ def cmd_run(args) -> int:
     except OSError as e:
         if proxy is not None:
             proxy.stop()
+        engine.close()     # a prestarted server must not outlive this error
         raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg['exporter.listen']}: {e.strerror}",
                           "exporter.listen") from None
     if proxy is not None:

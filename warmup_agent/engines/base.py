@@ -81,6 +81,7 @@ class Engine(abc.ABC):
     seconds, reserve_memory(n)                                  reserve_memory
     load_report                 None                            torch (gpu/loader.py); prewarm
     skeleton_wait_seconds       None                            torch; prewarm
+    prestart()                  nothing                         openai; cli, as soon as the engine exists
     server_start_seconds,       None, None                      openai; prewarm's budget, remedies
     server_name
     speaks_profile              False                           openai; prewarm warms the traffic
@@ -184,6 +185,12 @@ class Engine(abc.ABC):
         raise NotImplementedError(f"engine {self.name} does not speak the traffic profile")
 
     # -- a model server (solidify, the CLI) ---------------------------------------------
+    def prestart(self) -> None:
+        """Start what takes long and needs nothing from the agent (a supervised
+        server's process) without waiting for it; load_weights waits.  The CLI calls
+        it as soon as the engine exists.  Default: nothing to start early."""
+        return None
+
     def has_compile_artifacts(self) -> bool:
         """Whether there is anything compiled to share through the kernel cache
         (solidify opens the cache only then).  Default True: in-process engines

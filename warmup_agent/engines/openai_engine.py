@@ -132,6 +132,8 @@ class OpenAIEngine(Engine):
                                       or (option(self.command, "--model") if self.command else None))
         self.quantization = self._detect_quantization()
         self.supervisor: Supervisor | None = None   # the server we started (server_command), once started
+        self._start_thread: threading.Thread | None = None   # prestart(): waiting for the first health 200
+        self._start_error: EngineError | None = None
         self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
         self.startup: dict[str, float] = {}
         self.adapters: list[str] = []      # registered LoRA adapter names
@@ -267,28 +269,57 @@ class OpenAIEngine(Engine):
         self._discover()
         self.load_lora_adapters()
 
+    def prestart(self) -> None:
+        """Spawn the supervised server now, without waiting for it: its own start-up
+        (1.2-1.5 s for llama.cpp on an H200) then overlaps the agent's set-up and the
+        tokenizer load.  start_server() waits for it.  Nothing to do without a command
+        or once started."""
+        if not self.command or self.supervisor is not None or self._interrupted.is_set():
+            return
+        from warmup_agent.supervisor import Supervisor
+        # The callbacks are looked up when called: the CLI connects them after this.
+        self.supervisor = Supervisor(
+            self.server_command(), self.url + self.health_path, env=self.server_env(),
+            host=self.host, port=self.port,
+            ready_timeout=self.cfg["openai.ready_timeout_seconds"],
+            backoff_initial=self.cfg["openai.restart_backoff_initial_seconds"],
+            backoff_max=self.cfg["openai.restart_backoff_max_seconds"],
+            drain_seconds=self.cfg["openai.drain_seconds"],
+            on_server_exit=lambda rc: self.on_server_exit(rc) if self.on_server_exit else None,
+            on_server_ready=lambda: self.on_server_ready() if self.on_server_ready else None,
+            on_log_line=self._on_log_line, log=self.log)
+        supervisor = self.supervisor
+
+        def start() -> None:
+            try:
+                supervisor.start()
+            except EngineError as e:
+                self._start_error = e
+        self._start_thread = threading.Thread(target=start, name="server-start", daemon=True)
+        self._start_thread.start()
+
     def start_server(self) -> None:
         """Start the server (or wait for the given one) until its health path
-        answers 200, and nothing more: no request reaches it."""
+        answers 200, and nothing more: no request reaches it.  The local tokenizer
+        loads while the server starts."""
         if self._interrupted.is_set():
             raise EngineError("stopped", "stopped before the server became healthy")
-        if self.supervisor is not None:
+        if self._start_thread is None and self.supervisor is not None:
             # Called again after the supervisor restarted a crashed server (the
             # pipeline re-runs prewarm): the server is ours already, just wait for it.
             self._wait_remote_healthy()
-        elif self.command:
-            from warmup_agent.supervisor import Supervisor
-            self.supervisor = Supervisor(
-                self.server_command(), self.url + self.health_path, env=self.server_env(),
-                host=self.host, port=self.port,
-                ready_timeout=self.cfg["openai.ready_timeout_seconds"],
-                backoff_initial=self.cfg["openai.restart_backoff_initial_seconds"],
-                backoff_max=self.cfg["openai.restart_backoff_max_seconds"],
-                drain_seconds=self.cfg["openai.drain_seconds"],
-                on_server_exit=self.on_server_exit, on_server_ready=self.on_server_ready,
-                on_log_line=self._on_log_line, log=self.log)
-            self.supervisor.start()
+            return
+        if self.command:
+            self.prestart()
+            self.load_tokenizer()      # local files: overlaps the server's start-up
+            thread = self._start_thread
+            if thread is not None:
+                thread.join()
+                self._start_thread = None
+            if self._start_error is not None:
+                raise self._start_error
         else:
+            self.load_tokenizer()
             self._wait_remote_healthy()
 
     def _listed_models(self) -> list[dict]:

@@ -201,6 +201,15 @@ class GpuSection:
     ramp_sample_interval_seconds: float
 
 
+@dataclass(frozen=True)
+class TracingSection:
+    """`tracing.*` (docs/config.md)."""
+    enabled: bool
+    endpoint: str | None
+    protocol: str | None
+    export_timeout_seconds: float
+
+
 class Sections:
     """The typed attributes of Config, set in its __init__."""
     engine: str
@@ -221,6 +230,7 @@ class Sections:
     proxy: ProxySection
     validation: ValidationSection
     gpu: GpuSection
+    tracing: TracingSection
 
 
 TOP_LEVEL: tuple[str, ...] = ("engine", "data_dir")
@@ -241,4 +251,5 @@ SECTIONS: dict[str, type] = {
     "proxy": ProxySection,
     "validation": ValidationSection,
     "gpu": GpuSection,
+    "tracing": TracingSection,
 }

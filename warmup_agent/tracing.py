@@ -16,10 +16,12 @@ A re-warm (engine restart, POST /admin/rewarm) is a trace of its own, rooted at
 Off by default (`tracing.enabled`), and then nothing here imports OpenTelemetry:
 the agent calls the methods of `NOOP`, which do nothing.  On, the agent's thread
 only builds plain dicts from the stage records (`StageTiming` and its `detail`)
-and puts them on a queue.  One background thread imports the SDK and the OTLP
-exporter, makes the spans with the record's own timestamps (so span durations
-are the record's durations) and hands them to a batch processor, which exports
-them in its own thread.  A collector that is down or slow costs the start
+and puts them on a queue.  Once the start has ended (SERVING or FAILED), one
+background thread imports the SDK and the OTLP exporter, makes the spans with
+the record's own timestamps (so span durations are the record's durations) and
+hands them to a batch processor, which exports them in its own thread.  So
+tracing takes no time from the start itself: not even the SDK import (0.4 s of
+CPU with gRPC) happens before SERVING.  A collector that is down or slow costs the start
 nothing: an export fails in the background, is logged once, and the exit waits
 at most `tracing.export_timeout_seconds` to flush.
 
@@ -48,6 +50,7 @@ REWARM_SPAN = "warmup.rewarm"
 # The order of prewarm's timed steps (its `seconds` dict may be filled in another order).
 PREWARM_STEPS = ("weights", "tokenizer", "fingerprint", "traffic")
 MAX_ATTRIBUTES = 100          # per span; the SDK's default limit is 128
+IMPORT_WAIT_SECONDS = 10.0    # at exit: the longest wait for the SDK import (0.4 s on an idle host)
 
 
 # -- settings ----------------------------------------------------------------------------
@@ -288,6 +291,9 @@ class OtlpTracing(Tracing):
 
     def shutdown(self) -> None:
         self._queue.put(("stop",))
+        # Importing the SDK is local work (bounded); only the collector's part is
+        # bounded by the export timeout.
+        self._worker.ready.wait(IMPORT_WAIT_SECONDS)
         self._thread.join(self.settings.timeout + 0.5)
         if self._thread.is_alive():
             log.warning("start-up traces: not all spans were exported within %.1fs", self.settings.timeout)
@@ -407,18 +413,31 @@ class _Worker:
         self.events = events
         self.roots: dict[int, Any] = {}
         self.next_trace_id = 0
+        self.ready = threading.Event()     # the SDK is imported (or could not be)
 
     def run(self) -> None:
+        # Nothing of OpenTelemetry is imported, and nothing is sent, before the first
+        # root span has ended (SERVING or FAILED): the spans carry the record's own
+        # timestamps, so they can be made afterwards, and importing the SDK and gRPC
+        # (0.4 s of CPU here) never competes with the warmup for the interpreter.
+        pending: list[tuple] = []
+        while True:
+            event = self.events.get()
+            pending.append(event)
+            if event[0] in ("end", "stop"):
+                break
         try:
             provider, tracer = self._setup()
         except Exception as e:  # noqa: BLE001 - a missing extra or bad setting: no traces, the start goes on
             log.warning("start-up traces off: %s: %s (pip install 'warmup-agent[otel]')", type(e).__name__, e)
-            while self.events.get()[0] != "stop":
-                pass
+            self.ready.set()
+            while pending[-1][0] != "stop":
+                pending.append(self.events.get())
             return
+        self.ready.set()
         try:
             while True:
-                event = self.events.get()
+                event = pending.pop(0) if pending else self.events.get()
                 if event[0] == "stop":
                     break
                 try:

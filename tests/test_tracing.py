@@ -265,7 +265,7 @@ def test_span_tree_matches_the_run_record(traced_run):
     assert _close(_seconds(root), record["time_to_ready_seconds"]), (_seconds(root), record["time_to_ready_seconds"])
     assert _close(sum(_seconds(s) for s in children), _seconds(root))
     assert children[0]["start"] == root["start"]
-    for a, b in zip(children, children[1:]):
+    for a, b in zip(children, children[1:], strict=False):
         assert abs(b["start"] - a["end"]) < 1_000_000, "stages are contiguous (within 1 ms)"
 
     # grandchildren: the timed steps the record holds
@@ -435,6 +435,14 @@ def test_settings_from_keys_and_standard_variables(values, env, want):
     assert (s.protocol, s.endpoint) == want
     assert s.service_name == "warmup-agent" and s.timeout == 2.0
     assert tracing.settings(_cfg(), {"OTEL_SERVICE_NAME": "pod-x"}).service_name == "pod-x"
+
+
+def test_enabled_without_the_extra_is_one_warning_and_no_tracer(monkeypatch, caplog):
+    monkeypatch.setattr(tracing, "installed", lambda d: d != "opentelemetry-exporter-otlp-proto-http")
+    with caplog.at_level("WARNING", logger="warmup_agent.tracing"):
+        assert tracing.setup(_cfg(enabled="true", protocol="http/protobuf"), {}) is tracing.NOOP
+    assert "opentelemetry-exporter-otlp-proto-http is not installed" in caplog.text
+    assert "warmup-agent[otel]" in caplog.text and tracing.active() is tracing.NOOP
 
 
 def test_bad_protocol_is_a_config_error():

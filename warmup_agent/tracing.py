@@ -36,6 +36,7 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # types only
 log = logging.getLogger("warmup_agent.tracing")
 
 PROTOCOLS = ("grpc", "http/protobuf")
+EXPORTERS = {"grpc": "opentelemetry-exporter-otlp-proto-grpc", "http/protobuf": "opentelemetry-exporter-otlp-proto-http"}
 ROOT_SPAN = "warmup.startup"
 REWARM_SPAN = "warmup.rewarm"
 # The order of prewarm's timed steps (its `seconds` dict may be filled in another order).
@@ -62,16 +64,16 @@ class Settings:
     timeout: float            # seconds: one export, and the wait at exit
 
 
-def enabled(cfg, env: dict[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
+def enabled(cfg, environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
     return bool(cfg["tracing.enabled"]) and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"
 
 
-def settings(cfg, env: dict[str, str] | None = None) -> Settings:
+def settings(cfg, environ: Mapping[str, str] | None = None) -> Settings:
     """The exporter's settings: a `tracing.*` key when set, else the standard
     OTEL_EXPORTER_OTLP_* variables, else the OTLP defaults (localhost:4317 for
     gRPC, localhost:4318/v1/traces for HTTP)."""
-    env = os.environ if env is None else env
+    env = os.environ if environ is None else environ
     protocol = (cfg["tracing.protocol"] or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
     if protocol not in PROTOCOLS:
@@ -138,15 +140,30 @@ def current_trace_id() -> str | None:
     return _active.current_trace_id
 
 
-def setup(cfg, env: dict[str, str] | None = None) -> Tracing:
+def setup(cfg, env: Mapping[str, str] | None = None) -> Tracing:
     """Make the process's tracer from the config; NOOP (no import) when tracing is off."""
     global _active
     if not enabled(cfg, env):
         return NOOP
     s = settings(cfg, env)
+    missing = [d for d in ("opentelemetry-sdk", EXPORTERS[s.protocol]) if not installed(d)]
+    if missing:
+        log.warning("tracing.enabled is set but %s is not installed: no start-up traces "
+                    "(pip install 'warmup-agent[otel]')", " and ".join(missing))
+        return NOOP
     _active = OtlpTracing(s)
     log.info("start-up traces on: OTLP %s to %s (service.name %s)", s.protocol, s.endpoint, s.service_name)
     return _active
+
+
+def installed(distribution: str) -> bool:
+    """Whether a distribution is installed, read from its metadata (nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        version(distribution)
+        return True
+    except PackageNotFoundError:
+        return False
 
 
 def shutdown() -> None:
@@ -474,7 +491,7 @@ class _Worker:
         # while a collector is down; _LoggedExporter says it once.
         logging.getLogger("opentelemetry.exporter").setLevel(logging.ERROR)
         logging.getLogger("opentelemetry.sdk").setLevel(logging.ERROR)
-        exporter = _LoggedExporter(OTLPSpanExporter(endpoint=self.s.endpoint, timeout=self.s.timeout), self.s)
+        exporter = _logged(OTLPSpanExporter(endpoint=self.s.endpoint, timeout=self.s.timeout), self.s)
         # shutdown_on_exit=False: the SDK's own atexit hook waits up to 30 s for a
         # collector that is down; shutdown() here waits tracing.export_timeout_seconds.
         provider = TracerProvider(resource=Resource.create(attrs), id_generator=PresetTraceIds(),
@@ -514,28 +531,29 @@ class _Worker:
         span.end(end_time=spec.end_ns)
 
 
-class _LoggedExporter:
+def _logged(inner, s: Settings):
     """The OTLP exporter, saying once (not per retry) that the collector cannot be
     reached, and once when it can again."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    def __init__(self, inner, s: Settings):
-        self.inner = inner
-        self.s = s
-        self.failing = False
+    class LoggedExporter(SpanExporter):
+        failing = False
 
-    def export(self, spans):
-        result = self.inner.export(spans)
-        ok = getattr(result, "name", "") == "SUCCESS"
-        if not ok and not self.failing:
-            log.warning("start-up traces: export to %s (%s) failed; spans are dropped until it answers",
-                        self.s.endpoint, self.s.protocol)
-        elif ok and self.failing:
-            log.info("start-up traces: export to %s works again", self.s.endpoint)
-        self.failing = not ok
-        return result
+        def export(self, spans):
+            result = inner.export(spans)
+            ok = result == SpanExportResult.SUCCESS
+            if not ok and not self.failing:
+                log.warning("start-up traces: export to %s (%s) failed; spans are dropped until it answers",
+                            s.endpoint, s.protocol)
+            elif ok and self.failing:
+                log.info("start-up traces: export to %s works again", s.endpoint)
+            self.failing = not ok
+            return result
 
-    def shutdown(self, *args, **kwargs):
-        return self.inner.shutdown(*args, **kwargs)
+        def shutdown(self) -> None:
+            inner.shutdown()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return inner.force_flush(timeout_millis)
+
+    return LoggedExporter()

@@ -454,3 +454,50 @@ def test_flatten_keeps_scalars_and_lists():
     out = tracing.flatten("warmup.x", {"a": 1, "b": {"c": "s", "d": {"e": 2.5, "f": {"g": 1}}}, "l": [1, 2],
                                        "mixed": [1, "a"], "none": None, "empty": []})
     assert out == {"warmup.x.a": 1, "warmup.x.b.c": "s", "warmup.x.b.d.e": 2.5, "warmup.x.l": [1, 2]}
+
+
+def test_a_rewarm_is_a_trace_of_its_own(rotel, embedded_model, caplog):
+    """In process: run to SERVING, then re-warm (as POST /admin/rewarm does, but in
+    this thread).  Two traces: the start-up's, which stays the record's trace ID,
+    and the re-warm's, rooted at warmup.rewarm, with its own probes only."""
+    from exporter.metrics import AgentMetrics
+    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.pipeline import Agent
+    from warmup_agent.states import State
+    cfg = config.load(env={**LIGHT, "WARMUP_AGENT_READINESS_MIN_PROBES": "3", "WARMUP_AGENT_TRACING_ENABLED": "true",
+                           "WARMUP_AGENT_TRACING_ENDPOINT": f"http://127.0.0.1:{rotel.grpc_port}"})
+    tracer = tracing.setup(cfg, {})
+    try:
+        assert isinstance(tracer, tracing.OtlpTracing)
+        agent = Agent(cfg, TorchEngine(embedded_model, dtype="float32", device="cpu"), metrics=AgentMetrics())
+        with caplog.at_level("INFO", logger="warmup_agent.coldstart"):
+            assert agent.run() == State.SERVING
+            first_probes = len(agent.probes)
+            assert agent.sm.transition(State.PRELOAD)
+            assert agent.rewarm() == State.SERVING
+        agent.stop()
+    finally:
+        tracing.shutdown()
+    assert tracing.active() is tracing.NOOP
+    startup_id = agent.record()["trace_id"]
+    rewarm_ids = {m.group(1) for r in caplog.records if (m := re.search(r"trace_id=(\w+)", r.getMessage()))} - {startup_id}
+    assert len(rewarm_ids) == 1, "the re-warm's [COLDSTART] lines carry one other trace ID"
+    rewarm_id = rewarm_ids.pop()
+
+    startup = rotel.trace(startup_id)
+    [root] = [s for s in startup if not s["parent_id"]]
+    assert root["name"] == "warmup.startup"
+    # no process start known in process: no startup stage, the root starts at run()
+    assert sorted((s["name"] for s in startup if s["parent_id"] == root["span_id"])) == \
+        sorted(f"warmup.stage.{n}" for n in STAGES)
+    assert [s["name"] for s in startup].count("warmup.ready.probe") == first_probes
+
+    again = rotel.trace(rewarm_id)
+    [root] = [s for s in again if not s["parent_id"]]
+    assert root["name"] == "warmup.rewarm" and root["attributes"]["warmup.state"] == "SERVING"
+    stages = sorted((s for s in again if s["parent_id"] == root["span_id"]), key=lambda s: s["start"])
+    assert [s["name"] for s in stages] == ["warmup.stage.prewarm", "warmup.stage.solidify", "warmup.stage.ready"]
+    assert root["start"] == stages[0]["start"] and root["end"] >= stages[-1]["end"]
+    for span, timing in zip(stages, agent.stages[-3:], strict=True):
+        assert _close(_seconds(span), timing.duration)
+    assert [s["name"] for s in again].count("warmup.ready.probe") == len(agent.probes) - first_probes

@@ -177,7 +177,9 @@ def cmd_run(args) -> int:
         return EXIT_FAILED
     # A supervised server's start-up overlaps the agent's own set-up from here on.
     engine.prestart()
+    from warmup_agent import tracing
     from warmup_agent.procstart import process_started
+    tracing.setup(cfg)   # start-up traces: NOOP (no OpenTelemetry import) unless tracing.enabled
     # The clock starts at process start: a first run's imports and embedded model
     # creation are part of the time to SERVING (the "startup" stage).
     agent = Agent(cfg, engine, metrics=metrics, progress=progress, process_started=process_started())
@@ -249,6 +251,7 @@ def cmd_run(args) -> int:
             proxy.stop()
         server.stop()
         engine.close()
+        tracing.shutdown()   # flush: waits at most tracing.export_timeout_seconds
 
 
 def connect_engine(engine: Engine, agent: Agent, registry) -> None:

@@ -292,6 +292,13 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="a number > 0"),
     Key("readiness.tpot_convergence_ratio", "float", 1.5, "Gate on decode: over the last min_probes probes, the median time per output token of the older half may be at most this x the median of the newer half (decode no longer getting faster probe after probe).",
         check=lambda v: v >= 1, expected="a number >= 1"),
+    # --- start-up traces over OTLP (issue 27; warmup_agent/tracing.py) -------------
+    Key("tracing.enabled", "bool", False, "Export one OpenTelemetry span per stage and timed step of the start (root warmup.startup) over OTLP. Needs the [otel] extra. Off: OpenTelemetry is not even imported. A collector that is down never delays or fails the start. OTEL_SDK_DISABLED=true also turns it off."),
+    Key("tracing.endpoint", "str_or_null", None, "OTLP endpoint, e.g. http://otel-collector:4317 (grpc) or http://otel-collector:4318 (http/protobuf; /v1/traces is appended). Empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317 / localhost:4318. Headers, certificates and resource attributes come from the standard OTEL_EXPORTER_OTLP_* and OTEL_RESOURCE_ATTRIBUTES variables; the service name from OTEL_SERVICE_NAME (default warmup-agent)."),
+    Key("tracing.protocol", "str_or_null", None, "OTLP transport. Empty: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL, else grpc.",
+        choices=("grpc", "http/protobuf")),
+    Key("tracing.export_timeout_seconds", "float", 2.0, "Timeout of one export to the collector, and the longest the agent waits at exit to flush the spans it still holds.",
+        check=_positive, expected="a number > 0"),
 )
 
 BY_PATH: dict[str, Key] = {k.path: k for k in KEYS}

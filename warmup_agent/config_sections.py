@@ -209,6 +209,15 @@ class GpuSection:
     ramp_sample_interval_seconds: float
 
 
+@dataclass(frozen=True)
+class TracingSection:
+    """`tracing.*` (docs/config.md)."""
+    enabled: bool
+    endpoint: str | None
+    protocol: str | None
+    export_timeout_seconds: float
+
+
 class Sections:
     """The typed attributes of Config, set in its __init__."""
     engine: str
@@ -229,6 +238,7 @@ class Sections:
     proxy: ProxySection
     validation: ValidationSection
     gpu: GpuSection
+    tracing: TracingSection
 
 
 TOP_LEVEL: tuple[str, ...] = ("engine", "data_dir")
@@ -249,4 +259,5 @@ SECTIONS: dict[str, type] = {
     "proxy": ProxySection,
     "validation": ValidationSection,
     "gpu": GpuSection,
+    "tracing": TracingSection,
 }

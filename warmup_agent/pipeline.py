@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NoReturn
 
 from exporter.metrics import AgentMetrics
-from warmup_agent import __version__
+from warmup_agent import __version__, tracing
 from warmup_agent.engines.base import Engine
 from warmup_agent.errors import EngineError, ReasonedError
 from warmup_agent.memory import MemorySampler
@@ -103,6 +103,7 @@ class Agent:
         self._watch_thread: threading.Thread | None = None   # watch() starts it after SERVING
         self._engine_crashed = False
         self._probe_seq = 0
+        self.tracing = tracing.active()   # start-up traces (tracing.py); NOOP unless the CLI set one up
         self._init_metrics()
 
     @property
@@ -134,6 +135,7 @@ class Agent:
         # embedded model's creation, engine set-up.  Startup plus the four stage
         # durations add up to the time from that zero to SERVING.
         run_at = self.started = self._boundary = self.clock()
+        self.tracing.run_started(self)
         if self.process_started is not None and self.process_started < run_at:
             self.started = self.process_started
             startup = run_at - self.started
@@ -155,6 +157,7 @@ class Agent:
                 log.error("warmup failed: %s: %s", e.reason, e.message)
         finally:
             self.sm.stop_watchdog()
+        self.tracing.run_finished(self)
         return self.sm.state
 
     def reserve(self) -> None:
@@ -207,6 +210,7 @@ class Agent:
             self.progress.stage_finished(name, duration, ok=timing.status == "ok")
             coldstart("completed" if timing.status == "ok" else "failed", name, phase,
                       duration=round(duration, 6), state=self.sm.state.name)
+            self.tracing.stage_finished(self, timing)
 
     def checkpoint(self) -> None:
         """Raise AgentFailure if the machine failed (a deadline, say) or started
@@ -483,6 +487,7 @@ class Agent:
             "failure_reason": self.sm.failure_reason,
             "failure_message": self.sm.failure_message,
             "transitions": [{"state": s.name, "at_seconds": t - self.started} for s, t in self.sm.history],
+            "trace_id": self.tracing.trace_id,   # the start-up trace (tracing.py); null when tracing is off
         }
 
 

@@ -8,11 +8,16 @@ import logging
 import sys
 import time
 
+from warmup_agent.tracing import current_trace_id
+
 coldstart_log = logging.getLogger("warmup_agent.coldstart")
 
 
 def coldstart(event: str, stage: str, phase: int, **fields) -> None:
-    """One structured `[COLDSTART]` line; fields also go to JSON logs as keys."""
+    """One structured `[COLDSTART]` line; fields also go to JSON logs as keys.  With
+    start-up traces on (tracing.py) the line ends with the trace's `trace_id`."""
+    if (trace_id := current_trace_id()) is not None:
+        fields["trace_id"] = trace_id
     text = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
     coldstart_log.info(f"[COLDSTART] phase{phase} {stage} {event}" + (f" {text}" if text else ""),
                        extra={"phase": phase, "stage": stage, "event": event, **fields})

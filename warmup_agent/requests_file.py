@@ -79,7 +79,8 @@ _SAMPLING: dict[str, tuple[Any, str]] = {
 }
 _CHAT_LOGPROBS = (lambda v: type(v) is bool, "true or false")
 _COMPLETIONS_LOGPROBS = (lambda v: type(v) is bool or (type(v) is int and v >= 0), "an integer >= 0")
-_KNOWN = frozenset(_SAMPLING) | {"logprobs"}
+_CHAT_RULES = {**_SAMPLING, "logprobs": _CHAT_LOGPROBS}
+_COMPLETIONS_RULES = {**_SAMPLING, "logprobs": _COMPLETIONS_LOGPROBS}
 
 
 def endpoint_of(body: dict) -> str:
@@ -152,15 +153,11 @@ def check_body(body: Any) -> list[str]:
         problems.append(p)
     # Fields other servers understand are left to the server; the known ones are
     # checked in the body's order (its first problem is the one reported).
-    for name in body:
-        if name not in _KNOWN:
-            continue
-        value = body[name]
-        if value is None:
-            continue
-        check, expected = _SAMPLING.get(name) or (_CHAT_LOGPROBS if has_messages else _COMPLETIONS_LOGPROBS)
-        if not check(value):
-            problems.append(_problem(name, value, expected))
+    rules = _CHAT_RULES if has_messages else _COMPLETIONS_RULES
+    for name, value in body.items():
+        rule = rules.get(name)
+        if rule is not None and value is not None and not rule[0](value):
+            problems.append(_problem(name, value, rule[1]))
     if has_prompt and "max_completion_tokens" in body:
         problems.append("field 'max_completion_tokens': a /v1/chat/completions field; expected max_tokens "
                         "in a /v1/completions body (prompt)")

@@ -13,7 +13,7 @@ model's tokenizer, which prewarm has and config loading has not).
 - `check_body(body)`: the problems of one parsed body, each naming its field.
 - `scan(path)`: (line number, body, problem) for every non-blank line, streamed.
 - `check_file(path)`: good bodies with their line numbers, bad lines with reasons.
-Each raises `OSError` when the file cannot be opened.
+scan and check_file raise `OSError` when the file cannot be opened or read.
 """
 from __future__ import annotations
 
@@ -81,11 +81,6 @@ _CHAT_LOGPROBS = (lambda v: type(v) is bool, "true or false")
 _COMPLETIONS_LOGPROBS = (lambda v: type(v) is bool or (type(v) is int and v >= 0), "an integer >= 0")
 _CHAT_RULES = {**_SAMPLING, "logprobs": _CHAT_LOGPROBS}
 _COMPLETIONS_RULES = {**_SAMPLING, "logprobs": _COMPLETIONS_LOGPROBS}
-
-
-def endpoint_of(body: dict) -> str:
-    """"chat" for a /v1/chat/completions body (messages), else "completions" (prompt)."""
-    return "chat" if "messages" in body else "completions"
 
 
 def _check_messages(messages: Any) -> str | None:

@@ -78,6 +78,12 @@ CORE: tuple[MetricSpec, ...] = (
     MetricSpec("warmup_requests_total", "counter",
                "Synthetic requests the agent sent to the engine, by kind (warmup, probe).",
                labels=("kind",), unit="short"),
+    MetricSpec("warmup_requests_file_bad_lines", "gauge",
+               "Lines of prewarm.requests_file left out of the warmup as bad (prewarm.requests_file_bad_lines: skip), counted when the config was loaded; 0 without a file or with a clean one.",
+               unit="short",
+               doc="A bad line is not JSON, not UTF-8, truncated, or has a field of the wrong type or range; with policy "
+                   "fail (the default) such a file is a config error (exit 2) and the agent never starts. The run "
+                   "record's requests_file holds the count and the first line numbers; one warning names them."),
     MetricSpec("warmup_first_token_latency_seconds", "histogram",
                "Time to first token of requests the agent measured, by kind (warmup, probe).",
                labels=("kind",), buckets=FIRST_TOKEN_BUCKETS, unit="s"),

@@ -26,6 +26,7 @@ class MetricHandles:
     warmup_cost_ratio: Gauge
     warmup_engine_seconds_total: Counter
     warmup_requests_total: Counter
+    warmup_requests_file_bad_lines: Gauge
     warmup_first_token_latency_seconds: Histogram
     warmup_first_token_window_seconds: Gauge
     warmup_readiness_threshold_seconds: Gauge
@@ -80,6 +81,7 @@ NAMES: tuple[str, ...] = (
     "warmup_cost_ratio",
     "warmup_engine_seconds_total",
     "warmup_requests_total",
+    "warmup_requests_file_bad_lines",
     "warmup_first_token_latency_seconds",
     "warmup_first_token_window_seconds",
     "warmup_readiness_threshold_seconds",

@@ -110,14 +110,15 @@ def test_default_profile_is_greedy_and_sampled_up_to_the_max_answer():
 
 @pytest.mark.parametrize("line,expected", [
     ("{not json", ":1: not JSON"),
-    (json.dumps({"model": "m"}), ":1: expected a /v1/chat/completions body (messages) or a /v1/completions body (prompt)"),
-    (json.dumps({"messages": []}), ":1: 'messages' must be a non-empty list"),
-    (json.dumps({"prompt": "x", "max_tokens": -3}), ":1: max_tokens -3: expected an integer > 0"),
+    (json.dumps({"model": "m"}), ":1: no field 'messages' or 'prompt'; expected a /v1/chat/completions body (messages) or a /v1/completions body (prompt)"),
+    (json.dumps({"messages": []}), ":1: field 'messages': got []; expected a non-empty list"),
+    (json.dumps({"prompt": "x", "max_tokens": -3}), ":1: field 'max_tokens': got -3; expected an integer > 0"),
 ])
 def test_bad_requests_file_is_one_line_naming_file_and_line(tmp_path, prompts, line, expected):
+    """(Every case of the line check: tests/test_requests_file.py.)"""
     path = _write(tmp_path, [line])
     with pytest.raises(ValueError) as e:
-        traffic.load_requests_file(path, prompts.count_chat, prompts.count_text)
+        traffic.load_requests_file(path, prompts.count_chat, prompts.count_text, bad_lines="fail")
     assert str(e.value) == path + expected or str(e.value).startswith(path + expected)
     assert "\n" not in str(e.value)
 

@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_check_config(args) -> int:
     from warmup_agent import config
     cfg = config.load(args.file)
+    for warning in cfg.warnings:
+        print(f"warmup-agent: warning: {warning}", file=sys.stderr)
     overridden = sorted(k for k, v in cfg.sources.items() if v != "default")
     print(f"{args.file}: valid ({len(overridden)} keys set: {', '.join(overridden) or 'none'})")
     return EXIT_OK
@@ -143,6 +145,8 @@ def cmd_run(args) -> int:
     progress = Progress(sys.stderr, enabled=not args.no_progress)
     _setup_logging(cfg["log.level"], cfg["log.format"], progress)
     log = logging.getLogger("warmup_agent")
+    for warning in cfg.warnings:   # of config.load's checks (prewarm.requests_file)
+        log.warning(warning)
     from warmup_agent.engines import check_installed
     check_installed(cfg["engine"])  # a missing [torch]/[vllm] extra: one line, exit 2
 
@@ -170,6 +174,8 @@ def cmd_run(args) -> int:
     prometheus_client.disable_created_metrics()
     metrics = AgentMetrics()
     register_default_collectors(metrics.registry)
+    if cfg.requests_check is not None:
+        metrics.warmup_requests_file_bad_lines.set(cfg.requests_check.bad_count)
     try:
         engine = create(cfg, model_path, server_command=server_command)
     except EngineError as e:
@@ -229,7 +235,7 @@ def cmd_run(args) -> int:
 
     try:
         state = agent.run()
-        record = agent.record()
+        record = _record(agent, cfg)
         _write_record(args.record, record)
         print(_summary(record))
         if state == State.SERVING:
@@ -246,7 +252,7 @@ def cmd_run(args) -> int:
     finally:
         agent.stop()
         signals.uninstall()
-        _write_record(args.record, agent.record())
+        _write_record(args.record, _record(agent, cfg))
         if proxy is not None:
             proxy.stop()
         server.stop()
@@ -270,6 +276,14 @@ def connect_engine(engine: Engine, agent: Agent, registry) -> None:
 def _summary(record: dict) -> str:
     from warmup_agent.progress import summary_table
     return summary_table(record)
+
+
+def _record(agent: Agent, cfg) -> dict:
+    """The run record, with what config.load's check of prewarm.requests_file found."""
+    check = cfg.requests_check
+    return {**agent.record(), "requests_file": None if check is None else {
+        "path": check.path, "policy": cfg["prewarm.requests_file_bad_lines"], "requests": check.good_count,
+        "bad_lines": check.bad_lines()}}
 
 
 def _write_record(path: str | None, record: dict) -> None:

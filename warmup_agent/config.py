@@ -15,12 +15,15 @@ import keyword
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
 from warmup_agent import config_sections
 from warmup_agent.config_sections import Sections
+
+if TYPE_CHECKING:
+    from warmup_agent.requests_file import FileCheck
 
 
 class ConfigError(Exception):
@@ -263,7 +266,9 @@ KEYS: tuple[Key, ...] = (
         check=lambda v: bool(v.strip()), expected="a URL path such as /health"),
     Key("openai.api", "str", "auto", "Which API the warmup speaks: auto (every one the server answers of /v1/chat/completions and /v1/completions; with prewarm.requests_file, the ones its requests use), chat or completions.",
         choices=("auto", "chat", "completions")),
-    Key("prewarm.requests_file", "str_or_null", None, "JSON Lines of OpenAI request bodies as a gateway logs them (one /v1/chat/completions or /v1/completions body per line). The openai engine learns the endpoint mix, prompt lengths (tokenized), max_tokens and sampling families from it and warms each family at each batch size."),
+    Key("prewarm.requests_file", "str_or_null", None, "JSON Lines of OpenAI request bodies as a gateway logs them (one /v1/chat/completions or /v1/completions body per line). The openai engine learns the endpoint mix, prompt lengths (tokenized), max_tokens and sampling families from it and warms each family at each batch size. Checked line by line when the config is loaded (and by check-config), for every engine: each line an object with messages (a list of role and content objects) or prompt, and the known sampling fields of the right type and range; the engines torch and vllm do not use it (a warning says so)."),
+    Key("prewarm.requests_file_bad_lines", "str", "fail", "What a bad line of prewarm.requests_file does (not JSON, not UTF-8, truncated, a field of the wrong type or range: the file is checked line by line when the config is loaded, for every engine). fail: the config is invalid, one line naming the file, the line and the field, exit 2. skip: the line is left out of the warmup, counted in the run record (requests_file) and warmup_requests_file_bad_lines, and reported in one warning with the first line numbers; a file without one good line still fails.",
+        choices=("fail", "skip")),
     Key("prewarm.decode_coverage", "str", "auto", "openai engine: whether warmup decodes at every sequence length real answers reach (the profile's longest answers from prompts one answer apart, shortest to longest profile prompt). auto: only when prewarm measured that the server pays per sequence length (per_length_ratio); always; never. An eager server (transformers serve on an H200) paid 40-68 ms more per decode step at a length no request had reached, about 3x; with TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in its environment that cost was gone.",
         choices=("auto", "always", "never")),
     # --- warmup by measured benefit (issue 30) ---
@@ -382,6 +387,10 @@ class Config(Sections):
     def __init__(self, values: dict[str, Any], sources: dict[str, str]):
         self._values = values
         self.sources = sources    # key -> where its value came from (default, file, env, flag)
+        # prewarm.requests_file as config.load checked it (None: no file), and the
+        # warnings of that check, each one line, for the CLI to log once logging is set up.
+        self.requests_check: FileCheck | None = None
+        self.warnings: list[str] = []
         for name in config_sections.TOP_LEVEL:
             setattr(self, name, values[name])
         for name, cls in config_sections.SECTIONS.items():
@@ -464,7 +473,9 @@ def load(path: str | None = None, env: dict[str, str] | None = None,
     if values["data_dir"] is None:
         values["data_dir"] = _default_data_dir()
     _cross_checks(values, path or "configuration")
-    return Config(values, sources)
+    cfg = Config(values, sources)
+    cfg.requests_check, cfg.warnings = _check_requests_file(values)
+    return cfg
 
 
 def _cross_checks(v: dict[str, Any], where: str) -> None:
@@ -491,6 +502,31 @@ def _cross_checks(v: dict[str, Any], where: str) -> None:
     if bool(v["exporter.basic_auth_username"]) != bool(v["exporter.basic_auth_password_file"]):
         raise ConfigError(f"{where}: key 'exporter.basic_auth_password_file': basic auth needs both a username and a password file",
                           "exporter.basic_auth_password_file")
+
+
+def _check_requests_file(v: dict[str, Any]) -> tuple[FileCheck | None, list[str]]:
+    """prewarm.requests_file, every line, before any server starts and for every
+    engine (warmup_agent/requests_file.py): a file that cannot be read, holds no
+    request, or (policy fail) has a bad line is a ConfigError naming the file, the
+    line and the field.  Returns the check and the warnings to log."""
+    key, path = "prewarm.requests_file", v["prewarm.requests_file"]
+    if not path:
+        return None, []
+    from warmup_agent import requests_file
+    try:
+        check = requests_file.check_file(path, keep_good=False)
+    except OSError as e:
+        raise ConfigError(f"key '{key}': {requests_file.read_error(path, e)}", key) from None
+    policy = v["prewarm.requests_file_bad_lines"]
+    error = check.error() if policy == "fail" else check.skip_error()
+    if error:
+        raise ConfigError(f"key '{key}': {error}", key)
+    warnings = [w for w in [check.skip_warning()] if w]
+    if v["engine"] != "openai":
+        warnings.append(f"key '{key}': engine {v['engine']} does not use it (only engine openai warms the traffic "
+                        f"a requests file describes); {path} was checked "
+                        f"({check.good_count} request{'' if check.good_count == 1 else 's'}) and is ignored")
+    return check, warnings
 
 
 def keys_by_section() -> list[Key]:

@@ -60,6 +60,7 @@ class PrewarmSection:
     max_batch: int
     memory_budget_bytes: int
     requests_file: str | None
+    requests_file_bad_lines: str
     decode_coverage: str
     budget_ratio: float
     budget_min_seconds: float

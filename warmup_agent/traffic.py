@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Plain text that any BPE tokenizer splits into many tokens; repeated and cut to
 # the exact length needed, so prompt length is controlled in tokens, not words.
@@ -173,6 +173,10 @@ class TrafficProfile:
     max_tokens: int                      # longest answer to warm
     source: str = "default"              # "default" or the requests file
     requests_seen: int = 0
+    # Lines of the requests file left out as bad (prewarm.requests_file_bad_lines skip):
+    # {"count": n, "first_lines": [line numbers]}; count 0 for a clean file or no file.
+    bad_lines: dict = field(default_factory=lambda: {"count": 0, "first_lines": []})
+    family_lines: dict[str, int] = field(default_factory=dict)   # family -> file line its parameters came from
 
     def warm_requests(self, batch_sizes: list[int], grid_lengths: list[int], grid_max_tokens: int,
                       decode_coverage: bool = True) -> list[list[WarmRequest]]:
@@ -232,33 +236,35 @@ def default_profile(endpoints: Sequence[str], max_tokens: int, prompt_lengths: l
                           prompt_lengths=list(prompt_lengths), max_tokens=max_tokens)
 
 
-def load_requests_file(path: str, count_chat, count_text, max_lengths: int = 8) -> TrafficProfile:
+def load_requests_file(path: str, count_chat, count_text, max_lengths: int = 8,
+                       bad_lines: str = "skip") -> TrafficProfile:
     """A profile learned from JSON Lines of OpenAI request bodies, as a gateway logs
     them.  `count_chat(messages)` / `count_text(prompt)` give exact token counts
-    (chat template included).  Raises ValueError with the file and line number."""
-    import json
+    (chat template included).  Every line is checked by requests_file.check_body;
+    bad lines raise ValueError naming the file, line and field (bad_lines="fail")
+    or are left out and counted in `bad_lines` of the profile ("skip", the default
+    here: config.load has refused the file already under prewarm.requests_file_bad_lines
+    fail).  Raises ValueError with the file and line number."""
     from collections import Counter
+
+    from warmup_agent import requests_file
     endpoints: Counter = Counter()
     families: dict[str, dict] = {}
+    family_lines: dict[str, int] = {}
     lengths: list[int] = []
     max_tokens = 0
+    check = requests_file.FileCheck(path)
     try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the requests file: {e.strerror}") from None
-    with f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
+        for i, body, problem in requests_file.scan(path):
+            if problem is not None:
+                if bad_lines == "fail":
+                    raise ValueError(f"{path}:{i}: {problem}")
+                check.bad_count += 1
+                if len(check.bad) < requests_file.KEEP_BAD:
+                    check.bad.append((i, problem))
                 continue
-            try:
-                body = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not JSON ({e.msg}); expected one OpenAI request body per line") from None
-            if not isinstance(body, dict) or ("messages" not in body and "prompt" not in body):
-                raise ValueError(f"{path}:{i}: expected a /v1/chat/completions body (messages) or a /v1/completions body (prompt)")
+            check.good_count += 1
             if "messages" in body:
-                if not isinstance(body["messages"], list) or not body["messages"]:
-                    raise ValueError(f"{path}:{i}: 'messages' must be a non-empty list")
                 endpoints["chat"] += 1
                 lengths.append(count_chat(body["messages"]))
             else:
@@ -266,18 +272,20 @@ def load_requests_file(path: str, count_chat, count_text, max_lengths: int = 8) 
                 prompt = body["prompt"]
                 lengths.append(len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
                                else count_text(prompt if isinstance(prompt, str) else str(prompt)))
-            mt = body.get("max_tokens") or body.get("max_completion_tokens") or 16   # the OpenAI default
-            if not isinstance(mt, int) or mt <= 0:
-                raise ValueError(f"{path}:{i}: max_tokens {mt!r}: expected an integer > 0")
-            max_tokens = max(max_tokens, mt)
+            max_tokens = max(max_tokens, body.get("max_tokens") or body.get("max_completion_tokens") or 16)  # 16: the OpenAI default
             fam = family_of(body)
             if fam not in families:
                 families[fam] = {k: v for k, v in body.items() if k not in _NOT_SAMPLING}
-    if not lengths:
-        raise ValueError(f"{path}: no requests; expected one OpenAI request body per line")
+                family_lines[fam] = i
+    except OSError as e:
+        raise ValueError(requests_file.read_error(path, e)) from None
+    error = check.error() if bad_lines == "fail" else check.skip_error()
+    if error:
+        raise ValueError(error)
     return TrafficProfile(endpoints=[e for e, _ in endpoints.most_common()], families=families,
                           prompt_lengths=spread(lengths, max_lengths), max_tokens=max_tokens,
-                          source=path, requests_seen=len(lengths))
+                          source=path, requests_seen=len(lengths), bad_lines=check.bad_lines(),
+                          family_lines=family_lines)
 
 
 def spread(values: list[int], k: int) -> list[int]:

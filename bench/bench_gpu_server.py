@@ -146,8 +146,13 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
             "output_tokens": (usage or {}).get("completion_tokens", chunks), "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
-def measure(port: int, model: str, model_dir: str, steady_n: int, max_tokens: int) -> dict:
-    msgs = [chat_messages(model_dir, PROMPT_TOKENS, v) for v in range(steady_n + 1)]
+def client_messages(model_dir: str, steady_n: int) -> list[tuple[list[dict], int]]:
+    """The client's prompts, built once before any start: the first request then goes
+    out right after /readyz or /health, not after the client tokenized its prompts."""
+    return [chat_messages(model_dir, PROMPT_TOKENS, v) for v in range(steady_n + 1)]
+
+
+def measure(port: int, model: str, msgs: list[tuple[list[dict], int]], max_tokens: int) -> dict:
     first = request(port, model, msgs[0][0], max_tokens)
     steady = [request(port, model, m, max_tokens) for m, _ in msgs[1:]]
     for s in steady[3:]:
@@ -211,7 +216,7 @@ def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
     try:
         t_health = wait_http(f"http://127.0.0.1:{port}/health", t0 + 300, proc)
-        out = measure(port, model_dir, model_dir, args.steady, args.max_tokens)
+        out = measure(port, model_dir, args.messages, args.max_tokens)
     finally:
         stop(proc)
         log.close()
@@ -235,7 +240,7 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     try:
         t_ready = wait_http(f"http://127.0.0.1:{listen}/readyz", t0 + 400, proc)
-        out = measure(port, model_dir, model_dir, args.steady, args.max_tokens)
+        out = measure(port, model_dir, args.messages, args.max_tokens)
         with urllib.request.urlopen(f"http://127.0.0.1:{listen}/metrics", timeout=5) as r:
             metrics = r.read().decode()
     finally:
@@ -403,6 +408,7 @@ def main() -> int:
                 raise SystemExit(f"GGUF conversion failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
             args.gguf = done.stdout.strip().splitlines()[-1]
             print(f"GGUF {args.gguf} in {time.time() - t:.1f} s", flush=True)
+    args.messages = client_messages(model_dir, args.steady)
     args.requests_file = os.path.join(scratch, "requests.jsonl")
     write_requests_file(args.requests_file, model_dir, args.max_tokens)
     runs: dict[str, list] = {"alone": [], "agent": []}

@@ -13,7 +13,8 @@
 # and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
 # PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
-# parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, tests, fp8, server, llamacpp.
+# parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, tests, fp8, server, llamacpp,
+# tfserve-cudnn, tfserve-default (issue 30: transformers serve with/without TORCH_CUDNN_SDPA_DEPRIORITIZED=1).
 # llamacpp needs .gpu-carry/llama-cpp-src.tar.gz (tools/build_llama_server.py --source-tarball) or a
 # CUDA build carried back as .gpu-carry/llama-server-cuda.xz.* (the first llamacpp part writes it to OUT_DIR).
 # Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
@@ -82,6 +83,16 @@ run_llamacpp_bench() {  # $1: seconds; llama.cpp's server alone vs under the age
         --logs "$OUT_DIR/logs" --scrapes "$OUT_DIR/scrapes" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server_llamacpp.log" 2>&1
     echo "llamacpp bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|llamacpp_" "$OUT_DIR/logs/gpu_server_llamacpp.log"
 }
+run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default); issue 30
+    local extra=""
+    [ "$2" = tfserve_cudnn ] && extra="--server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 --prefix tfserve"
+    [ "$2" = tfserve_default ] && extra="--prefix tfserve_default"
+    mkdir -p "$OUT_DIR/scrapes" "$OUT_DIR/logs/$2"
+    timeout "$1" python3 bench/bench_gpu_server.py --server transformers --starts ${TFSERVE_STARTS:-5} --steady ${SERVER_STEADY:-8} \
+        --budget-seconds $(( $1 - 20 )) --out "$OUT_DIR/gpu_server_$2_h200.json" --logs "$OUT_DIR/logs/$2" \
+        --scrapes "$OUT_DIR/scrapes" $extra > "$OUT_DIR/logs/gpu_server_$2.log" 2>&1
+    echo "$2 bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|tfserve" "$OUT_DIR/logs/gpu_server_$2.log"
+}
 run_gpu_tests() {  # $1: seconds
     timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_cuda.py \
         tests/test_gpu_fragmentation_cuda.py tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
@@ -100,7 +111,9 @@ if [ -n "${PARTS:-}" ]; then
             # the diagnosis again with the cuDNN attention switch libtorch_cuda.so reads (issue 19's note)
             diag-cudnn-deprioritized) TORCH_CUDNN_SDPA_DEPRIORITIZED=1 run_diag "$cap" "_cudnn_deprioritized" ;;
             fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;;
-            llamacpp) run_llamacpp_bench "$cap" ;; *) echo "unknown part $name" ;;
+            llamacpp) run_llamacpp_bench "$cap" ;;
+            tfserve-cudnn) run_tfserve_bench "$cap" tfserve_cudnn ;; tfserve-default) run_tfserve_bench "$cap" tfserve_default ;;
+            *) echo "unknown part $name" ;;
         esac
     done
 elif [ "$(nvidia-smi -L | grep -c '^GPU')" -lt 2 ]; then

@@ -118,9 +118,11 @@ CORE: tuple[MetricSpec, ...] = (
                doc="The worse of two requests at new prompt lengths, after the first path was warm. An eager "
                    "server whose attention builds a plan per shape (transformers serve on an H200) measured "
                    "about 3; llama.cpp and vLLM about 1."),
-    MetricSpec("warmup_per_length_remedy_info", "info",
-               "Present (value 1) when prewarm measured that the server pays per sequence length; remedy says what removes the cost.",
-               labels=("remedy",), unit="short", requires="decode_probes"),
+    MetricSpec("warmup_per_length_remedy_info", "gauge",
+               "1, with the remedy as a label, when prewarm measured that the server pays per sequence length; absent when it does not.",
+               labels=("remedy",), unit="short", requires="decode_probes",
+               doc="A gauge, not an info metric: an info metric without labels set would still expose a series "
+                   "and read as a finding on every pod."),
     MetricSpec("warmup_paths_total", "gauge",
                "Warmup paths (endpoint x sampling family x batch size x prompt length) by what the measured-benefit warmup did with them.",
                labels=("result",), unit="short", requires="decode_probes",

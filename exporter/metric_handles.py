@@ -34,7 +34,7 @@ class MetricHandles:
     warmup_time_per_output_token_window_seconds: Gauge
     warmup_first_request_total_tax_ratio: Gauge
     warmup_per_length_decode_ratio: Gauge
-    warmup_per_length_remedy_info: Info
+    warmup_per_length_remedy_info: Gauge
     warmup_paths_total: Gauge
     warmup_budget_seconds: Gauge
     warmup_memory_jitter_ratio: Gauge

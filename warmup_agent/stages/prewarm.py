@@ -90,7 +90,8 @@ def load_profile(agent: Agent, lengths: list[int]) -> traffic.TrafficProfile:
             raise EngineError("invalid_config", "key 'prewarm.requests_file': prompts are counted with the model's "
                               "tokenizer; give --model DIR (model.path) with a tokenizer.json")
         try:
-            profile = traffic.load_requests_file(path, text.count_chat, text.count_text)
+            profile = traffic.load_requests_file(path, text.count_chat, text.count_text,
+                                                 bad_lines=cfg["prewarm.requests_file_bad_lines"])
         except ValueError as e:
             raise EngineError("invalid_config", f"key 'prewarm.requests_file': {e}") from None
         except Exception as e:  # noqa: BLE001 - a template error on a logged body
@@ -174,7 +175,9 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
             if e.reason != "request_failed" or "HTTP 4" not in e.message or path.family == fam0:
                 raise
             refused[path.family] = e.message
-            log.warning(f"the server refuses sampling family {path.family}: {e.message}")
+            line = profile.family_lines.get(path.family)
+            src = f" (first seen at {profile.source}:{line})" if line else ""
+            log.warning(f"the server refuses sampling family {path.family}{src}: {e.message}")
             outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
 
     # 1. the anchor: the steady level every other path is compared with
@@ -192,7 +195,7 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
         if pays:
             remedy = remedy_for(engine.server_name)
             per_length["remedy"] = remedy
-            agent.metrics.warmup_per_length_remedy_info.info({"remedy": remedy})
+            agent.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
             log.warning(f"the server pays per sequence length: decode at new lengths ran {min(ratios):.1f}-"
                         f"{max(ratios):.1f}x its steady time per token; remedy: {remedy}")
     # 3. the other paths, each until warm
@@ -246,7 +249,7 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
         "source": profile.source, "requests_seen": profile.requests_seen, "endpoints": profile.endpoints,
         "families": sorted(f for f in profile.families if f not in refused), "refused_families": refused,
         "prompt_lengths": profile.prompt_lengths, "max_tokens": profile.max_tokens,
-        "capabilities": dict(engine.capabilities)}
+        "bad_lines": profile.bad_lines, "capabilities": dict(engine.capabilities)}
     detail.update(shapes=len({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls}),
                   requests=agent.warmup_requests, lengths=sorted(used), batches=batches, profile=profile_summary,
                   warmup=summary, paths=[o.as_dict() for o in outcomes],

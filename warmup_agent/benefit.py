@@ -17,7 +17,7 @@ so that a 6 ms request is not "slower" for 1 ms of jitter:
   at or above this one (a longer prompt's prefill is an upper bound), and, when
   the call decoded, TPOT <= (1 + tol) x the steady TPOT of its batch size;
 - stopped getting faster: the later of two calls is not faster than the earlier
-  by more than tol, on TTFT and on TPOT.
+  by more than tol, on TTFT and on TPOT; or a later call matches steady.
 """
 from __future__ import annotations
 
@@ -179,8 +179,8 @@ def warm_path(path: Path, send: Callable[[Path], Call], steady: SteadyLevels, bu
             if steady.matches(path, call, tol):
                 out.result = "warm_on_first_call"
                 break
-        elif stopped_improving(out.calls[-2], call, tol):
-            out.result = "converged"
+        elif steady.matches(path, call, tol) or stopped_improving(out.calls[-2], call, tol):
+            out.result = "converged"      # at the steady level other paths measured, or no faster
             break
     else:
         out.result, out.reason = "still_improving", f"prewarm.max_calls_per_path {max_calls} reached"

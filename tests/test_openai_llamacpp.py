@@ -1,0 +1,156 @@
+"""The openai engine supervising llama.cpp's real `llama-server` (CPU build, embedded model).
+
+The second tested server that is not vLLM: a C++ server with its own loader, a GGUF
+model (tools/gguf_convert.py) and its own idea of the OpenAI API.  Run as a user
+would: `warmup-agent run --engine openai --model DIR -- llama-server -m DIR.gguf ...`;
+the agent must reach SERVING, an outside client's first streamed, sampled chat request
+must get tokens, and SIGTERM must drain to exit 0.  Timings are not asserted.
+
+The binary comes from tools/build_llama_server.py's cache (`make test-setup` builds
+it; the fixture builds it when missing, which takes tens of minutes on 2 cores).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, agent_cmd
+from tests.helpers import llamacpp_server as ls
+from tests.helpers.servers import free_port, http_get, wait_until
+from tools import build_llama_server as build
+
+# The fixture may have to build llama-server first: 38 min on 2 busy cores, about 11 on idle ones.
+SLOW = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> str:
+    return ls.ensure_binary(cuda="off")
+
+
+@pytest.fixture(scope="module")
+def gguf(embedded_model) -> str:
+    return ls.ensure_gguf(embedded_model)
+
+
+def outside_chat_chunks(port: int, model: str) -> list[dict]:
+    """A user's streamed, sampled chat request straight to the server: its choices'
+    deltas with the time each arrived.  llama-server opens with a role chunk whose
+    content is null, then sends one chunk per token with content a string, ends with a
+    delta {} carrying finish_reason.  The string can be U+FFFD (one byte of a character
+    split over tokens, seen here): count the chunks, not the text.  A token past the
+    tokenizer's vocabulary (a [PADn] id, UNUSED in the GGUF) gets no chunk at all; the
+    embedded model has none (gguf_convert.py --render-pad-tokens gives them text)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Is the server warm yet?"}],
+            "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 7, "stream": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    t0 = time.perf_counter()
+    chunks = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            for c in json.loads(line[5:]).get("choices") or ():
+                chunks.append({"at": time.perf_counter() - t0, "delta": c.get("delta") or {},
+                               "finish_reason": c.get("finish_reason")})
+    return chunks
+
+
+def no_orphans(marker: str) -> list[int]:
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if marker in " ".join(p.info["cmdline"] or [])]
+
+
+@SLOW[0]
+@SLOW[1]
+def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_drains(
+        tmp_path, embedded_model, data_dir, llama_server, gguf):
+    port, listen = free_port(), free_port()
+    rec = tmp_path / "run.json"
+    env = ls.server_env(str(tmp_path))
+    env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[24]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1]",
+               WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS="4", WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS="4",
+               WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH="20", WARMUP_AGENT_READINESS_MIN_PROBES="5",
+               # decode on two shared cores is noisy: the gate's ratio stays loose here
+               WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO="4")
+    server = ls.server_command(llama_server, gguf, port)
+    log = open(tmp_path / "agent.log", "w")
+    agent = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", embedded_model,
+                                       "--data-dir", data_dir, "--listen", f"127.0.0.1:{listen}", "--record", str(rec),
+                                       "--", *server),
+                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{listen}"
+    try:
+        wait_until(lambda: http_get(url + "/readyz")[0] == 200 or agent.poll() is not None, 300, what="SERVING")
+        assert agent.poll() is None, (tmp_path / "agent.log").read_text()[-3000:]
+        models = json.loads(http_get(f"http://127.0.0.1:{port}/v1/models")[1])
+        chunks = outside_chat_chunks(port, models["data"][0]["id"])
+        tokens = [c for c in chunks if isinstance(c["delta"].get("content"), str)]
+        assert 1 <= len(tokens) <= 8, chunks
+        assert chunks[-1]["finish_reason"] in ("length", "stop"), chunks
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        rc = agent.wait(60)
+    assert rc == 0, (tmp_path / "agent.log").read_text()[-3000:]
+    record = json.loads(rec.read_text())
+    assert [t["state"] for t in record["transitions"]][:4] == ["INIT", "PRELOAD", "PRIME", "SERVING"]
+    caps = record["traffic_profile"]["capabilities"]
+    assert caps["apis"] == ["chat", "completions"]
+    # llama-server takes token-id prompts and accepts ignore_eos and stream_options
+    assert caps["token_id_prompts"] is True and caps["rejected_fields"] == []
+    assert caps["model"] == gguf                     # /v1/models: the -m path as given
+    # the first request's figures exist (their size is not asserted: timings)
+    assert record["first_request_seconds"] > 0 and record["first_request_tax_ratio"] > 0
+    assert record["probe_total_seconds"] and record["first_request_total_tax_ratio"] > 0
+    ours = [l for l in (tmp_path / "agent.log").read_text().splitlines() if "warmup_agent.server:" not in l]
+    assert not any("Traceback" in l for l in ours)
+    assert not no_orphans(f"--port {port}"), "the supervised server outlived the agent"
+
+
+def _fake(bin_dir, name: str, script: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/bin/sh\n" + script + "\n")
+    path.chmod(0o755)
+
+
+def test_cuda_auto_needs_nvcc_and_a_gpu_that_nvidia_smi_lists(tmp_path, monkeypatch):
+    """This machine and CI have nvcc but no GPU: auto must build for the CPU there."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert not build.want_cuda("auto") and build.want_cuda("on") and not build.want_cuda("off")
+    _fake(tmp_path, "nvcc", "exit 0")
+    assert not build.want_cuda("auto")                                     # no nvidia-smi
+    _fake(tmp_path, "nvidia-smi", "echo 'NVIDIA-SMI has failed because it could not communicate'; exit 9")
+    assert not build.want_cuda("auto")
+    _fake(tmp_path, "nvidia-smi", "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'")
+    assert build.want_cuda("auto")
+    (tmp_path / "nvcc").unlink()
+    assert not build.want_cuda("auto")                                     # a GPU, no toolkit
+    assert build.variant_name(True, "90") == f"{build.VERSION}-cuda-sm90"
+
+
+def test_stripped_tree_keeps_what_the_server_target_needs():
+    for path in ("models/ggml-vocab-llama.gguf", "docs/build.md", "examples/simple/simple.cpp", "tests/test-c.c",
+                 "tools/ui/src/app.html", "tools/server/tests/unit/test_basic.py", ".git"):
+        assert build._stripped(path), path
+    for path in ("CMakeLists.txt", "tools/ui/CMakeLists.txt", "tools/server/server.cpp", "tools/mtmd/mtmd.cpp",
+                 "scripts/ui-assets.cmake", "ggml/src/ggml-cuda/ggml-cuda.cu", "convert_hf_to_gguf.py", "gguf-py/gguf/gguf.py",
+                 "models_extra.txt"):
+        assert not build._stripped(path), path
+
+
+def test_data_dir_follows_the_agents_rule(monkeypatch, tmp_path):
+    from warmup_agent import config
+    monkeypatch.delenv("WARMUP_AGENT_DATA_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert str(build.default_data_dir()) == config._default_data_dir() == str(tmp_path / "warmup-agent")
+    monkeypatch.setenv("WARMUP_AGENT_DATA_DIR", str(tmp_path / "d"))
+    assert build.default_data_dir() == tmp_path / "d"

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from exporter.engine_metrics import EngineMetricsCollector, fetch_engine_stats
 from tests.helpers import vllm_server
 from tests.helpers.servers import free_port, wait_until
+from tests.helpers.warmup_record import requests_in_record
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
 from warmup_agent.engines.openai_engine import OpenAIEngine
@@ -94,8 +95,12 @@ def test_agent_warms_the_server_then_serves(served):
     # Default traffic profile: both APIs x (prefill grid: 2 lengths x batches 1 and 4,
     # greedy) + both APIs x (families greedy and sampled x batches 1 and 4, long answers).
     assert eng.apis == ["chat", "completions"] and eng.token_id_prompts
-    # + decode coverage: the sampled chat answer also at prompt 64, batch 1 (decode_tiles([16, 64], 64))
-    assert agent.warmup_requests == 2 * 2 * (1 + 4) + 2 * 2 * (1 + 4) + 1
+    # Warmed by measured benefit: every request is one of the record's paths' calls,
+    # the per-length test's or a decode-coverage tile's; every API and family was warmed.
+    detail = agent.stages[1].detail
+    assert agent.warmup_requests == requests_in_record(detail)
+    warmed = {p["path"].rsplit("/", 2)[0] for p in detail["paths"] if p["calls"]}
+    assert {"chat/sampled", "chat/greedy", "completions/sampled", "completions/greedy"} <= warmed
     received = [l for l in lines.lines if "Received request " in l]
     marked = sum("Received request cmpl-warmup-" in l or "Received request chatcmpl-warmup-" in l for l in received)
     # + 3 questions asked of the server (chat? completions? token-id prompts?)
@@ -106,7 +111,7 @@ def test_agent_warms_the_server_then_serves(served):
     # SERVING only after the probes met the thresholds: the state changed after the
     # last probe, with at least min_probes in a window under both thresholds.
     cfg = agent.cfg
-    assert len(agent.probes) >= cfg["readiness.min_probes"]
+    assert len(agent.probes) >= cfg["readiness.min_probes_server"]
     q = agent.window.quantiles((0.5, 0.9))
     assert q[0.5] <= cfg["readiness.p50_threshold_seconds"] and q[0.9] <= cfg["readiness.p90_threshold_seconds"]
     states = [s for s, _ in agent.sm.history]

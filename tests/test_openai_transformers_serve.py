@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import transformers_server as ts
 from tests.helpers.servers import free_port
 from tests.http_relay import Relay
-from warmup_agent import config, traffic
+from warmup_agent import config
 from warmup_agent.engines.openai_engine import OpenAIEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.states import State
@@ -50,7 +50,9 @@ def served(tmp_path_factory, embedded_model):
                            "WARMUP_AGENT_READINESS_MIN_PROBES": "5",
                            # Decode on two shared cores is noisy: the gate's ratio stays loose here.
                            "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
-                           "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
+                           "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0",
+                           # every path warmed, however slow the shared CPU is today
+                           "WARMUP_AGENT_PREWARM_BUDGET_SECONDS": "300"})
     eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
                        base_env=ts.server_env(str(root)), model_path=embedded_model)
     agent = Agent(cfg, eng)
@@ -68,11 +70,23 @@ def test_reaches_serving_after_asking_what_the_server_answers(served):
     assert eng.model == eng.model_dir               # served under the directory it was started on
     assert not eng.token_id_prompts                 # "prompt must be a string"
     assert "ignore_eos" in eng.rejected_fields      # "Unexpected fields in the request"
-    # Default profile: per API, the prefill grid (2 lengths x batches 1, 2) and the
-    # families greedy and sampled at batches 1, 2 with the longest answer.
-    # + decode coverage: the sampled chat answer at prompts one answer (4 tokens) apart, batch 1
-    assert agent.warmup_requests == 2 * 2 * (1 + 2) + 2 * 2 * (1 + 2) + len(traffic.decode_tiles(LENGTHS, 4)) - 1
-    profile = agent.stages[1].detail["profile"]
+    # Default profile, warmed by measured benefit: the anchor (chat, sampled, batch 1,
+    # the longest length), the other family and API at that length, the shorter length
+    # (prefill only) and batch 2; each until warm.  Nothing skipped within the budget.
+    detail = agent.stages[1].detail
+    paths = {p["path"]: p for p in detail["paths"]}
+    assert set(paths) == {"chat/sampled/batch1/len48", "chat/greedy/batch1/len48", "completions/greedy/batch1/len48",
+                          "completions/sampled/batch1/len48", "chat/sampled/batch1/len24", "chat/sampled/batch2/len48"}
+    assert all(p["result"] in ("warm_on_first_call", "converged", "still_improving") and p["calls"] >= 1
+               for p in paths.values())
+    # every request sent is in the record: the paths' calls (batch 2 sends 2 at once),
+    # the two per-length test calls, the decode-coverage tiles
+    warmup = detail["warmup"]
+    sent = sum(p["calls"] * (2 if "batch2" in name else 1) for name, p in paths.items())
+    sent += len(warmup["per_length"].get("lengths", [])) + len(warmup["decode_coverage"]["tiles"])
+    assert agent.warmup_requests == sent
+    assert warmup["per_length"]["tested"] and warmup["budget"]["seconds"] == 300
+    profile = detail["profile"]
     assert profile["families"] == ["greedy", "sampled"] and profile["endpoints"] == ["chat", "completions"]
 
 
@@ -104,24 +118,33 @@ def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, emb
             chat.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
         elif p["path"] == "/v1/completions" and isinstance(b["prompt"], str) and b["prompt"] != "Hello":
             text.append(len(tok(b["prompt"], add_special_tokens=False)["input_ids"]))
-    # the grid's lengths, the probe's, and the decode-coverage prompts (one answer of 4 tokens apart)
-    assert chat and set(chat) <= set(LENGTHS) | {PROBE_LEN} | set(traffic.decode_tiles(LENGTHS, 4))
-    assert set(traffic.decode_tiles(LENGTHS, 4)) <= set(chat)
-    assert PROBE_LEN in chat                          # probes are chat requests
+    # the profile's lengths, the per-length test's, the decode-coverage tiles and the probes'
+    warmup = agent_warmup(served)
+    probe_len = warmup["probe_length"]
+    assert probe_len not in set(LENGTHS) | set(warmup["per_length"]["lengths"])    # a length no warmup used
+    assert chat and set(chat) <= (set(LENGTHS) | {probe_len} | set(warmup["per_length"]["lengths"])
+                                  | set(warmup["decode_coverage"]["tiles"]))
+    assert probe_len in chat                          # probes are chat requests
     assert text and set(text) <= set(LENGTHS)
+
+
+def agent_warmup(served) -> dict:
+    return served[1].stages[1].detail["warmup"]
 
 
 def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
     eng, agent, _, _, _ = served
     reg = agent.metrics.registry
     tpots = agent.tpot_window.values()
-    assert len(tpots) == len(agent.probes) >= 5
+    gate = agent.stages[-1].detail["probes"]
+    assert len(tpots) == len(agent.probes) == gate >= 3
     for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
         exact = float(np.quantile(np.array(tpots), q, method="inverted_cdf"))
         assert reg.get_sample_value("warmup_time_per_output_token_window_seconds", {"percentile": label}) == exact
     totals = agent.probe_totals
+    # first and later probes both answered 4 tokens here: whole answers compare directly
     assert reg.get_sample_value("warmup_first_request_total_tax_ratio") == pytest.approx(
-        totals[0] / float(np.median(totals[1:])), rel=1e-12)
+        totals[0] / float(np.median(totals[1:gate])), rel=1e-12)
     # A probe's times against the wall clock around it: the first token comes
     # before the end, the end before the call returned; TPOT is the rest per token.
     t0 = time.perf_counter()
@@ -187,9 +210,12 @@ def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refu
         assert "top_k" in profile["refused_families"] and "Unexpected fields" in profile["refused_families"]["top_k"]
         warm = [json.loads(p["body"]) for p in relay.posts()
                 if p["path"] == "/v1/chat/completions" and json.loads(p["body"])["max_tokens"] == 3]
-        # each accepted family at batch 1 and 2 (probes are sampled, 3 tokens too)
-        assert sum(b.get("presence_penalty") == 0.5 for b in warm) == 1 + 2
-        assert sum(b.get("stop") == ["\n\n"] for b in warm) == 1 + 2
+        # each accepted family warmed (at batch 1: its decode path; the batch sizes are the anchor's)
+        assert sum(b.get("presence_penalty") == 0.5 for b in warm) >= 1
+        assert sum(b.get("stop") == ["\n\n"] for b in warm) >= 1
+        paths = {p["path"]: p for p in agent.stages[1].detail["paths"]}
+        assert any(name.startswith("chat/top_k/") and p["result"] == "skipped" and "refuses" in p["reason"]
+                   for name, p in paths.items()) or "top_k" in profile["refused_families"]
         assert not [p for p in relay.posts() if p["path"] == "/v1/completions" and p["body"] and
                     json.loads(p["body"])["max_tokens"] != 1]     # completions only asked, never warmed
     finally:

@@ -9,7 +9,7 @@ TEST_APT := prometheus prometheus-alertmanager redis-server openssl util-linux
 .PHONY: help setup run test-setup test test-fast lint regenerate clean images e2e-pod
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
+	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
 
 $(VPY):
 	$(PY) -m venv $(VENV)

@@ -209,7 +209,7 @@ def images(work: Path, podman: Podman, binary: Path, ver: str) -> str:
         "COPY libgomp.so.1 /usr/local/lib/libgomp.so.1\n"
         "RUN ldconfig && llama-server --version\n"
         "USER 1000:1000\n")
-    podman("build", "--pull=never", "--network", "none", "--isolation", "chroot", "-t", ref, str(ctx))
+    podman("build", "--pull=never", "--network", "host", "--isolation", "chroot", "-t", ref, str(ctx))
     return ref
 
 
@@ -219,7 +219,7 @@ def render(mode: str, image: str, work: Path) -> tuple[list[dict], dict]:
         "mode": mode,
         "server": {"preset": "llamacpp", "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
                    "model": "/models/model.gguf", "servedModelName": "embedded", "port": SERVER_PORT,
-                   "extraArgs": ["-c", "512", "-t", "1", "--metrics"], "resources": {},
+                   "extraArgs": ["-c", "2048", "-t", "1", "--metrics"], "resources": {},
                    "loadTimeoutSeconds": 300, "shmSizeLimit": "64Mi",
                    "env": [{"name": "E2E_SERVER_MARK", "value": f"server-{mode}"}]},
         "agent": {"image": {"repository": repo, "tag": tag, "pullPolicy": "Never"}, "port": AGENT_PORT,
@@ -281,7 +281,9 @@ def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
     try:
         step(f"{mode}: podman kube play")(podman)("kube", "play", str(playfile))
         infra = podman("pod", "inspect", pod, "--format", "{{.InfraContainerID}}").stdout.strip()
-        ip = podman("inspect", infra, "--format", "{{.NetworkSettings.IPAddress}}").stdout.strip()
+        ip = podman("inspect", infra, "--format",
+                    "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}").stdout.split()[0:1]
+        ip = ip[0] if ip else ""
         if not ip:
             raise StepFailed(f"pod {pod} has no IP address (podman's default bridge network)")
         result["pod_ip"] = ip
@@ -346,7 +348,7 @@ def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
                 want_env = rendered_agent["env"]
                 pids = podman("exec", agent_ctr, "sh", "-c",
                               "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline | grep -q '^llama-server' "
-                              "&& basename $p; done").stdout.split()
+                              "&& basename $p; done; true").stdout.split()
                 assert len(pids) == 1, pids
                 spid = pids[0]
             got = proc_cmdline(podman, server_ctr if mode == "sidecar" else agent_ctr, spid)

@@ -9,8 +9,10 @@ SERVING on /readyz, a chat answer through the server port, uid 1000, a read-only
 filesystem, the agent as PID 1 of its container, the chart's environment and arguments in
 the processes, and the drain on stop (exit code and time within the grace period).
 
-Not done here (see the report in the chart branch): Prometheus scraping with the
-ServiceMonitor's relabelling, the PrometheusRule's alerts and the dashboard queries.
+Then the apt Prometheus scrapes the pod with the ServiceMonitor's relabelling, loads the
+rendered PrometheusRule, every dashboard panel's query is run against it (panels with
+data: N of M, the empty ones listed; GPU and vLLM-only panels stay empty with llama.cpp on
+a CPU) and no alert may fire (pending ones are listed).
 
 What podman 4.3 (Debian bookworm) needs, all handled below:
   vfs storage, cgroupfs, file events logger, runc (crun fails here), default ulimits
@@ -32,6 +34,8 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -213,7 +217,7 @@ def images(work: Path, podman: Podman, binary: Path, ver: str) -> str:
     return ref
 
 
-def render(mode: str, image: str, work: Path) -> tuple[list[dict], dict]:
+def render(mode: str, image: str, work: Path) -> tuple[list[dict], dict, list[dict]]:
     repo, tag = image.rsplit(":", 1)
     values = {
         "mode": mode,
@@ -232,12 +236,15 @@ def render(mode: str, image: str, work: Path) -> tuple[list[dict], dict]:
     vf = work / f"values-{mode}.yaml"
     vf.write_text(yaml.safe_dump(values))
     home = work / "helm-home"
-    out = sh([str(HELM), "template", "e2e", str(ROOT / "helm" / "warmup-agent"), "-f", str(vf)],
+    out = sh([str(HELM), "template", "e2e", str(ROOT / "helm" / "warmup-agent"), "-f", str(vf),
+              "--set", "serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true",
+              "--set", "dashboards.enabled=true", "--api-versions", "monitoring.coreos.com/v1"],
              env=dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / "c"), XDG_CONFIG_HOME=str(home / "f"),
                       XDG_DATA_HOME=str(home / "d")))
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     (work / f"rendered-{mode}.yaml").write_text(out.stdout)
-    play = [d for d in docs if d["kind"] in ("ConfigMap", "Deployment")]
+    play = [d for d in docs if d["kind"] == "Deployment"
+            or (d["kind"] == "ConfigMap" and "grafana_dashboard" not in d["metadata"].get("labels", {}))]
     dep = next(d for d in play if d["kind"] == "Deployment")
     for c in dep["spec"]["template"]["spec"]["containers"]:
         for m in c.get("volumeMounts", []):
@@ -245,7 +252,106 @@ def render(mode: str, image: str, work: Path) -> tuple[list[dict], dict]:
                 assert m["mountPath"].endswith("/" + m["subPath"]), m
                 m["mountPath"] = m["mountPath"][: -len(m["subPath"]) - 1]
                 del m["subPath"]
-    return play, dep
+    return play, dep, docs
+
+
+class Prometheus:
+    """The apt Prometheus scraping the pod with the ServiceMonitor's relabelling (and the
+    labels prometheus-operator adds: job = the Service, namespace, pod, container) and the
+    rendered PrometheusRule's rules as they are, evaluated every 2 s. No alert may fire;
+    pending ones (condition true, `for` not yet passed) are reported. With every `for` at
+    0 s, WarmupAgentCostRatioHigh fired on the idle healthy pod (warmup_cost_ratio is
+    near 1 before any user traffic): its 15 minutes are what keeps it quiet."""
+
+    RATE = "15s"   # Grafana's $__rate_interval at 4 x a 2 s scrape, rounded up
+
+    def __init__(self, d: Path, docs: list[dict], ip: str, pod: str):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        sm = next(x for x in docs if x["kind"] == "ServiceMonitor")
+        svc = next(x for x in docs if x["kind"] == "Service" and x["metadata"]["name"] == sm["metadata"]["name"])
+        (ep,) = sm["spec"]["endpoints"]
+        names = {"sourceLabels": "source_labels", "targetLabel": "target_label"}   # the CRD's to Prometheus'
+        relabel = [{names.get(k, k): v for k, v in r.items()} for r in ep.get("relabelings", [])]
+        operator = [{"source_labels": [f"__meta_kubernetes_{m}"], "target_label": t}
+                    for m, t in (("namespace", "namespace"), ("pod_name", "pod"), ("pod_container_name", "container"),
+                                 ("service_name", "service"), ("service_name", "job"))]
+        meta = {"__meta_kubernetes_namespace": sm["metadata"]["namespace"], "__meta_kubernetes_pod_name": pod,
+                "__meta_kubernetes_pod_container_name": "warmup-agent", "__meta_kubernetes_service_name": svc["metadata"]["name"],
+                "__meta_kubernetes_pod_node_name": os.uname().nodename}
+        rules = next(x for x in docs if x["kind"] == "PrometheusRule")["spec"]
+        self.alert_names = [r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r]
+        (d / "rules.yaml").write_text(yaml.safe_dump(rules))
+        self.dashboards = {k: json.loads(v) for x in docs if x["kind"] == "ConfigMap"
+                           and x["metadata"].get("labels", {}).get("grafana_dashboard") == "1" for k, v in x["data"].items()}
+        cfg = {"global": {"scrape_interval": "2s", "evaluation_interval": "2s"},
+               "rule_files": [str(d / "rules.yaml")],
+               "scrape_configs": [{"job_name": "servicemonitor", "metrics_path": ep.get("path", "/metrics"),
+                                   "scrape_timeout": "2s",
+                                   "static_configs": [{"targets": [f"{ip}:{AGENT_PORT}"], "labels": meta}],
+                                   "relabel_configs": operator + relabel}]}
+        (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+        sh(["promtool", "check", "config", str(d / "prometheus.yml")])
+        port = int(sh([sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); "
+                       "print(s.getsockname()[1])"]).stdout)
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}",
+                                      f"--storage.tsdb.path={d / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                     stdout=subprocess.DEVNULL, stderr=open(d / "prometheus.log", "w"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if http(self.url + "/-/ready")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise StepFailed("Prometheus did not become ready")
+
+    def query(self, q: str) -> list:
+        code, body = http(self.url + "/api/v1/query?query=" + urllib.parse.quote(q))
+        data = json.loads(body)
+        if data.get("status") != "success":
+            raise StepFailed(f"query {q!r}: {body[:300]}")
+        return data["data"]["result"]
+
+    def check(self) -> dict:
+        from dashboards.exprs import panel_expressions, substitute
+
+        up: list = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not up:
+            up = self.query('up{job="e2e-warmup-agent"} == 1')
+            time.sleep(1)
+        if not up:
+            raise StepFailed("the pod's /metrics was not scraped (up == 1)")
+        labels = up[0]["metric"]
+        missing = [k for k in ("node", "pod", "model", "namespace", "job") if not labels.get(k)]
+        if missing:
+            raise StepFailed(f"scraped series lack the labels {missing}: {labels}")
+        time.sleep(20)   # enough scrapes for every rate window, and several rule evaluations
+        empty, total = [], 0
+        for fname, d in self.dashboards.items():
+            for _pid, title, ref, expr in panel_expressions(d):
+                total += 1
+                if not self.query(substitute(expr, self.RATE)):
+                    empty.append(f"{fname} {title!r} {ref}")
+        firing = [a["metric"]["alertname"] for a in self.query('ALERTS{alertstate="firing"}')]
+        pending = [a["metric"]["alertname"] for a in self.query('ALERTS{alertstate="pending"}')]
+        out = {"labels": {k: labels[k] for k in ("node", "pod", "model", "namespace", "job")},
+               "panels_with_data": f"{total - len(empty)} of {total}", "empty_panels": empty,
+               "alert_rules": len(self.alert_names), "firing": firing, "pending": pending}
+        print(f"    panels with data: {total - len(empty)} of {total}; alerts firing: {len(firing)}, "
+              f"pending: {pending or 'none'}")
+        for e in empty:
+            print(f"    empty: {e}")
+        if firing:
+            raise StepFailed(f"alerts firing on the healthy pod: {firing}")
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
 
 
 def http(url: str, body: dict | None = None, timeout: float = 10) -> tuple[int, str]:
@@ -269,7 +375,7 @@ def proc_environ(podman: Podman, ctr: str, pid: str = "1") -> dict:
 
 def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
     result: dict = {"mode": mode}
-    play, dep = step(f"{mode}: render the chart")(render)(mode, image, work)
+    play, dep, docs = step(f"{mode}: render the chart")(render)(mode, image, work)
     spec = dep["spec"]["template"]["spec"]
     pod = f"{dep['metadata']['name']}-pod-0"
     agent_ctr = f"{pod}-{'warmup-agent' if mode == 'sidecar' else 'server'}"
@@ -287,6 +393,8 @@ def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
         if not ip:
             raise StepFailed(f"pod {pod} has no IP address (podman's default bridge network)")
         result["pod_ip"] = ip
+        prom = step(f"{mode}: Prometheus scraping the pod as the ServiceMonitor says")(Prometheus)(
+            work / f"prometheus-{mode}", docs, ip, pod)
 
         @step(f"{mode}: /readyz SERVING")
         def serving() -> dict:
@@ -359,6 +467,7 @@ def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
             checks["server_cmdline"] = got
             return checks
         result["checks"] = security()
+        result["monitoring"] = step(f"{mode}: dashboard panels and alerts on the live pod")(prom.check)()
 
         @step(f"{mode}: drain on stop (SIGTERM, grace {grace} s)")
         def drain() -> dict:
@@ -380,6 +489,8 @@ def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
         raise StepFailed(f"{mode}: {e}") from None
     finally:
         podman("kube", "down", str(playfile), check=False)
+        if "prom" in locals():
+            prom.stop()
     return result
 
 

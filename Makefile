@@ -6,10 +6,10 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 TEST_APT := prometheus prometheus-alertmanager redis-server openssl util-linux cmake ninja-build g++
 
-.PHONY: help setup run test-setup test test-fast lint regenerate clean images
+.PHONY: help setup run test-setup test test-fast lint regenerate clean images e2e-pod
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
+	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,10 @@ regenerate:  ## regenerate alert rules, dashboards, docs/metrics.md + exporter/m
 	$(VPY) -m exporter.docs
 	$(VPY) -m warmup_agent.config
 	$(VPY) tools/sync_chart_files.py
+
+e2e-pod:  ## MANUAL, not in CI: the chart's pod played by podman with llama.cpp (tools/e2e_pod.py; root, Debian 12; first run about 1 h on 2 cores)
+	$(VPY) tools/fetch_helm.py
+	$(VPY) tools/e2e_pod.py
 
 images:  ## build the container images of docker/ (needs docker or DOCKER=podman; REGISTRY=... PUSH=1 to push)
 	docker/build.sh $(if $(PUSH),--push)

@@ -35,6 +35,10 @@ VALUE_SETS = {
     "everything": ["-f", "examples/values-production.yaml", "--set", "redis.enabled=true"],
     "dev": ["-f", "examples/values-dev.yaml"],
     "minimal": ["-f", "examples/values-minimal.yaml"],
+    "llamacpp": ["-f", "examples/values-llamacpp.yaml"],
+    "sglang": ["-f", "examples/values-sglang.yaml"],
+    "transformers": ["-f", "examples/values-transformers.yaml"],
+    "custom": ["-f", "examples/values-custom.yaml"],
 }
 # What each set must render, by kind (so a validation loop can never pass on nothing).
 EXPECTED_KINDS = {
@@ -542,3 +546,191 @@ def test_notes_tell_how_to_watch_the_warmup(helm_env, tmp_path):
     assert "curl -s http://127.0.0.1:9400/startupz" in text
     assert "logs -f deploy/rel-warmup-agent -c warmup-agent" in text
     assert "ServiceMonitor rel-warmup-agent" in text
+
+
+# -- server presets ---------------------------------------------------------------------------
+
+PRESETS = ("vllm", "llamacpp", "sglang", "transformers", "custom")
+MODES = ("entrypoint", "sidecar")
+PORT = 8123   # not any preset's own default, so a missing port flag shows
+# The whole command line each preset must give the server, written out here (not derived
+# from the chart): model /models/m, port PORT, served name "served" (transformers has no
+# such flag), then extraArgs ["--extra", "one"].
+EXPECTED_SERVER_COMMAND = {
+    "vllm": ["vllm", "serve", "/models/m", "--host", "0.0.0.0", "--port", str(PORT),
+             "--served-model-name", "served", "--extra", "one"],
+    "llamacpp": ["llama-server", "-m", "/models/m", "--host", "0.0.0.0", "--port", str(PORT),
+                 "--alias", "served", "--extra", "one"],
+    "sglang": ["python3", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host", "0.0.0.0",
+               "--port", str(PORT), "--served-model-name", "served", "--extra", "one"],
+    "transformers": ["transformers", "serve", "/models/m", "--host", "0.0.0.0", "--port", str(PORT), "--extra", "one"],
+    # custom: command, then args, then extraArgs
+    "custom": ["my-server", "--listen", f"0.0.0.0:{PORT}", "--extra", "one"],
+}
+EXPECTED_HEALTH = {"vllm": "/health", "llamacpp": "/health", "sglang": "/health", "transformers": "/health",
+                   "custom": "/ping"}
+# The model name the agent must send: the served name, or the model path for transformers serve.
+EXPECTED_AGENT_MODEL = {"vllm": "served", "llamacpp": "served", "sglang": "served", "transformers": "/models/m",
+                        "custom": "served"}
+
+
+def preset_args(preset: str, mode: str) -> list[str]:
+    args = ["--set", f"mode={mode}", "--set", f"server.preset={preset}", "--set", "server.model=/models/m",
+            "--set", f"server.port={PORT}", "--set", "server.extraArgs={--extra,one}",
+            "--set", "agent.image.repository=registry.example.com/agent-and-server"]
+    if preset != "transformers":
+        args += ["--set", "server.servedModelName=served"]
+    if preset == "custom":
+        args += ["--set", "server.command={my-server}", "--set", f"server.args={{--listen,0.0.0.0:{PORT}}}",
+                 "--set", "server.healthPath=/ping"]
+    if mode == "sidecar" and preset != "vllm":
+        args += ["--set", f"server.image.repository=example.com/{preset}", "--set-string", "server.image.tag=1.0"]
+    return args
+
+
+def _validate_all(docs, kube="1.30.0"):
+    import kubernetes_validate
+
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            _validate_operator_object(doc)
+            continue
+        try:
+            kubernetes_validate.validate(doc, kube, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {'.'.join(map(str, e.path))}: {e.message}",
+                        pytrace=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_renders_its_command_line_in_every_mode(helm_env, preset, mode, tmp_path):
+    docs = render(helm_env, *preset_args(preset, mode))
+    _validate_all(docs)
+    containers = pod_spec(docs)["containers"]
+    agent = agent_container(docs)
+    expected = EXPECTED_SERVER_COMMAND[preset]
+    if mode == "entrypoint":
+        assert len(containers) == 1
+        cmd = agent["command"]
+        assert cmd[:4] == ["warmup-agent", "run", "--config", "/etc/warmup-agent/config.yaml"]
+        server_cmd = cmd[cmd.index("--") + 1:]
+        server = agent
+        assert agent["image"] == "registry.example.com/agent-and-server:0.1.0"
+    else:
+        assert [c["name"] for c in containers] == ["server", "warmup-agent"]
+        server = containers[0]
+        assert agent["command"] == ["warmup-agent", "run", "--config", "/etc/warmup-agent/config.yaml"]
+        server_cmd = server["command"] + server.get("args", [])
+        if preset == "custom":   # Kubernetes' own split: the executable, then its arguments
+            assert server["command"] == ["my-server"]
+            assert server["args"] == expected[1:]
+        else:
+            assert "args" not in server
+        assert server["image"] == ("vllm/vllm-openai:v0.32.0" if preset == "vllm" else f"example.com/{preset}:1.0")
+        health = {"path": EXPECTED_HEALTH[preset], "port": "http"}
+        assert server["startupProbe"]["httpGet"] == health and server["livenessProbe"]["httpGet"] == health
+    assert server_cmd == expected
+    assert {p["name"]: p["containerPort"] for p in server["ports"]}["http"] == PORT
+    # the agent's probes stay on its own endpoints whatever the server
+    assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert agent["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+
+    # What the agent is told, read by its own loader and engine: where the server is,
+    # which health path to poll, which model name to send.
+    path = tmp_path / "config.yaml"
+    path.write_text(agent_config_text(docs))
+    cfg = agent_config.load(str(path), env={})
+    assert cfg["openai.url"] == f"http://127.0.0.1:{PORT}"
+    assert cfg["openai.health_path"] == EXPECTED_HEALTH[preset]
+    from warmup_agent.engines.openai_engine import OpenAIEngine
+
+    engine = OpenAIEngine(cfg, server_command=server_cmd if mode == "entrypoint" else None)
+    try:
+        assert engine.url == f"http://127.0.0.1:{PORT}"
+        assert engine.health_path == EXPECTED_HEALTH[preset]
+        assert engine.model == EXPECTED_AGENT_MODEL[preset]
+    finally:
+        engine._pool.shutdown(wait=False)
+
+
+def test_default_preset_is_vllm_and_unchanged(helm_env):
+    default = render(helm_env)
+    explicit = render(helm_env, "--set", "server.preset=vllm")
+    assert default == explicit
+    cmd = agent_container(default)["command"]
+    assert cmd[cmd.index("--") + 1:] == ["vllm", "serve", "/models/model", "--host", "0.0.0.0", "--port", "8000"]
+
+
+def test_server_command_overrides_a_presets_executable(helm_env):
+    docs = render(helm_env, "-f", "examples/values-llamacpp.yaml")
+    server = pod_spec(docs)["containers"][0]
+    assert server["image"] == "ghcr.io/ggml-org/llama.cpp:server-cuda"
+    assert server["command"] == ["/app/llama-server", "-m", "/models/qwen2-1.5b-instruct-q4_k_m.gguf",
+                                 "--host", "0.0.0.0", "--port", "8000", "--alias", "qwen2-1.5b",
+                                 "-ngl", "99", "-c", "4096", "--metrics"]
+    model = next(m for m in server["volumeMounts"] if m["mountPath"] == "/models")
+    assert model["readOnly"] is True
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "server.preset=tgi"], ["server.preset", "vllm", "llamacpp", "sglang", "transformers", "custom"]),
+    (["--set", "server.preset=custom"], ["server.command"]),
+    (["--set", "server.preset=custom", "--set", "server.args={--port,8000}"], ["server.command"]),
+    (["--set-json", "server.command=[]"], []),   # fine for a preset: its own executable
+    (["--set", "server.preset=custom", "--set-json", "server.command=[]"], ["server.command"]),
+    (["--set", "server.healthPath=health"], ["server.healthPath"]),
+])
+def test_schema_rejects_unknown_presets_and_a_custom_server_without_command(helm_env, args, words):
+    out = helm(helm_env, "template", "rel", "CHART", *args, check=False)
+    if not words:
+        assert out.returncode == 0, out.stderr
+        return
+    assert out.returncode != 0, f"{args} was accepted"
+    assert "schema" in out.stderr
+    for w in words:
+        assert w in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "server.preset=llamacpp"], "agent.image.repository is empty: mode entrypoint with server.preset llamacpp"),
+    (["--set", "server.preset=sglang", "--set", "mode=sidecar"],
+     "server.image.repository is empty: mode sidecar with server.preset sglang"),
+    (["--set", "mode=sidecar", "--set", "server.image.repository=example.com/vllm"], "server.image.tag is empty"),
+    (["--set", "server.preset=transformers", "--set", "agent.image.repository=a", "--set", "server.servedModelName=x"],
+     "server.servedModelName must be empty with server.preset transformers"),
+    (["--set", "server.args={--port,one}"], "server.args is for server.preset custom only"),
+])
+def test_a_preset_that_cannot_run_is_refused_with_the_key_named(helm_env, args, message):
+    out = helm(helm_env, "template", "rel", "CHART", *args, check=False)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def _readme_llamacpp_values() -> dict[str, str]:
+    """The llama.cpp values file as each README shows it: the YAML block after the
+    mention of examples/values-llamacpp.yaml (indented in README.md, fenced in the chart's)."""
+    import re
+
+    found = {}
+    top = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"`examples/values-llamacpp\.yaml`\):\n\n((?: {6}.*\n|\n)+)", top)
+    assert m, "README.md shows no llama.cpp values file after `examples/values-llamacpp.yaml`):"
+    found["README.md"] = "\n".join(line[6:] for line in m.group(1).splitlines())
+    chart = (CHART / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"`examples/values-llamacpp\.yaml`\):\n\n```yaml\n(.*?)```", chart, re.S)
+    assert m, "helm/warmup-agent/README.md shows no llama.cpp values file"
+    found["helm/warmup-agent/README.md"] = m.group(1)
+    return found
+
+
+def test_readmes_llamacpp_values_render_what_the_example_file_renders(helm_env, tmp_path):
+    example = render(helm_env, "-f", "examples/values-llamacpp.yaml")
+    for name, text in _readme_llamacpp_values().items():
+        path = tmp_path / "values.yaml"
+        path.write_text(text)
+        assert yaml.safe_load(text)["server"]["preset"] == "llamacpp", name
+        docs = render(helm_env, "-f", str(path))
+        assert pod_spec(docs) == pod_spec(example), \
+            f"{name}: its llama.cpp values render another pod than examples/values-llamacpp.yaml"
+        assert agent_config_text(docs) == agent_config_text(example), \
+            f"{name}: its llama.cpp values give the agent another configuration than examples/values-llamacpp.yaml"

@@ -75,6 +75,79 @@ app.kubernetes.io/component: model-server
 {{- printf "%s:%s" .repository (toString .tag) }}
 {{- end }}
 
+{{/*
+The model server's command line, built from server.preset, as JSON:
+  {"command": [...], "args": [...]}.
+A preset puts its executable (server.command, else the preset's own) and every argument
+in "command": model, --host 0.0.0.0, its port flag with server.port, its served-model-name
+flag with server.servedModelName, then server.extraArgs. custom takes server.command
+verbatim, and server.args then server.extraArgs as "args". Entrypoint mode runs command
+and args after the agent's `--`; sidecar mode gives them to the server container.
+*/}}
+{{- define "warmup-agent.serverCommand" -}}
+{{- $s := .Values.server }}
+{{- $preset := default "vllm" $s.preset }}
+{{- $port := toString $s.port }}
+{{- $name := $s.servedModelName }}
+{{- $exe := default (list) $s.command }}
+{{- $cmd := list }}
+{{- $args := list }}
+{{- if and (ne $preset "custom") $s.args }}
+{{- fail (printf "server.args is for server.preset custom only (server.preset is %s, which builds its own arguments): put more arguments in server.extraArgs" $preset) }}
+{{- end }}
+{{- if eq $preset "vllm" }}
+{{- $cmd = concat (default (list "vllm" "serve") $exe) (list $s.model "--host" "0.0.0.0" "--port" $port) }}
+{{- if $name }}{{ $cmd = concat $cmd (list "--served-model-name" $name) }}{{ end }}
+{{- else if eq $preset "llamacpp" }}
+{{- $cmd = concat (default (list "llama-server") $exe) (list "-m" $s.model "--host" "0.0.0.0" "--port" $port) }}
+{{- if $name }}{{ $cmd = concat $cmd (list "--alias" $name) }}{{ end }}
+{{- else if eq $preset "sglang" }}
+{{- $cmd = concat (default (list "python3" "-m" "sglang.launch_server") $exe) (list "--model-path" $s.model "--host" "0.0.0.0" "--port" $port) }}
+{{- if $name }}{{ $cmd = concat $cmd (list "--served-model-name" $name) }}{{ end }}
+{{- else if eq $preset "transformers" }}
+{{- if $name }}
+{{- fail "server.servedModelName must be empty with server.preset transformers: `transformers serve` has no served-model-name flag and serves the model under server.model" }}
+{{- end }}
+{{- $cmd = concat (default (list "transformers" "serve") $exe) (list $s.model "--host" "0.0.0.0" "--port" $port) }}
+{{- else if eq $preset "custom" }}
+{{- if not $exe }}
+{{- fail "server.command is empty: server.preset custom needs the server's command (a list, e.g. [my-server]) and its arguments in server.args" }}
+{{- end }}
+{{- $cmd = $exe }}
+{{- $args = default (list) $s.args }}
+{{- else }}
+{{- fail (printf "server.preset %s is not one of vllm, llamacpp, sglang, transformers, custom" $preset) }}
+{{- end }}
+{{- $extra := default (list) $s.extraArgs }}
+{{- if eq $preset "custom" }}
+{{- $args = concat $args $extra }}
+{{- else }}
+{{- $cmd = concat $cmd $extra }}
+{{- end }}
+{{- toJson (dict "command" $cmd "args" $args) }}
+{{- end }}
+
+{{/* Health path of the model server: server.healthPath, else the preset's (every preset: /health). */}}
+{{- define "warmup-agent.healthPath" -}}
+{{- default "/health" .Values.server.healthPath }}
+{{- end }}
+
+{{/* The server container's image (sidecar mode): server.image, else the vllm preset's vLLM image. */}}
+{{- define "warmup-agent.serverImage" -}}
+{{- $i := .Values.server.image }}
+{{- $preset := default "vllm" .Values.server.preset }}
+{{- if $i.repository }}
+{{- if not $i.tag }}
+{{- fail (printf "server.image.tag is empty: give the tag of %s (only the vllm preset's default image has one)" $i.repository) }}
+{{- end }}
+{{- printf "%s:%s" $i.repository (toString $i.tag) }}
+{{- else if eq $preset "vllm" }}
+{{- printf "vllm/vllm-openai:%s" (toString (default "v0.32.0" $i.tag)) }}
+{{- else }}
+{{- fail (printf "server.image.repository is empty: mode sidecar with server.preset %s needs the image of that server in server.image.repository and server.image.tag (only the vllm preset has a default image)" $preset) }}
+{{- end }}
+{{- end }}
+
 {{/* Paths inside the pod. */}}
 {{- define "warmup-agent.configPath" -}}/etc/warmup-agent/config.yaml{{- end }}
 {{- define "warmup-agent.hmacKeyPath" -}}/etc/warmup-agent/secrets/hmac-key{{- end }}
@@ -84,23 +157,31 @@ The agent's configuration file, in three layers:
   defaults  from other values, which agent.config may override (timeouts, served model);
   agent.config;
   derived   keys the probes, Service and volumes are built from; these win, so each has
-            one place (engine, exporter.listen, data_dir, openai.url, kernel_cache).
+            one place (engine, exporter.listen, data_dir, openai.url, openai.health_path,
+            kernel_cache).
 */}}
 {{- define "warmup-agent.config" -}}
 {{- $load := .Values.server.loadTimeoutSeconds }}
 {{- $defaults := dict
     "openai" (dict "ready_timeout_seconds" $load)
     "deadlines" (dict "preload_seconds" $load) }}
+{{- $preset := default "vllm" .Values.server.preset }}
 {{- if .Values.server.servedModelName }}
 {{- $_ := set $defaults.openai "model" .Values.server.servedModelName }}
+{{- else if eq $preset "transformers" }}
+{{- /* transformers serve serves the model under its path or id */}}
+{{- $_ := set $defaults.openai "model" .Values.server.model }}
+{{- end }}
+{{- if and (eq .Values.mode "entrypoint") (has $preset (list "sglang" "transformers")) (hasPrefix "/" .Values.server.model) }}
+{{- /* the agent finds the tokenizer in the model directory (vllm's positional model it reads from the command) */}}
+{{- $_ := set $defaults "model" (dict "path" .Values.server.model) }}
 {{- end }}
 {{- $derived := dict
     "engine" "openai"
     "data_dir" .Values.cache.mountPath
-    "exporter" (dict "listen" (printf "0.0.0.0:%d" (int .Values.agent.port))) }}
-{{- if eq .Values.mode "sidecar" }}
-{{- $_ := set $derived "openai" (dict "url" (printf "http://127.0.0.1:%d" (int .Values.server.port))) }}
-{{- end }}
+    "exporter" (dict "listen" (printf "0.0.0.0:%d" (int .Values.agent.port)))
+    "openai" (dict "url" (printf "http://127.0.0.1:%d" (int .Values.server.port))
+                   "health_path" (include "warmup-agent.healthPath" .)) }}
 {{- if .Values.kernelCache.enabled }}
 {{- $_ := set $derived "kernel_cache" (dict "redis_url" (include "warmup-agent.redisUrl" .) "secret_file" (include "warmup-agent.hmacKeyPath" .)) }}
 {{- end }}

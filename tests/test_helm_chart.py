@@ -278,6 +278,28 @@ def test_agent_config_values_are_merged_but_derived_keys_win(helm_env):
 
 # -- optional features --------------------------------------------------------------------
 
+def test_tracing_sets_the_agent_keys_and_the_pod_and_node_as_resource_attributes(helm_env, tmp_path):
+    docs = render(helm_env, "--set", "tracing.enabled=true", "--set", "tracing.endpoint=http://otel:4318",
+                  "--set", "tracing.protocol=http/protobuf", "--set", "tracing.resourceAttributes.team=llm")
+    path = tmp_path / "config.yaml"
+    path.write_text(agent_config_text(docs))
+    cfg = agent_config.load(str(path), env={})       # the agent's own loader takes the keys
+    assert (cfg["tracing.enabled"], cfg["tracing.endpoint"], cfg["tracing.protocol"]) == (
+        True, "http://otel:4318", "http/protobuf")
+    env = {e["name"]: e for e in agent_container(docs)["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["OTEL_RESOURCE_ATTRIBUTES"]["value"] == (
+        "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),k8s.node.name=$(NODE_NAME),team=llm")
+    assert env["OTEL_SERVICE_NAME"]["value"]
+    # off (the default): no tracing key, no OTEL variable
+    off = render(helm_env)
+    assert "tracing" not in yaml.safe_load(agent_config_text(off))
+    assert not [e for e in agent_container(off)["env"] if e["name"].startswith("OTEL_")]
+    bad = helm(helm_env, "template", "rel", "CHART", "--set", "tracing.protocol=udp", check=False)
+    assert bad.returncode != 0 and "tracing.protocol" in bad.stderr
+
+
 def test_disabled_features_render_nothing(rendered):
     docs = rendered["minimal"]
     assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "Service"]

@@ -185,6 +185,9 @@ The agent's configuration file, in three layers:
 {{- if .Values.kernelCache.enabled }}
 {{- $_ := set $derived "kernel_cache" (dict "redis_url" (include "warmup-agent.redisUrl" .) "secret_file" (include "warmup-agent.hmacKeyPath" .)) }}
 {{- end }}
+{{- if .Values.tracing.enabled }}
+{{- $_ := set $derived "tracing" (dict "enabled" true "endpoint" .Values.tracing.endpoint "protocol" .Values.tracing.protocol) }}
+{{- end }}
 {{- toYaml (mustMergeOverwrite $defaults (deepCopy .Values.agent.config) $derived) }}
 {{- end }}
 

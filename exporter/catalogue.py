@@ -114,8 +114,8 @@ CORE: tuple[MetricSpec, ...] = (
                    "engines' probes are 1 token."),
     MetricSpec("warmup_per_length_decode_ratio", "gauge",
                "Time per output token at sequence lengths no earlier request reached, over the steady time per output token (prewarm's per-length test); above prewarm.per_length_ratio the server pays per sequence length.",
-               unit="short", requires="decode_probes",
-               doc="The worse of two requests at new prompt lengths, after the first path was warm. An eager "
+               unit="short",
+               doc="0 until measured (the in-process engines never measure it). The better of two requests at new prompt lengths, after the first path was warm. An eager "
                    "server whose attention builds a plan per shape (transformers serve on an H200) measured "
                    "about 3; llama.cpp and vLLM about 1."),
     MetricSpec("warmup_per_length_remedy_info", "gauge",
@@ -129,8 +129,8 @@ CORE: tuple[MetricSpec, ...] = (
                doc="result: warm_on_first_call, converged, still_improving, skipped (budget or a refused family). "
                    "The run record's prewarm stage lists every path with its calls."),
     MetricSpec("warmup_budget_seconds", "gauge",
-               "Time budget of the measured-benefit warmup: prewarm.budget_ratio x the server's own start-up, at least prewarm.budget_min_seconds (or prewarm.budget_seconds).",
-               unit="s", requires="decode_probes"),
+               "Time budget of the measured-benefit warmup: prewarm.budget_ratio x the server's own start-up, at least prewarm.budget_min_seconds (or prewarm.budget_seconds); 0 for the in-process engines, which warm their shape grid without one.",
+               unit="s"),
     # --- process ------------------------------------------------------------------
     MetricSpec("warmup_memory_jitter_ratio", "gauge",
                "Resident-memory jitter of the agent process: (max RSS - min RSS) / mean RSS over the sampling window.",

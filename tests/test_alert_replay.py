@@ -33,7 +33,8 @@ def _promtool():
 def test_recordings_are_there():
     names = {os.path.basename(p) for p in RECORDED}
     assert {"cpu_torch_healthy.prom", "cpu_vllm_openai_healthy.prom", "h200_torch_healthy.prom",
-            "h200_torch_fp8_healthy.prom"} <= names, names
+            "h200_torch_fp8_healthy.prom", "h200_llamacpp_healthy.prom", "h200_transformers_serve_cudnn_healthy.prom",
+            "h200_transformers_serve_per_length_healthy.prom"} <= names, names
 
 
 def test_the_fp8_recording_is_a_pod_serving_fp8():

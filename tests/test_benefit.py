@@ -153,4 +153,8 @@ def test_the_figures_freeze_when_the_gate_opens():
     log.add(Probe(0.5, 0.5, 1))          # a slow probe after SERVING
     assert log.figures == frozen and len(log.gate_probes) == 3 and len(log.ttfts) == 4
     log.restart()                        # a re-warm: the next probe is a first request again
-    assert log.figures is None and log.ttfts == []
+    assert log.figures is None and len(log.ttfts) == 4
+    log.add(Probe(0.2, 0.2, 1))
+    log.add(Probe(0.1, 0.1, 1))
+    fr = log.figures
+    assert fr is not None and fr.ttft_seconds == 0.2 and fr.ttft_tax == pytest.approx(2.0)

@@ -62,8 +62,12 @@ def first_request(probes: list[Probe]) -> FirstRequest | None:
 
 
 class ProbeLog:
+    """Every probe, in order (a re-warm's too); the first-request figures of the
+    current gate: from its first probe (`restart`) to the one that opened it (`freeze`)."""
+
     def __init__(self) -> None:
         self.probes: list[Probe] = []
+        self._start = 0                     # index of the current gate's first probe
         self._frozen: FirstRequest | None = None
         self._frozen_at: int | None = None
 
@@ -71,25 +75,26 @@ class ProbeLog:
         self.probes.append(probe)
 
     def restart(self) -> None:
-        """A re-warm: the next probe is a first request again."""
-        self.probes.clear()
+        """A new gate (a re-warm): its next probe is a first request again."""
+        self._start = len(self.probes)
         self._frozen = None
         self._frozen_at = None
 
     def freeze(self) -> FirstRequest | None:
-        """Fix the first-request figures to the probes taken so far (the gate opened)."""
-        self._frozen = first_request(self.probes)
+        """Fix the first-request figures to the gate's probes so far (the gate opened)."""
         self._frozen_at = len(self.probes)
+        self._frozen = first_request(self.gate_probes)
         return self._frozen
 
     @property
     def gate_probes(self) -> list[Probe]:
-        """The probes that decided readiness (all of them until the gate opened)."""
-        return self.probes if self._frozen_at is None else self.probes[:self._frozen_at]
+        """The probes of the current gate (up to the one that opened it, once open)."""
+        end = len(self.probes) if self._frozen_at is None else self._frozen_at
+        return self.probes[self._start:end]
 
     @property
     def figures(self) -> FirstRequest | None:
-        return self._frozen if self._frozen_at is not None else first_request(self.probes)
+        return self._frozen if self._frozen_at is not None else first_request(self.gate_probes)
 
     @property
     def ttfts(self) -> list[float]:

@@ -53,7 +53,7 @@ def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     rd.thresholds.min_samples = min_probes
     # Decode is gated only where probes time it (engines that speak the traffic profile).
     gate_decode = cfg["readiness.require_decode"] and profile_probes
-    agent.probe_log.restart()     # a re-warm: its first probe is a first request again
+    agent.probe_log.restart()     # a re-warm: its first probe is a first request again (the log keeps all)
 
     def decode_ok() -> bool:
         return not gate_decode or decode_converged(agent.tpot_window, min_probes,

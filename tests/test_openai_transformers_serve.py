@@ -243,3 +243,56 @@ def test_probes_after_serving_ask_for_one_token(served):
     assert all(b["max_tokens"] == 1 for b in after), [b["max_tokens"] for b in after]
     # The probes before SERVING asked for readiness.probe_max_tokens (decode timed).
     assert agent.tpot_window.quantiles((0.5,)), "the gate's probes timed decode"
+
+
+def test_startupz_and_metrics_say_what_was_warmed_and_the_per_length_finding(served):
+    """/startupz's warmup summary is the record's; the exported figures are the record's."""
+    _, agent, _, _, _ = served
+    detail = agent.stages[1].detail
+    assert agent.status()["warmup"] == detail["warmup"]
+    reg = agent.metrics.registry
+    per_length = detail["warmup"]["per_length"]
+    assert reg.get_sample_value("warmup_per_length_decode_ratio") == min(per_length["ratios"])
+    remedy = [m for m in reg.collect() if m.name == "warmup_per_length_remedy_info"][0].samples
+    assert bool(remedy) == per_length["pays"]          # a series only when the server pays per length
+    assert reg.get_sample_value("warmup_budget_seconds") == detail["warmup"]["budget"]["seconds"]
+    counts: dict[str, int] = {}
+    for p in detail["paths"]:
+        counts[p["result"]] = counts.get(p["result"], 0) + 1
+    for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
+        assert reg.get_sample_value("warmup_paths_total", {"result": result}) == counts.get(result, 0)
+
+
+def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path, embedded_model, caplog):
+    """prewarm.budget_seconds smaller than one request: every path is skipped with
+    reason budget, one warning says so, and the readiness probes still gate SERVING
+    (the first-request figures then show what was left cold)."""
+    port = free_port()
+    cfg = config.load(env={"WARMUP_AGENT_DATA_DIR": str(tmp_path / "data"), "WARMUP_AGENT_ENGINE": "openai",
+                           "WARMUP_AGENT_MODEL_PATH": embedded_model,
+                           "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
+                           "WARMUP_AGENT_PREWARM_BUDGET_SECONDS": "0.000001",
+                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": json.dumps(LENGTHS),
+                           "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
+                           "WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS": "4",
+                           "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "4",
+                           "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
+                           "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
+    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
+                       base_env=ts.server_env(str(tmp_path)), model_path=embedded_model)
+    try:
+        agent = Agent(cfg, eng)
+        with caplog.at_level("WARNING", logger="warmup_agent.stages.prewarm"):
+            state = agent.run()
+        agent.stop()
+        assert state == State.SERVING, (agent.sm.failure_reason, agent.sm.failure_message)
+        detail = agent.stages[1].detail
+        assert detail["paths"] and all(p["result"] == "skipped" and p["reason"] == "budget" and p["calls"] == 0
+                                       for p in detail["paths"])
+        assert agent.warmup_requests == 0 and not detail["warmup"]["per_length"]["tested"]
+        assert detail["warmup"]["budget"]["exhausted"] is True
+        assert any("warmup budget" in r.getMessage() and "not warmed" in r.getMessage() for r in caplog.records)
+        assert len(agent.probes) >= cfg["readiness.min_probes_server"]
+        assert agent.probe_log.figures is not None and agent.probe_log.figures.ttft_tax is not None
+    finally:
+        eng.close()

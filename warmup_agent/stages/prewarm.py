@@ -186,10 +186,20 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
     per_length: dict = {"tested": False}
     steady_tpot = steady.tpot_ref(b0)
     if steady_tpot is not None and not budget.exhausted():
-        calls = [send(Path(ep0, fam0, b0, n)) for n in benefit.fresh_lengths(lo, hi, decoded, 2, answer)]
+        try:
+            calls = [send(Path(ep0, fam0, b0, n)) for n in benefit.fresh_lengths(lo, hi, decoded, 2, answer)]
+        except EngineError as e:
+            # A server that refuses a length (its context is shorter, say): not a reason
+            # to fail the start; the finding is "not measured" and says why.
+            if e.reason != "request_failed" or "HTTP 4" not in e.message:
+                raise
+            log.warning(f"the per-length test could not run: {e.message}")
+            calls = []
+            per_length = {"tested": False, "error": e.message}
         pays, ratios = benefit.pays_per_length(calls, steady_tpot, pc.per_length_ratio)
-        per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [c.prompt_tokens for c in calls],
-                      "steady_tpot_ms": round(steady_tpot * 1e3, 3)}
+        if calls:
+            per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [c.prompt_tokens for c in calls],
+                          "steady_tpot_ms": round(steady_tpot * 1e3, 3)}
         if ratios:
             agent.metrics.warmup_per_length_decode_ratio.set(min(ratios))
         if pays:

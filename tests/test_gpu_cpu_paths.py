@@ -145,6 +145,21 @@ def test_kv_bytes_per_token_of_qwen2_1_5b():
     assert sizing.kv_bytes_per_token(QWEN2_1_5B, "bfloat16") == 2 * 28 * 2 * 128 * 2 == 28672
 
 
+def test_the_engines_share_one_kv_formula_and_say_unknown_rather_than_guess():
+    """One formula for the torch, vllm and openai engines' facts (issue 24: it was
+    written four times, with three different fallbacks for an unknown dtype)."""
+    assert sizing.kv_bytes_per_token_if_known(QWEN2_1_5B, "bfloat16") == 28672
+    assert sizing.kv_bytes_per_token_if_known(QWEN2_1_5B, "float32") == 2 * 28672
+    assert sizing.kv_bytes_per_token_if_known(QWEN2_1_5B, "float8_e4m3fn") is None
+    assert sizing.kv_bytes_per_token_if_known({"hidden_size": 1536}, "bfloat16") is None
+    import inspect
+
+    from warmup_agent.engines import openai_engine, torch_engine, vllm_engine
+    for module in (torch_engine, vllm_engine, openai_engine):
+        source = inspect.getsource(module)
+        assert "kv_bytes_per_token_if_known" in source and '"bfloat16": 2' not in source, module.__name__
+
+
 def test_reservation_plan_and_fail_fast_numbers():
     plan = sizing.plan_reservation(QWEN2_1_5B, "bfloat16", 3_087_007_744, [16, 128], [1, 4], 2)
     assert plan.kv_bytes == 28672 * 130 * 4

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Callable
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 from warmup_agent.engines.text_prompts import TextPrompts
+from warmup_agent.gpu import sizing
 from warmup_agent.traffic import _SEED_TEXT, WarmRequest
 
 if TYPE_CHECKING:
@@ -441,13 +442,8 @@ class OpenAIEngine(Engine):
 
     def facts(self) -> EngineFacts:
         cfg = self._model_config()
-        layers = cfg.get("num_hidden_layers")
-        heads = cfg.get("num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads", heads)
-        head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "unknown"
-        width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
-        kv = 2 * layers * kv_heads * head_dim * width if layers and kv_heads and head_dim and width else None
+        kv = sizing.kv_bytes_per_token_if_known(cfg, dtype)
         extra = {"url": self.url, "startup_seconds": dict(self.startup), "lora_adapters": list(self.adapters)}
         if self.supervisor is not None:
             extra.update(server_pid=self.supervisor.pid, server_restarts=self.supervisor.restarts)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from warmup_agent import quantization
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
+from warmup_agent.gpu import sizing
 from warmup_agent.model_dir import check_model_dir, read_safetensors_header, safetensors_files
 
 if TYPE_CHECKING:
     from warmup_agent.gpu.loader import LoadReport
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _quiet_transformers() -> None:
@@ -304,12 +304,7 @@ class TorchEngine(Engine):
         params = sum(p.numel() for p in self.model.parameters()) if self.model is not None else None
         dtype_name = str(self.dtype).replace("torch.", "") if self.dtype is not None else "unknown"
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) if self.model is not None else None
-        kv = None
-        heads = c.get("num_attention_heads")
-        if heads and c.get("num_hidden_layers") and c.get("hidden_size"):
-            head_dim = c.get("head_dim") or c["hidden_size"] // heads
-            kv_heads = c.get("num_key_value_heads") or heads
-            kv = 2 * c["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype_name, 4)
+        kv = sizing.kv_bytes_per_token_if_known(c, dtype_name)
         return EngineFacts(engine=self.name, model=self.model_path, device=str(self.device), dtype=dtype_name,
                            parameter_count=params, weight_bytes=weight_bytes, kv_bytes_per_token=kv,
                            max_context=c.get("max_position_embeddings"), vocab_size=c.get("vocab_size"))

@@ -26,6 +26,7 @@ from typing import Any
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 from warmup_agent.engines.openai_engine import parse_adapters
+from warmup_agent.gpu import sizing
 
 
 def _one_line(e: BaseException) -> str:
@@ -142,17 +143,13 @@ class VllmEngine(Engine):
         with open(os.path.join(self.model_path, "config.json")) as f:
             cfg = json.load(f)
         mc = self.engine.model_config if self.engine is not None else None
-        heads = cfg.get("num_attention_heads")
-        head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads else None)
-        layers, kv_heads = cfg.get("num_hidden_layers"), cfg.get("num_key_value_heads", heads)
         dtype = str(mc.dtype).replace("torch.", "") if mc is not None else (cfg.get("torch_dtype") or "unknown")
-        width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
         extra = {"load_seconds": self.load_seconds, "lora_adapters": list(self.adapters)}
         cache = getattr(self.engine, "vllm_config", None)
         if cache is not None:
             extra.update(kv_cache_blocks=cache.cache_config.num_gpu_blocks, kv_block_size=cache.cache_config.block_size)
         return EngineFacts(engine=self.name, model=self.model_path, device="cuda" if _has_cuda() else "cpu", dtype=dtype,
-                           kv_bytes_per_token=2 * layers * kv_heads * head_dim * width if all((layers, kv_heads, head_dim, width)) else None,
+                           kv_bytes_per_token=sizing.kv_bytes_per_token_if_known(cfg, dtype),
                            max_context=mc.max_model_len if mc is not None else None,
                            vocab_size=cfg.get("vocab_size"), extra=extra)
 

@@ -18,6 +18,16 @@ def kv_bytes_per_token(config: dict, dtype: str) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
+def kv_bytes_per_token_if_known(config: dict, dtype: str) -> int | None:
+    """kv_bytes_per_token, or None when config.json lacks the shape or the dtype is
+    not one of DTYPE_BYTES: the engines' facts say "unknown" rather than guess."""
+    heads = config.get("num_attention_heads")
+    if not (heads and config.get("num_hidden_layers") and (config.get("head_dim") or config.get("hidden_size"))
+            and dtype in DTYPE_BYTES):
+        return None
+    return kv_bytes_per_token(config, dtype)
+
+
 @dataclass(frozen=True)
 class ReservationPlan:
     weight_bytes: int

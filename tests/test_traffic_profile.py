@@ -74,19 +74,6 @@ def test_profile_learned_from_a_requests_file(tmp_path, prompts):
     expected = sorted({prompts.count_chat([{"role": "user", "content": c}]) for c in
                        ("bazo kite lumo", "rasivu tenapo bazo kite lumo rasivu", "kite")} | {prompts.count_text("lumo rasivu")})
     assert p.prompt_lengths == expected
-    # Each family at each batch size on each endpoint with the longest answer
-    # (json_schema on chat only), after the prefill grid.
-    plan = p.warm_requests([1, 4], [16], 2)
-    long = [(b[0].endpoint, b[0].family, len(b)) for b in plan if b[0].max_tokens == 64]
-    tiles = traffic.decode_tiles(sorted({16, *expected}), 64)
-    assert sorted(long) == sorted([(e, f, n) for e in ("chat", "completions") for f in ("sampled", "json_schema", "logprobs")
-                                   for n in (1, 4) if not (f == "json_schema" and e == "completions")]
-                                  + [("chat", "sampled", 1)] * (len(tiles) - 1))   # decode coverage: probe family, batch 1
-    assert [b[0].prompt_tokens for b in plan if b[0].max_tokens == 64 and (b[0].endpoint, b[0].family, len(b)) == ("chat", "sampled", 1)] == tiles
-    no_cover = p.warm_requests([1, 4], [16], 2, decode_coverage=False)
-    assert len(no_cover) == len(plan) - (len(tiles) - 1)
-    prefill = {(b[0].endpoint, b[0].prompt_tokens, len(b)) for b in plan if b[0].max_tokens == 2}
-    assert prefill == {(e, n, b) for e in ("chat", "completions") for n in [16] + expected for b in (1, 4)}
 
 
 @pytest.mark.parametrize("lengths,answer", [([16, 32, 64, 128], 64), ([16, 32, 40, 57, 64, 128, 150, 230], 64),
@@ -147,9 +134,3 @@ def test_decode_gate_opens_on_a_noisy_but_steady_host():
     for i in range(10):
         w.add(0.19 if i % 4 == 1 else 0.029)   # P90/P50 = 6.5, as seen on two shared cores
     assert decode_converged(w, 10, 0.5, 1.5)
-
-
-def test_decode_coverage_with_no_batch_size_left_plans_nothing():
-    """A memory budget can drop every batch size: the plan is empty, not an error."""
-    p = traffic.default_profile(["chat"], 64, [16, 128])
-    assert p.warm_requests([], [16], 2) == []

@@ -178,50 +178,25 @@ class TrafficProfile:
     bad_lines: dict = field(default_factory=lambda: {"count": 0, "first_lines": []})
     family_lines: dict[str, int] = field(default_factory=dict)   # family -> file line its parameters came from
 
-    def warm_requests(self, batch_sizes: list[int], grid_lengths: list[int], grid_max_tokens: int,
-                      decode_coverage: bool = True) -> list[list[WarmRequest]]:
-        """The warmup as batches (a batch is sent concurrently):
-        1. every grid length x batch size, per endpoint, greedy, short answers:
-           the prefill shapes;
-        2. every family x batch size, per endpoint, with the longest answer:
-           each decode path through every step count real answers reach;
-        3. decode coverage (on by default): the first endpoint's probe family at the
-           smallest batch size runs at prompt lengths spaced one answer apart
-           (decode_tiles), so that its answers decode at every sequence length
-           from the shortest prompt to the longest prompt + the longest answer.
-           Measured on the H200 (bench/results/diag_decode_shapes_h200.json): an
-           eager server (transformers serve, torch 2.11) pays 40-68 ms more per decode
-           step at a sequence length no earlier request reached (cuDNN attention
-           builds a plan per shape), about 3x a seen one; one answer through
-           unseen lengths took 4.0-6.4 s against 1.5-2.7 s.  Batching servers (vLLM,
-           SGLang, TGI) use paged/varlen kernels without per-length plans, and
-           an eager server runs one request at a time: batch 1 covers them."""
-        batches: list[list[WarmRequest]] = []
-        greedy = self.families.get("greedy", FAMILY_DEFAULTS["greedy"])
-        lengths = sorted(set(grid_lengths) | set(self.prompt_lengths))
-        for ep in self.endpoints:
-            for b in sorted(set(batch_sizes)):
-                for n in lengths:
-                    batches.append([WarmRequest(ep, n, grid_max_tokens, "greedy", _frozen(greedy))] * b)
-        typical = sorted(self.prompt_lengths or lengths)[len(self.prompt_lengths or lengths) // 2]
-        cover = ((self.endpoints[0], min(batch_sizes), probe_family(self))
-                 if decode_coverage and lengths and batch_sizes and self.endpoints else None)
-        for ep in self.endpoints:
-            for b in sorted(set(batch_sizes)):
-                for fam, params in self.families.items():
-                    if fam == "json_schema" and ep != "chat" and "chat" in self.endpoints:
-                        continue    # response_format is a chat parameter
-                    tiles = decode_tiles(lengths, self.max_tokens) if (ep, b, fam) == cover else [typical]
-                    batches.extend([WarmRequest(ep, n, self.max_tokens, fam, _frozen(params))] * b for n in tiles)
-        return batches
-
 
 def decode_tiles(lengths: list[int], answer: int) -> list[int]:
     """Prompt lengths whose answers of `answer` tokens together decode at every
     sequence length from min(lengths) to max(lengths) + answer: one answer apart,
-    the last at max(lengths).  (16..128, 64) -> [16, 80, 128]."""
+    the last at max(lengths).  (16..128, 64) -> [16, 80, 128].
+
+    Prewarm's decode coverage, for a server that pays per sequence length.
+    Measured on the H200 (bench/results/diag_decode_shapes_h200.json): an eager
+    server (transformers serve, torch 2.11) paid 40-68 ms more per decode step at a
+    sequence length no earlier request reached (cuDNN attention builds a plan per
+    shape), about 3x a seen one.  Batching servers (vLLM, SGLang, TGI) use
+    paged/varlen kernels without per-length plans."""
     lo, hi = min(lengths), max(lengths)
     return sorted(set(range(lo, hi, max(1, answer))) | {hi})
+
+
+def probe_endpoint(profile: "TrafficProfile") -> str:
+    """The endpoint a user most likely sends to first: chat where the profile has it."""
+    return "chat" if "chat" in profile.endpoints else profile.endpoints[0]
 
 
 def probe_family(profile: "TrafficProfile") -> str:
@@ -302,7 +277,7 @@ def spread(values: list[int], k: int) -> list[int]:
 def probe_request(profile: TrafficProfile, prompt_tokens: int, max_tokens: int) -> WarmRequest:
     """The readiness probe: what a user most likely sends first -- chat where the
     profile has it, sampled where it has it."""
-    endpoint = "chat" if "chat" in profile.endpoints else profile.endpoints[0]
+    endpoint = probe_endpoint(profile)
     family = probe_family(profile)
     params = dict(profile.families[family])
     params.pop("n", None)     # one answer per probe: its tokens are timed

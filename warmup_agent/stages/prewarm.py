@@ -9,12 +9,15 @@ plus the power-of-two grid) x the batch sizes (configured, or derived from free
 GPU memory and the real KV bytes per token, seed 000 §4.2); each shape gets a
 prefill and prewarm.max_new_tokens - 1 decode steps, and every request is
 marked as warmup so it never counts as user traffic.  On a GPU the NVML
-utilisation ramp is sampled from here to the end of solidify.
+utilisation ramp is sampled from here to the end of solidify.  An engine that
+speaks the traffic profile (openai) is warmed by measured benefit instead
+(`warm_profile`, warmup_agent/benefit.py).
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from warmup_agent import memory_budget, traffic
@@ -105,6 +108,12 @@ def load_profile(agent: Agent, lengths: list[int]) -> traffic.TrafficProfile:
     return profile
 
 
+def _refused(e: EngineError) -> bool:
+    """The server answered the request with HTTP 4xx (it refuses what was asked),
+    as opposed to failing or being unreachable."""
+    return e.reason == "request_failed" and "HTTP 4" in e.message
+
+
 def remedy_for(server: str | None) -> str:
     """What removes a per-sequence-length decode cost, in the user's words."""
     if server == "transformers serve":
@@ -131,7 +140,7 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
     requests of that family fail on it as well, warm or not."""
     from warmup_agent import benefit
     from warmup_agent.benefit import Call, Path
-    from warmup_agent.traffic import WarmRequest, _frozen, decode_tiles, probe_family
+    from warmup_agent.traffic import WarmRequest, _frozen, decode_tiles, probe_endpoint, probe_family
     cfg = agent.cfg
     pc = cfg.prewarm
     agent.profile = profile = load_profile(agent, lengths)
@@ -143,7 +152,7 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
     tol, max_calls = pc.converge_tolerance, pc.max_calls_per_path
     answer = max(2, min(pc.warm_answer_tokens, profile.max_tokens))
     fam0 = probe_family(profile)
-    ep0 = "chat" if "chat" in profile.endpoints else profile.endpoints[0]
+    ep0 = probe_endpoint(profile)
     b0 = min(batches) if batches else 1
     plens = sorted(set(profile.prompt_lengths) or set(lengths))
     lo, hi = plens[0], plens[-1]
@@ -172,7 +181,7 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
         try:
             outcomes.append(benefit.warm_path(path, lambda p: send(p, tokens), steady, budget, tol, max_calls))
         except EngineError as e:
-            if e.reason != "request_failed" or "HTTP 4" not in e.message or path.family == fam0:
+            if not _refused(e) or path.family == fam0:
                 raise
             refused[path.family] = e.message
             line = profile.family_lines.get(path.family)
@@ -191,7 +200,7 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
         except EngineError as e:
             # A server that refuses a length (its context is shorter, say): not a reason
             # to fail the start; the finding is "not measured" and says why.
-            if e.reason != "request_failed" or "HTTP 4" not in e.message:
+            if not _refused(e):
                 raise
             log.warning(f"the per-length test could not run: {e.message}")
             calls = []
@@ -242,16 +251,13 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
         probe_length += 1
     ctx.probe_length = probe_length
     ctx.first_probe_tokens = profile.max_tokens
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        counts[o.result] = counts.get(o.result, 0) + 1
+    counts = Counter(o.result for o in outcomes)
     for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
-        agent.metrics.warmup_paths_total.labels(result=result).set(counts.get(result, 0))
-    skipped = [o.as_dict() for o in outcomes if o.result == "skipped"]
+        agent.metrics.warmup_paths_total.labels(result=result).set(counts[result])
+    skipped = [{"path": o.path.label, "reason": o.reason} for o in outcomes if o.result == "skipped"]
     ctx.warmup_summary = summary = {
-        "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": counts,
-        "skipped": [{"path": s["path"], "reason": s["reason"]} for s in skipped], "requests": sent,
-        "probe_length": probe_length}
+        "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
+        "skipped": skipped, "requests": sent, "probe_length": probe_length}
     if budget.exhausted():
         log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "
                     f"{len(skipped)} path(s) not warmed; readiness probes decide")

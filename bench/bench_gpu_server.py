@@ -118,7 +118,7 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
-    first, usage, chunks, stamps = None, None, 0, []
+    first, usage, chunks, stamps, first_text = None, None, 0, [], None
     try:
         r = urllib.request.urlopen(req, timeout=300)
     except urllib.error.HTTPError as e:
@@ -137,6 +137,7 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
                     chunks += 1
                     stamps.append(time.perf_counter())
                     first = first or stamps[-1]
+                    first_text = c["delta"]["content"] if first_text is None else first_text
             usage = msg.get("usage") or usage
     end = time.perf_counter()
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
@@ -144,25 +145,42 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
             # where a slow answer spends its time: the gaps between streamed chunks
             "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps, default=None),
             "gaps_ms": [round(g * 1e3, 1) for g in gaps],
+            # what "the first token" is on this server: a token, or a chunk sent before decoding
+            "first_text": None if first_text is None else first_text[:60], "chunks": chunks,
             "output_tokens": (usage or {}).get("completion_tokens", chunks), "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
-def client_messages(model_dir: str, steady_n: int) -> list[tuple[list[dict], int]]:
+# Two controls after the steady requests, so a small first-request tax can be told
+# apart from its causes: the same length after an idle pause as long as the wait
+# between /readyz and the first request can be, and a length no request had.
+IDLE_SECONDS = 0.25
+NEW_LENGTH_DELTA = 11
+
+
+def client_messages(model_dir: str, steady_n: int) -> dict:
     """The client's prompts, built once before any start: the first request then goes
     out right after /readyz or /health, not after the client tokenized its prompts."""
-    return [chat_messages(model_dir, ARGS.prompt_tokens, v) for v in range(steady_n + 1)]
+    same = [chat_messages(model_dir, ARGS.prompt_tokens, v) for v in range(steady_n + 2)]
+    return {"first": same[0], "steady": same[1:-1], "after_idle": same[-1],
+            "new_length": chat_messages(model_dir, ARGS.prompt_tokens + NEW_LENGTH_DELTA, steady_n + 2)}
 
 
-def measure(port: int, model: str, msgs: list[tuple[list[dict], int]], max_tokens: int) -> dict:
-    first = request(port, model, msgs[0][0], max_tokens)
-    steady = [request(port, model, m, max_tokens) for m, _ in msgs[1:]]
+def measure(port: int, model: str, msgs: dict, max_tokens: int) -> dict:
+    first = request(port, model, msgs["first"][0], max_tokens)
+    steady = [request(port, model, m, max_tokens) for m, _ in msgs["steady"]]
     for s in steady[3:]:
         s.pop("gaps_ms")   # the first few show the trend; the rest would only bloat the JSON
     st_ttft = statistics.median(s["ttft"] for s in steady)
     st_total = statistics.median(s["total"] for s in steady)
+    time.sleep(IDLE_SECONDS)
+    idle = request(port, model, msgs["after_idle"][0], max_tokens)
+    new_length = request(port, model, msgs["new_length"][0], max_tokens)
     return {"first": first, "steady_ttft_median": st_ttft, "steady_total_median": st_total,
             "ttft_tax": first["ttft"] / st_ttft, "total_tax": first["total"] / st_total,
-            "prompt_tokens_local": msgs[0][1], "steady": steady}
+            "prompt_tokens_local": msgs["first"][1], "steady": steady,
+            "controls": {"after_idle_ttft_ratio": idle["ttft"] / st_ttft,
+                         "new_length_ttft_ratio": new_length["ttft"] / st_ttft,
+                         "new_length_prompt_tokens": msgs["new_length"][1], "idle_seconds": IDLE_SECONDS}}
 
 
 def wait_http(url: str, deadline: float, proc: subprocess.Popen, interval: float = 0.02) -> float:
@@ -325,6 +343,11 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         f"{P}_exported_over_outside_ttft_tax": statistics.median(exp_ttft) if exp_ttft else None,
         f"{P}_exported_over_outside_total_tax": statistics.median(exp_total) if exp_total else None,
         f"{P}_healthy_pod_alerts_firing": (sum(len(f) for f in firing) if all(f is not None for f in firing) else None),
+        # after the steady requests, alone and under the agent alike (see IDLE_SECONDS)
+        f"{P}_control_after_idle_ttft_ratio_median": statistics.median(
+            r["controls"]["after_idle_ttft_ratio"] for r in agent + alone),
+        f"{P}_control_new_length_ttft_ratio_median": statistics.median(
+            r["controls"]["new_length_ttft_ratio"] for r in agent + alone),
         f"{P}_first_ttft_tax_p99_alone": p99([r["ttft_tax"] for r in alone]),
         f"{P}_first_total_tax_p99_alone": p99([r["total_tax"] for r in alone]),
     }
@@ -341,6 +364,8 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
             f"{P}_first_total_tax_p99": "the same on the whole answer (stream end)",
             f"{P}_ready_over_alone": "median over pairs of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, first request sent at /health 200); for vLLM (as issue 30 defines it there) over (alone: spawn -> /health 200)",
             f"{P}_exported_over_outside_ttft_tax": "median over agent starts of: the agent's exported warmup_first_request_tax_ratio / the outside client's first TTFT tax in that start",
+            f"{P}_control_after_idle_ttft_ratio_median": f"median over every start (alone and agent) of: TTFT of a fresh same-length request sent {IDLE_SECONDS} s after the steady ones / steady median TTFT",
+            f"{P}_control_new_length_ttft_ratio_median": f"median over every start of: TTFT of a fresh request {NEW_LENGTH_DELTA} tokens longer than any before it (sent after the idle control) / steady median TTFT",
             f"{P}_healthy_pod_alerts_firing": "alerts fired over a 40-minute promtool replay of every agent start's /metrics scrape (alerts/replay.py)",
         },
         "agent_exported_ttft_tax": [r.get("exported_ttft_tax") for r in agent],

@@ -78,6 +78,16 @@ def test_the_reference_of_a_longer_length_is_scaled_up_and_a_batch_has_its_own()
     assert steady.ttft_ref(2, 100) is None                      # another batch size: nothing known
 
 
+def test_a_noise_spike_on_the_last_call_does_not_become_the_steady_level():
+    """24 ms, then 377 ms (another process took the cores): "stopped getting faster",
+    but the steady level other paths are judged against is the 24 ms one."""
+    steady = SteadyLevels()
+    server = StandInServer({ANCHOR: [-0.006, 0.347]})          # 24 ms, then 377 ms
+    out = benefit.warm_path(ANCHOR, server.send, steady, never_ends(), tol=0.2, max_calls=4)
+    assert out.result == "converged" and len(out.calls) == 2
+    assert steady.ttft_ref(1, 300) == pytest.approx(0.024)
+
+
 def test_max_calls_ends_a_path_that_keeps_getting_faster():
     server = StandInServer({ANCHOR: [0.8, 0.4, 0.2, 0.1]})
     out = benefit.warm_path(ANCHOR, server.send, SteadyLevels(), never_ends(), tol=0.2, max_calls=3)
@@ -119,6 +129,17 @@ def test_pays_per_length_needs_every_new_length_slower():
     mixed = [slow[0], Call(0.03, 0.03 + 7 * 0.031, 8)]
     assert benefit.pays_per_length(mixed, steady_tpot, 1.5)[0] is False
     assert benefit.pays_per_length(slow, None, 1.5) == (False, [])
+
+
+def test_prefill_is_warm_only_when_every_fresh_length_matches_the_anchor():
+    steady = SteadyLevels()
+    steady.add(Path("chat", "sampled", 1, 310), Call(0.033, 0.033 + 7 * 0.0033, 8))
+    warm = [(223, Call(0.030, 0.06, 8)), (266, Call(0.036, 0.07, 8))]      # within 20 % + 2 ms of 33 ms
+    assert benefit.prefill_warm(warm, steady, 1, 0.2)
+    cold = [warm[0], (266, Call(0.045, 0.08, 8))]                           # 45 ms > 41.6 ms: a new length costs
+    assert not benefit.prefill_warm(cold, steady, 1, 0.2)
+    assert not benefit.prefill_warm([], steady, 1, 0.2)                     # not measured: not warm
+    assert not benefit.prefill_warm(warm, steady, 2, 0.2)                   # no steady level at batch 2
 
 
 # --- the probe log ---------------------------------------------------------------------

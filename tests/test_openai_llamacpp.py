@@ -116,6 +116,44 @@ def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_dra
     assert not no_orphans(f"--port {port}"), "the supervised server outlived the agent"
 
 
+@SLOW[0]
+@SLOW[1]
+def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_at_steady_speed(
+        tmp_path, embedded_model, data_dir, llama_server, gguf):
+    """With a tolerance no timing can miss, the per-length test's two fresh lengths
+    prefill "at steady speed": the profile's other lengths then get no call, each
+    recorded as skipped with that reason (they got one call each before)."""
+    from warmup_agent.stages.prewarm import NEW_LENGTHS_WARM
+    port, listen = free_port(), free_port()
+    rec = tmp_path / "run.json"
+    env = ls.server_env(str(tmp_path))
+    env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[16, 24, 40]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1]",
+               WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS="4", WARMUP_AGENT_PREWARM_CONVERGE_TOLERANCE="1000",
+               WARMUP_AGENT_OPENAI_API="chat", WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO="1000",
+               WARMUP_AGENT_READINESS_P50_THRESHOLD_SECONDS="60", WARMUP_AGENT_READINESS_P90_THRESHOLD_SECONDS="60")
+    agent = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", embedded_model,
+                                       "--data-dir", data_dir, "--listen", f"127.0.0.1:{listen}", "--record", str(rec),
+                                       "--", *ls.server_command(llama_server, gguf, port)),
+                             cwd=ROOT, env=env, stdout=open(tmp_path / "agent.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: http_get(f"http://127.0.0.1:{listen}/readyz")[0] == 200 or agent.poll() is not None, 300,
+                   what="SERVING")
+        assert agent.poll() is None, (tmp_path / "agent.log").read_text()[-3000:]
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(60) == 0, (tmp_path / "agent.log").read_text()[-3000:]
+    prewarm = next(s for s in json.loads(rec.read_text())["stages"] if s["name"] == "prewarm")
+    per_length = prewarm["warmup"]["per_length"]
+    assert per_length["tested"] and per_length["prefill_pays"] is False and len(per_length["ttft_ms"]) == 2
+    paths = {p["path"]: p for p in prewarm["paths"]}
+    assert paths["chat/sampled/batch1/len40"]["calls"] >= 1            # the anchor: the steady level
+    for n in (16, 24):
+        p = paths[f"chat/sampled/batch1/len{n}"]
+        assert p["result"] == "skipped" and p["calls"] == 0 and p["reason"] == NEW_LENGTHS_WARM, p
+    # every request the warmup sent is a path's (the anchor, the greedy family) or the per-length test's
+    assert prewarm["warmup"]["requests"] == sum(p["calls"] for p in paths.values()) + 2
+
+
 def _fake(bin_dir, name: str, script: str) -> None:
     path = bin_dir / name
     path.write_text("#!/bin/sh\n" + script + "\n")

@@ -185,7 +185,10 @@ def warm_path(path: Path, send: Callable[[Path], Call], steady: SteadyLevels, bu
     else:
         out.result, out.reason = "still_improving", f"prewarm.max_calls_per_path {max_calls} reached"
     if out.calls:
-        steady.add(path, out.calls[-1])
+        # The fastest call is the steady level: a path that "stopped getting faster"
+        # because its last call hit a noise spike must not lift the reference that
+        # every later path is judged against (seen: 24 then 377 ms on shared cores).
+        steady.add(path, min(out.calls, key=lambda c: c.ttft))
     return out
 
 
@@ -211,6 +214,19 @@ def fresh_lengths(lo: int, hi: int, used: Sequence[tuple[int, int]], count: int,
         picks.append(top)
         taken.append((top, top + answer))
     return picks
+
+
+def prefill_warm(tested: Sequence[tuple[int, Call]], steady: SteadyLevels, batch: int, tol: float) -> bool:
+    """Whether every (prompt length, call) of the per-length test, at lengths no
+    request had reached, had its first token within tol of the steady TTFT
+    (`SteadyLevels.ttft_ref`): then warming other prompt lengths buys nothing."""
+    if not tested:
+        return False
+    for length, call in tested:
+        ref = steady.ttft_ref(batch, length)
+        if ref is None or not within(call.ttft, ref, tol):
+            return False
+    return True
 
 
 def pays_per_length(calls: Sequence[Call], steady_tpot: float | None, ratio: float) -> tuple[bool, list[float]]:

@@ -114,6 +114,10 @@ def _refused(e: EngineError) -> bool:
     return e.reason == "request_failed" and "HTTP 4" in e.message
 
 
+# Why a prompt-length path got no call (the run record, /startupz).
+NEW_LENGTHS_WARM = "the per-length test's fresh prompt lengths prefilled at steady speed"
+
+
 def remedy_for(server: str | None) -> str:
     """What removes a per-sequence-length decode cost, in the user's words."""
     if server == "transformers serve":
@@ -131,7 +135,8 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
     2. the per-length test: two calls at sequence lengths no request reached; decode
        slower than steady by more than prewarm.per_length_ratio means the server
        pays per length (logged with its remedy, exported);
-    3. every other family and endpoint, then every profile length (prefill only),
+    3. every other family and endpoint, then every profile length (prefill only;
+       none when the per-length test's fresh lengths prefilled at steady speed),
        then every larger batch size, each until warm;
     4. decode coverage of the profile's lengths, when the server pays per length
        (prewarm.decode_coverage auto) or always.
@@ -195,8 +200,9 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
     per_length: dict = {"tested": False}
     steady_tpot = steady.tpot_ref(b0)
     if steady_tpot is not None and not budget.exhausted():
+        fresh = benefit.fresh_lengths(lo, hi, decoded, 2, answer)
         try:
-            calls = [send(Path(ep0, fam0, b0, n)) for n in benefit.fresh_lengths(lo, hi, decoded, 2, answer)]
+            calls = [send(Path(ep0, fam0, b0, n)) for n in fresh]
         except EngineError as e:
             # A server that refuses a length (its context is shorter, say): not a reason
             # to fail the start; the finding is "not measured" and says why.
@@ -207,8 +213,11 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
             per_length = {"tested": False, "error": e.message}
         pays, ratios = benefit.pays_per_length(calls, steady_tpot, pc.per_length_ratio)
         if calls:
+            prefill_pays = not benefit.prefill_warm(list(zip(fresh, calls, strict=False)), steady, b0, tol)
             per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [c.prompt_tokens for c in calls],
-                          "steady_tpot_ms": round(steady_tpot * 1e3, 3)}
+                          "steady_tpot_ms": round(steady_tpot * 1e3, 3), "prefill_pays": prefill_pays,
+                          "ttft_ms": [round(c.ttft * 1e3, 2) for c in calls],
+                          "steady_ttft_ms": round((steady.ttft_ref(b0, hi) or 0) * 1e3, 2)}
         if ratios:
             agent.metrics.warmup_per_length_decode_ratio.set(min(ratios))
         if pays:
@@ -227,6 +236,12 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
                 if not (fam == "json_schema" and ep != "chat"):
                     warm(Path(ep, fam, b0, hi))
     for n in reversed(plens[:-1]):
+        if per_length.get("prefill_pays") is False:
+            # Two lengths nothing had reached already prefilled at the anchor's steady
+            # speed: this server pays nothing per prompt length, so these calls would
+            # only cost time (on llama.cpp, 5 of its 9 warmup calls).
+            outcomes.append(benefit.Outcome(Path(ep0, fam0, b0, n), "skipped", NEW_LENGTHS_WARM))
+            continue
         warm(Path(ep0, fam0, b0, n), tokens=1)      # prefill at this length; decode is the anchor's
     for b in sorted(set(batches)):
         if b != b0:
@@ -259,8 +274,9 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
         "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
         "skipped": skipped, "requests": sent, "probe_length": probe_length}
     if budget.exhausted():
+        unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
         log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "
-                    f"{len(skipped)} path(s) not warmed; readiness probes decide")
+                    f"{unreached} path(s) not warmed; readiness probes decide")
     ctx.profile_summary = profile_summary = {
         "source": profile.source, "requests_seen": profile.requests_seen, "endpoints": profile.endpoints,
         "families": sorted(f for f in profile.families if f not in refused), "refused_families": refused,

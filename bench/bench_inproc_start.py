@@ -216,64 +216,80 @@ def main() -> int:
     result: dict = {**provenance(), "device": args.device, "sizes": {}, "figures": {},
                     "targets": {"ready_over_naive": 1.0, "ready_over_naive_7b": 1.0, "first_request_tax_p99": 1.10,
                                 "first_request_tax_p99_7b": 1.10, "weights_gb_per_second_7b": 7.0}}
-    if args.device == "cuda":
-        import torch
-        result["machine_gpu"] = torch.cuda.get_device_name(0)
-    out_of_time = False
+    if args.device == "cuda":   # not through torch: this process holds no CUDA context beside the starts
+        result["machine_gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                               capture_output=True, text=True).stdout.strip()
+    models: dict[str, str] = {}
     for size in args.sizes.split(","):
-        shape = SIZES[size]
-        model = os.path.join(args.model_root, f"qwen2-{size}-random-fast")
-        t = time.time()
-        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                        "from bench.bench_gpu_cold_start import make_fast_model; import json; "
-                        "make_fast_model(sys.argv[2], json.loads(sys.argv[3]), device=sys.argv[4])",
-                        ROOT, model, json.dumps(shape), args.device], check=True, cwd=ROOT)
-        entry: dict = {"model": {"shape": f"Qwen2-{size}" if size != "tiny" else "tiny Qwen2", **shape,
-                                 "dtype": "bfloat16", "weights": "random"},
-                       "model_made_seconds": time.time() - t, "pairs": [], "extra_agent_starts": []}
-        result["sizes"][size] = entry
-        print(f"{size}: model ready in {entry['model_made_seconds']:.1f} s", flush=True)
-        if size == "7b" and args.device == "cuda":
-            floors = json.loads(subprocess.run(
-                [sys.executable, "-c", "import sys, json; sys.path.insert(0, sys.argv[1]); "
-                 "from bench.bench_gpu_cold_start import child_floors; print(json.dumps(child_floors(sys.argv[2])))",
-                 ROOT, model], capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip().splitlines()[-1])
-            entry["floors"] = floors
-        elif args.device == "cpu" and size == "tiny":
-            entry["floors_note"] = "no floors on the CPU smoke run"
-        for i in range(pairs.get(size, 0)):
-            if args.budget_seconds and time.time() - t_begin > args.budget_seconds:
-                out_of_time = True
-                break
-            pair: dict = {}
-            for side in (("naive", "agent") if i % 2 == 0 else ("agent", "naive")):   # alternate who goes first
-                pair[side] = run_naive(args, model, naive_file) if side == "naive" else run_agent(args, model, f"{size}_pair{i}")
-            pair["ready_over_naive"] = pair["agent"]["spawn_to_ready_seconds"] / pair["naive"]["spawn_to_first_response_seconds"]
-            entry["pairs"].append(pair)
-            a, n = pair["agent"], pair["naive"]
-            print(f"{size} pair {i}: agent ready {a['spawn_to_ready_seconds']:.2f} s (tax {a['first_request_tax']}), "
-                  f"naive first response {n['spawn_to_first_response_seconds']:.2f} s (tax {n['first_request_tax']:.1f}), "
-                  f"ratio {pair['ready_over_naive']:.3f}", flush=True)
-            print(f"  agent: startup {a['startup_seconds']}, stages {a['stage_seconds']}, prewarm {a['prewarm_split']}, "
-                  f"waited for the import {a['waited_for_transformers_import_seconds']}, warmup {a['warmup']}", flush=True)
-            print("  naive: " + ", ".join(f"{k} {v:.3f}" for k, v in n.items() if isinstance(v, float)), flush=True)
-            figures(result)
-            write_result(args.out, result)
+        models[size] = make(args, size, result)
+        if pairs.get(size, 0) and not run_pairs(args, size, models[size], pairs[size], naive_file, result, t_begin):
+            break
+    # The agent-only starts for the tax come after every size's pairs: a call cut short
+    # still has the 7B pairs.
+    out_of_time = False
+    for size, model in models.items():
+        entry = result["sizes"][size]
         for j in range(extra.get(size, 0)):
-            if out_of_time or (args.budget_seconds and time.time() - t_begin > args.budget_seconds):
+            if args.budget_seconds and time.time() - t_begin > args.budget_seconds:
                 out_of_time = True
                 break
             entry["extra_agent_starts"].append(run_agent(args, model, f"{size}_extra{j}"))
             print(f"{size} extra start {j}: tax {entry['extra_agent_starts'][-1]['first_request_tax']}", flush=True)
             figures(result)
             write_result(args.out, result)
-        if out_of_time:
-            break
+    out_of_time = out_of_time or any(len(result["sizes"].get(k, {}).get("pairs", [])) < n
+                                     for k, n in pairs.items() if k in args.sizes.split(","))
     result["partial"] = out_of_time
     figures(result)
     write_result(args.out, result)
     print(json.dumps(result["figures"], indent=2))
     return 0
+
+
+def make(args, size: str, result: dict) -> str:
+    """The model of this size (made once under --model-root) and, at 7B on a GPU, the floors."""
+    shape = SIZES[size]
+    model = os.path.join(args.model_root, f"qwen2-{size}-random-fast")
+    t = time.time()
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                    "from bench.bench_gpu_cold_start import make_fast_model; import json; "
+                    "make_fast_model(sys.argv[2], json.loads(sys.argv[3]), device=sys.argv[4])",
+                    ROOT, model, json.dumps(shape), args.device], check=True, cwd=ROOT)
+    entry: dict = {"model": {"shape": f"Qwen2-{size}" if size != "tiny" else "tiny Qwen2", **shape,
+                             "dtype": "bfloat16", "weights": "random"},
+                   "model_made_seconds": time.time() - t, "pairs": [], "extra_agent_starts": []}
+    result["sizes"][size] = entry
+    print(f"{size}: model ready in {entry['model_made_seconds']:.1f} s", flush=True)
+    if size == "7b" and args.device == "cuda":
+        entry["floors"] = json.loads(subprocess.run(
+            [sys.executable, "-c", "import sys, json; sys.path.insert(0, sys.argv[1]); "
+             "from bench.bench_gpu_cold_start import child_floors; print(json.dumps(child_floors(sys.argv[2])))",
+             ROOT, model], capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip().splitlines()[-1])
+        print(f"{size}: floors {entry['floors']}", flush=True)
+    return model
+
+
+def run_pairs(args, size: str, model: str, n: int, naive_file: str, result: dict, t_begin: float) -> bool:
+    """n alternating pairs; False when the budget stopped them."""
+    entry = result["sizes"][size]
+    for i in range(n):
+        if args.budget_seconds and time.time() - t_begin > args.budget_seconds:
+            return False
+        pair: dict = {}
+        for side in (("naive", "agent") if i % 2 == 0 else ("agent", "naive")):   # alternate who goes first
+            pair[side] = run_naive(args, model, naive_file) if side == "naive" else run_agent(args, model, f"{size}_pair{i}")
+        pair["ready_over_naive"] = pair["agent"]["spawn_to_ready_seconds"] / pair["naive"]["spawn_to_first_response_seconds"]
+        entry["pairs"].append(pair)
+        a, nv = pair["agent"], pair["naive"]
+        print(f"{size} pair {i}: agent ready {a['spawn_to_ready_seconds']:.2f} s (tax {a['first_request_tax']}), "
+              f"naive first response {nv['spawn_to_first_response_seconds']:.2f} s (tax {nv['first_request_tax']:.1f}), "
+              f"ratio {pair['ready_over_naive']:.3f}", flush=True)
+        print(f"  agent: startup {a['startup_seconds']}, stages {a['stage_seconds']}, prewarm {a['prewarm_split']}, "
+              f"waited for the import {a['waited_for_transformers_import_seconds']}, warmup {a['warmup']}", flush=True)
+        print("  naive: " + ", ".join(f"{k} {v:.3f}" for k, v in nv.items() if isinstance(v, float)), flush=True)
+        figures(result)
+        write_result(args.out, result)
+    return True
 
 
 def figures(result: dict) -> None:

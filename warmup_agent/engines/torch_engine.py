@@ -210,10 +210,11 @@ class TorchEngine(Engine):
     def prestart(self) -> None:
         """Start importing torch and the model's modelling module, and build the
         skeleton, in a background thread as soon as the CLI has the engine
-        (Engine.prestart).  The import is the largest part of a cold start (3-4 s
-        here, 10-11 s on the H200, torch excluded; bench/import_costs.py) and needs
-        nothing from the agent: it now overlaps the agent's own set-up, reserve (CUDA
-        context, memory reservation) and the weight read, instead of starting after them."""
+        (Engine.prestart).  The import is the largest part of a cold start (3.5-4.5 s
+        on a 2-core CPU, 10.7 s on the H200, torch excluded; bench/import_costs.py)
+        and needs nothing from the agent: it now runs beside the agent's own set-up,
+        reserve (CUDA context, memory reservation) and the weight read, instead of
+        starting after them."""
         self._start_skeleton()
 
     def _start_skeleton(self) -> None:
@@ -252,9 +253,12 @@ class TorchEngine(Engine):
         from warmup_agent.gpu import loader
         self._ensure_device()
         # Started by prestart() at process start in the CLI; here when the engine is
-        # driven without it (tests, the benchmarks' in-process children).  On the H200
-        # the import took 10.7 s against a 1.35 s weight load at 7B (issue 25): what
-        # the loader loses to the GIL beside it is far less than the import it hides.
+        # driven without it (tests, the benchmarks' in-process children).  Only work
+        # that releases the GIL (reads, copies, CUDA calls) truly runs beside the
+        # import: on the H200 (bench run3) starting the import beside the pinned
+        # loader cost the loader 0.4 -> 1.0-1.6 s and saved no wall time at 1.5B;
+        # prestart moves it earlier still, over reserve and the CLI's set-up too, and
+        # bench/bench_inproc_start.py measures whether that wins (issue 25).
         self._start_skeleton()
         slots = loader.checkpoint_slots(safetensors_files(self.model_path), read_safetensors_header)
         keep = quantization.keeps_stored_dtype

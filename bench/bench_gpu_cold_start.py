@@ -45,6 +45,10 @@ T_START = time.time()
 QWEN2_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# Qwen2-7B's published shape (issue 25): random bf16 weights, about 15.2 GB.
+QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 PROMPT = ("Explain in a few sentences why the first request to a freshly started language model server "
           "is slower than the thousandth, and what a warmup agent does about it before taking traffic.")
 PROMPT_TOKENS = 20
@@ -70,6 +74,65 @@ def make_model(path: str) -> None:
             p.normal_(0, 0.02)
     model.tie_weights()
     model.save_pretrained(path, safe_serialization=True)
+    open(os.path.join(path, ".complete"), "w").write("1\n")
+
+
+def make_fast_model(path: str, shape: dict, device: str = "cuda", shard_bytes: int = 4 << 30) -> None:
+    """A Qwen2-shaped checkpoint with random bf16 weights, written straight as
+    safetensors shards (plus the index, config.json and a locally trained
+    tokenizer) without initialising a model: the names and shapes come from a
+    skeleton on the meta device, the values from one random block made on
+    `device` and sliced for every tensor (values repeat across tensors; for
+    timing a start that does not matter).  15.2 GB at the 7B shape in about the
+    time the disk takes to write it."""
+    if os.path.exists(os.path.join(path, ".complete")):
+        return
+    import struct
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from warmup_agent.embedded_model import _train_tokenizer
+    os.makedirs(path, exist_ok=True)
+    _train_tokenizer(path)
+    config = Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=2, torch_dtype="bfloat16")
+    config.architectures = ["Qwen2ForCausalLM"]
+    with torch.device("meta"):
+        skeleton = Qwen2ForCausalLM(config)
+    tensors = [(k, tuple(v.shape)) for k, v in skeleton.state_dict().items()
+               if not (shape.get("tie_word_embeddings") and k == "lm_head.weight")]
+    largest = max(int(torch.Size(s).numel()) for _, s in tensors)
+    g = torch.Generator(device=device).manual_seed(0)
+    block = (torch.randn(largest, generator=g, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+    raw = block.view(torch.uint8).numpy()
+    shards: list[list[tuple[str, tuple]]] = [[]]
+    size = 0
+    for name, s in tensors:
+        n = int(torch.Size(s).numel()) * 2
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, s))
+        size += n
+    weight_map, total = {}, 0
+    for i, group in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, off = {}, 0
+        for name, s in group:
+            n = int(torch.Size(s).numel()) * 2
+            header[name] = {"dtype": "BF16", "shape": list(s), "data_offsets": [off, off + n]}
+            off += n
+            weight_map[name] = fname
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(os.path.join(path, fname), "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for _, s in group:
+                f.write(raw[:int(torch.Size(s).numel()) * 2].data)
+        total += off
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    config.save_pretrained(path)
     open(os.path.join(path, ".complete"), "w").write("1\n")
 
 

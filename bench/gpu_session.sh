@@ -14,7 +14,9 @@
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
 # PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
 # parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, tests, fp8, server, llamacpp,
-# tfserve-cudnn, tfserve-default (issue 30: transformers serve with/without TORCH_CUDNN_SDPA_DEPRIORITIZED=1).
+# tfserve-cudnn, tfserve-default (issue 30: transformers serve with/without TORCH_CUDNN_SDPA_DEPRIORITIZED=1),
+# inproc (issue 25: `warmup-agent run --model DIR` polled from outside against a plain from_pretrained start,
+# Qwen2-1.5B and Qwen2-7B shapes, then what the imports cost there; about 7 min: PARTS=inproc:470 BUDGET=480).
 # llamacpp needs .gpu-carry/llama-cpp-src.tar.gz (tools/build_llama_server.py --source-tarball) or a
 # CUDA build carried back as .gpu-carry/llama-server-cuda.xz.* (the first llamacpp part writes it to OUT_DIR).
 # Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
@@ -93,6 +95,21 @@ run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default)
         --scrapes "$OUT_DIR/scrapes" $extra > "$OUT_DIR/logs/gpu_server_$2.log" 2>&1
     echo "$2 bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|tfserve" "$OUT_DIR/logs/gpu_server_$2.log"
 }
+run_inproc_bench() {  # $1: seconds; issue 25 (bench/bench_inproc_start.py, bench/import_costs.py)
+    # 1.5B: 3 pairs + 2 agent-only starts (about 160 s); 7B: 2 pairs (about 90 s); the models are
+    # written without initialising a model (1.5B about 20 s, 7B about 40 s); new pairs stop 100 s before the cap.
+    mkdir -p "$OUT_DIR/logs/inproc"
+    timeout "$1" python3 bench/bench_inproc_start.py --budget-seconds $(( $1 - 100 )) \
+        --out "$OUT_DIR/gpu_inproc_start_h200.json" --logs "$OUT_DIR/logs/inproc" > "$OUT_DIR/logs/inproc.log" 2>&1
+    echo "inproc bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "pair|extra|model ready|ratio|tax" "$OUT_DIR/logs/inproc.log" | cut -c1-400
+    local t; t=$(left)
+    if [ "$t" -gt 45 ]; then   # the same imports measured on this host (one run each, plus -X importtime)
+        timeout $(( t - 10 )) python3 bench/import_costs.py --model /tmp/qwen2-1.5b-random-fast --repeat 1 --importtime \
+            --variants auto_model_build,direct_build,auto_tokenizer,tokenizers_lib \
+            --out "$OUT_DIR/import_costs_h200.json" > "$OUT_DIR/logs/import_costs.log" 2>&1
+        echo "import costs rc=$? at $(( $(date +%s) - T0 )) s"; head -n 40 "$OUT_DIR/logs/import_costs.log"
+    fi
+}
 run_gpu_tests() {  # $1: seconds
     timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_cuda.py \
         tests/test_gpu_fragmentation_cuda.py tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
@@ -112,6 +129,7 @@ if [ -n "${PARTS:-}" ]; then
             diag-cudnn-deprioritized) TORCH_CUDNN_SDPA_DEPRIORITIZED=1 run_diag "$cap" "_cudnn_deprioritized" ;;
             fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;;
             llamacpp) run_llamacpp_bench "$cap" ;;
+            inproc) run_inproc_bench "$cap" ;;
             tfserve-cudnn) run_tfserve_bench "$cap" tfserve_cudnn ;; tfserve-default) run_tfserve_bench "$cap" tfserve_default ;;
             *) echo "unknown part $name" ;;
         esac

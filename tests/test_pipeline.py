@@ -69,11 +69,18 @@ def test_stage_durations_add_up_to_wall_clock_within_2_percent(served):
 
 def test_warmup_traffic_covers_the_grid_and_is_counted(served):
     agent, _, _, _ = served
-    # grid [8, 32] x [1, 2], one request per shape: 1+1+2+2 prompts
-    assert agent.warmup_requests == 6
-    assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "warmup"}) == 6
+    # grid [8, 32] x [1, 2]: every shape at least once, each until warm (measured
+    # benefit, warmup_agent/shape_warmup.py): the first shape at least twice
+    paths = next(s for s in agent.stages if s.name == "prewarm").detail["paths"]
+    assert [p["path"] for p in paths] == ["generate/greedy/batch1/len8", "generate/greedy/batch1/len32",
+                                          "generate/greedy/batch2/len8", "generate/greedy/batch2/len32"]
+    assert all(p["calls"] >= 1 for p in paths) and paths[0]["calls"] >= 2
+    calls = sum(p["calls"] for p in paths)
+    prompts = sum(p["calls"] * (1 if "batch1" in p["path"] else 2) for p in paths)
+    assert agent.warmup_requests == prompts
+    assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "warmup"}) == prompts
     assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "probe"}) == len(agent.probes)
-    assert agent.metrics.registry.get_sample_value("warmup_first_token_latency_seconds_count", {"kind": "warmup"}) == 4
+    assert agent.metrics.registry.get_sample_value("warmup_first_token_latency_seconds_count", {"kind": "warmup"}) == calls
 
 
 def test_window_quantile_gauges_equal_exact_quantiles_of_the_probes(served):

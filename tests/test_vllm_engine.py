@@ -69,7 +69,9 @@ def test_inprocess_vllm_engine_warms_and_serves(tmp_path):
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     r = json.loads(lines[-1][len("RESULT "):])
     assert r["state"] == "SERVING", r["failure"]
-    assert r["warmup_requests"] == 2 * (1 + 4) and r["adapters"] == ["ad1"]
+    # every shape of [16, 64] x [1, 4] at least once; each until warm (measured benefit,
+    # warmup_agent/shape_warmup.py), so the first shape at least twice
+    assert r["warmup_requests"] >= 2 * (1 + 4) + 1 and r["adapters"] == ["ad1"]
     seen = r["seen"]
     # Every agent request (warmup grid, readiness probes, the LoRA warm-up) reached
     # vLLM marked; the two plain requests at the end were not.

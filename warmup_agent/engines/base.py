@@ -81,7 +81,8 @@ class Engine(abc.ABC):
     seconds, reserve_memory(n)                                  reserve_memory
     load_report                 None                            torch (gpu/loader.py); prewarm
     skeleton_wait_seconds       None                            torch; prewarm
-    prestart()                  nothing                         openai; cli, as soon as the engine exists
+    prestart()                  nothing                         openai (the server), torch (the transformers
+                                                                import); cli, as soon as the engine exists
     server_start_seconds,       None, None                      openai; prewarm's budget, remedies
     server_name
     speaks_profile              False                           openai; prewarm warms the traffic

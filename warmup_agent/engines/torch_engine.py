@@ -89,6 +89,7 @@ class TorchEngine(Engine):
         self.graph_fallback_reason: str | None = None
         self._skeleton: Future | None = None     # Future of (meta model, expected shapes, tied names)
         self.skeleton_wait_seconds: float | None = None
+        self.skeleton_build_seconds: float | None = None   # the background import + skeleton, start to end
         self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization.py)
         self.fp8_layers = 0
 
@@ -195,22 +196,48 @@ class TorchEngine(Engine):
             # from the Hugging Face Hub at the first forward (no network on a GPU host).
             self._load_progressive()      # imports transformers in the background
         else:
+            if self._skeleton is not None:
+                # prestart() began importing transformers: let it finish rather than
+                # import the same modules from two threads at once.
+                try:
+                    self._skeleton.result()
+                except Exception:  # noqa: BLE001, S110 - from_pretrained reports its own error
+                    pass
+                self._skeleton = None
             _quiet_transformers()
             self._load_from_pretrained()
 
+    def prestart(self) -> None:
+        """Start importing torch and the model's modelling module, and build the
+        skeleton, in a background thread as soon as the CLI has the engine
+        (Engine.prestart).  The import is the largest part of a cold start (3.5-4.5 s
+        on a 2-core CPU, 10.7 s on the H200, torch excluded; bench/import_costs.py)
+        and needs nothing from the agent: it now runs beside the agent's own set-up,
+        reserve (CUDA context, memory reservation) and the weight read, instead of
+        starting after them."""
+        self._start_skeleton()
+
     def _start_skeleton(self) -> None:
-        """Import transformers and build the model skeleton on the meta device in a
-        background thread.  The import is the largest part of a cold start (seconds;
-        the naive start pays it too); on a CPU the weights are read meanwhile."""
+        """Import transformers (only the model's own configuration and modelling
+        modules where config.json names them: engines/model_classes.py) and build
+        the model skeleton on the meta device in a background thread; the weights
+        are read meanwhile and load_weights waits for the result.  Started by
+        prestart(), else by load_weights."""
         if self._skeleton is not None or not (self.options["progressive"] or self.quantization.fp8_weights):
             return
-        from warmup_agent.gpu import loader
         future: Future = Future()
 
         def work():
             try:
+                t0 = time.perf_counter()
                 _quiet_transformers()
-                future.set_result(loader.build_meta_skeleton(self.model_path, self.dtype))
+                # The dtype the engine will use, resolved here without touching
+                # self.device (the main thread sets it up; no CUDA context is made here).
+                dtype = self.dtype if self.dtype is not None else self._resolve_dtype(self._resolve_device())
+                from warmup_agent.engines import model_classes
+                skeleton = model_classes.build_skeleton(self.model_path, dtype)
+                self.skeleton_build_seconds = time.perf_counter() - t0
+                future.set_result(skeleton)
             except BaseException as e:  # noqa: BLE001 - re-raised in the loading thread
                 future.set_exception(e)
         threading.Thread(target=work, name="transformers-import", daemon=True).start()
@@ -224,19 +251,21 @@ class TorchEngine(Engine):
         checked against the skeleton, and then the tensors become the parameters
         (no second copy)."""
         from warmup_agent.gpu import loader
-        on_gpu = self._ensure_device().type == "cuda"
-        if not on_gpu:
-            # Measured on the H200 (bench run3): overlapping the pinned loader with the
-            # import cost it the GIL (0.4 s -> 1.0-1.6 s) and saved no wall time; on a
-            # CPU the plain load takes seconds and hides the whole import.
-            self._start_skeleton()
+        self._ensure_device()
+        # Started by prestart() at process start in the CLI; here when the engine is
+        # driven without it (tests, the benchmarks' in-process children).  Only work
+        # that releases the GIL (reads, copies, CUDA calls) truly runs beside the
+        # import: on the H200 (bench run3) starting the import beside the pinned
+        # loader cost the loader 0.4 -> 1.0-1.6 s and saved no wall time at 1.5B;
+        # prestart moves it earlier still, over reserve and the CLI's set-up too, and
+        # bench/bench_inproc_start.py measures whether that wins (issue 25).
+        self._start_skeleton()
         slots = loader.checkpoint_slots(safetensors_files(self.model_path), read_safetensors_header)
         keep = quantization.keeps_stored_dtype
         tensors = loader.allocate(slots, self.dtype, self.device, keep=keep)
         report = loader.load(tensors, slots, self.device, self.options["chunk_bytes"],
                              self.options["buffers"], self.options["workers"])
         self._warm_blas()
-        self._start_skeleton()
         skeleton = self._skeleton
         assert skeleton is not None   # started: this loader runs only when progressive or FP8
         t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from warmup_agent import memory_budget, traffic
+from warmup_agent import memory_budget, shape_warmup, traffic
 from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
@@ -334,20 +334,22 @@ def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
         batches = _fit_budget(agent, lengths, batches, max_new)
         shapes = grid(lengths, batches)
         backoff = memory_budget.BackOff()   # a shape that runs out of memory drops its batch size and larger ones
-        per_shape = cfg["prewarm.requests_per_shape"]
-        total = len(shapes) * per_shape
+        # Each shape until its calls stop getting faster or match the steady level
+        # (warmup_agent/shape_warmup.py, issue 25); requests_per_shape raises the cap.
+        cap = max(cfg["prewarm.requests_per_shape"], cfg["prewarm.max_calls_per_path"])
         done = 0
-        warmed = []
-        for shape in shapes:
-            for _ in range(per_shape):
-                agent.checkpoint()
-                def send_one(shape=shape) -> float:
-                    return agent.send(prompts.batch(shape), "warmup", max_new_tokens=max_new)
-                backoff.run(shape.batch, send_one)
-                done += 1
-                agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
-            if backoff.allows(shape.batch):
-                warmed.append(shape)
+
+        def send_shape(shape: Shape) -> shape_warmup.Call:
+            nonlocal done
+            agent.checkpoint()
+            if backoff.run(shape.batch, lambda: agent.send(prompts.batch(shape), "warmup", max_new_tokens=max_new)) is None:
+                raise shape_warmup.Dropped(f"batch {shape.batch} dropped: out of memory")
+            done += 1
+            agent.progress.step(done, max(len(shapes), done + 1), f"len={shape.prompt_tokens} batch={shape.batch}")
+            return shape_warmup.call_of(agent.last_results)
+        outcomes = shape_warmup.warm_grid(shapes, send_shape, cfg["prewarm.converge_tolerance"], cap)
+        warmed = [s for s, o in zip(shapes, outcomes, strict=True) if o.calls and backoff.allows(s.batch)]
+        detail.update(warmup=shape_warmup.summary(outcomes), paths=[o.as_dict() for o in outcomes])
     except memory_budget.BudgetExceeded as e:
         agent.fail(e.reason, str(e))
     detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=lengths, batches=batches,

@@ -38,10 +38,47 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # types only
-    from warmup_agent.pipeline import Agent, StageTiming
+    from exporter.metrics import AgentMetrics
+    from warmup_agent.config import Config
+    from warmup_agent.engines.base import Engine
+    from warmup_agent.hardware import GPUFacts
+    from warmup_agent.states import StateMachine
+    from warmup_agent.timeline import StageTiming
+
+
+class _Context(Protocol):
+    @property
+    def gpu(self) -> GPUFacts | None: ...
+
+
+class Agent(Protocol):
+    """What the tracer reads of the run (pipeline.Agent is one); declared here so
+    that tracing imports nothing of the pipeline."""
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def metrics(self) -> AgentMetrics: ...
+    @property
+    def sm(self) -> StateMachine: ...
+    @property
+    def context(self) -> _Context: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def startup(self) -> StageTiming | None: ...
+    @property
+    def serving_at(self) -> float | None: ...
+    @property
+    def probes(self) -> list[float]: ...
+    @property
+    def probe_totals(self) -> list[float]: ...
+    def clock(self) -> float: ...
+    def record(self) -> dict: ...
 
 log = logging.getLogger("warmup_agent.tracing")
 
@@ -233,7 +270,7 @@ def flatten(prefix: str, data: dict, out: dict[str, Any] | None = None, depth: i
 
 def model_name(agent: Agent) -> str | None:
     """gen_ai.request.model: the served name sent in requests, else the model directory's name."""
-    served = agent.cfg["openai.model"] if agent.cfg["engine"] == "openai" else None
+    served = agent.cfg.openai.model if agent.cfg.engine == "openai" else None
     path = agent.engine.model_path
     return served or (os.path.basename(os.path.normpath(path)) if path else None)
 
@@ -401,7 +438,7 @@ class OtlpTracing(Tracing):
             tr.root_start_ns = tr.origin_ns
             self._queue.put(("root", tr.trace_id, tr.name, tr.root_start_ns))
         sm = agent.sm
-        attrs: dict[str, Any] = {"warmup.engine": agent.cfg["engine"], "warmup.state": sm.state.name}
+        attrs: dict[str, Any] = {"warmup.engine": agent.cfg.engine, "warmup.state": sm.state.name}
         for key, value in (("gen_ai.request.model", model_name(agent)),
                            ("warmup.model.path", agent.engine.model_path),
                            ("warmup.gpu.uuid", agent.context.gpu.uuid if agent.context.gpu is not None else None),

@@ -86,7 +86,7 @@ class Engine(abc.ABC):
     server_name
     speaks_profile              False                           openai; prewarm warms the traffic
     generate_requests(), apis,  raises, (), None, {}            profile and probes are profile
-    text, capabilities                                          requests (pipeline.Agent.probe)
+    text, capabilities                                          requests (StageContext.probe)
     has_compile_artifacts()     True                            openai; solidify skips the cache
     set_server_callbacks(x, r)  ignores them (no server)        openai; cli (crash -> PRELOAD)
     metrics_url                 None (no engine /metrics)       openai; cli registers the collector

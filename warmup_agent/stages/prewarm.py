@@ -18,17 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from warmup_agent import memory_budget, traffic
 from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State
-from warmup_agent.traffic import PromptFactory, Shape, grid
-
-if TYPE_CHECKING:  # types only: pipeline imports the stages
-    from warmup_agent.pipeline import Agent
+from warmup_agent.traffic import Shape, grid
 
 log = logging.getLogger("warmup_agent.stages.prewarm")
 
@@ -57,35 +53,35 @@ def warmup_batches(cfg, facts, free_bytes: int | None, max_length: int) -> list[
     return cfg["prewarm.batch_sizes"]
 
 
-def _fit_budget(agent: Agent, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
+def _fit_budget(ctx: StageContext, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
     """With prewarm.memory_budget_bytes set, measure one shape (the longest
     prompt at the smallest batch) and keep the batch sizes whose extrapolated
     cost fits the budget (warmup_agent/memory_budget.py)."""
-    budget = agent.cfg["prewarm.memory_budget_bytes"]
+    budget = ctx.cfg["prewarm.memory_budget_bytes"]
     if not budget:
         return batches
-    prompts = agent.prompts
+    prompts = ctx.driver.prompts
     assert prompts is not None, "prewarm makes the prompt factory before it measures"
     shape = Shape(max(lengths), min(batches))
     _, cost = memory_budget.measure_peak_rss(
-        lambda: agent.send(prompts.batch(shape), "warmup", max_new_tokens=max_new))
+        lambda: ctx.driver.send(prompts.batch(shape), "warmup", max_new_tokens=max_new))
     return memory_budget.plan(batches, shape.prompt_tokens, cost / (shape.batch * shape.prompt_tokens), budget).batches
 
 
-def _start_ramp(agent: Agent, ctx: StageContext) -> None:
+def _start_ramp(ctx: StageContext) -> None:
     from warmup_agent.gpu.ramp import RampSampler
     ctx.ramp = None
-    interval = agent.cfg["gpu.ramp_sample_interval_seconds"]
+    interval = ctx.cfg["gpu.ramp_sample_interval_seconds"]
     if ctx.gpu is not None and interval > 0:
         ctx.ramp = RampSampler.for_gpu(ctx.gpu.uuid, interval)
         if ctx.ramp is not None:
             ctx.ramp.start()
 
 
-def load_profile(agent: Agent, lengths: list[int]) -> traffic.TrafficProfile:
+def load_profile(ctx: StageContext, lengths: list[int]) -> traffic.TrafficProfile:
     """The traffic to warm: learned from prewarm.requests_file, else the default
     (greedy and sampled on every API the server answers), limited to openai.api."""
-    cfg, engine = agent.cfg, agent.engine
+    cfg, engine = ctx.cfg, ctx.engine
     path = cfg["prewarm.requests_file"]
     if path:
         text = engine.text
@@ -127,7 +123,7 @@ def remedy_for(server: str | None) -> str:
             "TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in its environment, or keep prewarm.decode_coverage auto")
 
 
-def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
+def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
                  t_start: float) -> None:
     """Warm the traffic profile by measured benefit (warmup_agent/benefit.py):
     1. the anchor path (the probe family on the main endpoint, smallest batch, the
@@ -146,14 +142,14 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
     from warmup_agent import benefit
     from warmup_agent.benefit import Call, Path
     from warmup_agent.traffic import WarmRequest, _frozen, decode_tiles, probe_endpoint, probe_family
-    cfg = agent.cfg
+    cfg = ctx.cfg
     pc = cfg.prewarm
-    agent.profile = profile = load_profile(agent, lengths)
-    engine = agent.engine
+    ctx.profile = profile = load_profile(ctx, lengths)
+    engine = ctx.engine
     seconds, why = benefit.budget_for(engine.server_start_seconds, pc.budget_ratio, pc.budget_min_seconds,
                                       pc.budget_seconds)
     budget = benefit.Budget(seconds, why)
-    agent.metrics.warmup_budget_seconds.set(seconds)
+    ctx.metrics.warmup_budget_seconds.set(seconds)
     tol, max_calls = pc.converge_tolerance, pc.max_calls_per_path
     answer = max(2, min(pc.warm_answer_tokens, profile.max_tokens))
     fam0 = probe_family(profile)
@@ -169,12 +165,12 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
 
     def send(path: Path, tokens: int = answer) -> Call:
         nonlocal sent
-        agent.checkpoint()
+        ctx.checkpoint()
         req = WarmRequest(path.endpoint, path.prompt_tokens, tokens, path.family, _frozen(profile.families[path.family]))
-        results = agent.send_requests([req] * path.batch, "warmup")
+        results = ctx.driver.send([req] * path.batch, "warmup")
         decoded.append((path.prompt_tokens, path.prompt_tokens + tokens))
         sent += 1
-        agent.progress.step(sent, sent + 1, f"{path.label} out={tokens}")
+        ctx.progress.step(sent, sent + 1, f"{path.label} out={tokens}")
         slow = max(results, key=lambda r: r.total_seconds)
         return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens,
                     slow.prompt_tokens)
@@ -219,11 +215,11 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
                           "ttft_ms": [round(c.ttft * 1e3, 2) for c in calls],
                           "steady_ttft_ms": round((steady.ttft_ref(b0, hi) or 0) * 1e3, 2)}
         if ratios:
-            agent.metrics.warmup_per_length_decode_ratio.set(min(ratios))
+            ctx.metrics.warmup_per_length_decode_ratio.set(min(ratios))
         if pays:
             remedy = remedy_for(engine.server_name)
             per_length["remedy"] = remedy
-            agent.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
+            ctx.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
             log.warning("the server pays per sequence length: decode at new lengths ran "
                         + ", ".join(f"{r:.1f}x" for r in ratios) + f" its steady time per token; remedy: {remedy}")
     # 3. the other paths, each until warm
@@ -268,7 +264,7 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
     ctx.first_probe_tokens = profile.max_tokens
     counts = Counter(o.result for o in outcomes)
     for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
-        agent.metrics.warmup_paths_total.labels(result=result).set(counts[result])
+        ctx.metrics.warmup_paths_total.labels(result=result).set(counts[result])
     skipped = [{"path": o.path.label, "reason": o.reason} for o in outcomes if o.result == "skipped"]
     ctx.warmup_summary = summary = {
         "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
@@ -283,16 +279,16 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
         "prompt_lengths": profile.prompt_lengths, "max_tokens": profile.max_tokens,
         "bad_lines": profile.bad_lines, "capabilities": dict(engine.capabilities)}
     detail.update(shapes=len({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls}),
-                  requests=agent.warmup_requests, lengths=sorted(used), batches=batches, profile=profile_summary,
+                  requests=ctx.driver.warmup_requests, lengths=sorted(used), batches=batches, profile=profile_summary,
                   warmup=summary, paths=[o.as_dict() for o in outcomes],
                   seconds={"traffic": time.perf_counter() - t_start})
     ctx.warmed_shapes = sorted({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls})
 
 
-def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
-    cfg, engine = agent.cfg, agent.engine
-    agent.move(State.PRELOAD)
-    _start_ramp(agent, ctx)
+def run(ctx: StageContext, detail: dict) -> None:
+    cfg, engine = ctx.cfg, ctx.engine
+    ctx.move(State.PRELOAD)
+    _start_ramp(ctx)
 
     clock = time.perf_counter
     # Weights before the tokenizer: the engine reads them while transformers is
@@ -300,38 +296,38 @@ def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     # paid once, overlapped, instead of before the weights.
     t0 = clock()
     engine.load_weights()
-    agent.checkpoint()
+    ctx.checkpoint()
     t1 = clock()
     engine.load_tokenizer()
-    agent.checkpoint()
+    ctx.checkpoint()
     t2 = clock()
     facts = engine.facts()
-    agent.engine_facts = vars(facts)
+    ctx.engine_facts = vars(facts)
     quant = engine.quantization     # warmup_agent/quantization.py (issue 16)
     if quant is not None:
-        agent.metrics.warmup_model_quantization_info.info(quant.labels())
+        ctx.metrics.warmup_model_quantization_info.info(quant.labels())
         detail["quantization"] = quant.as_dict()
     report = engine.load_report
     if report is not None:
         detail["weight_load"] = report.as_dict()
         if report.seconds > 0:
-            agent.metrics.warmup_weight_load_bytes_per_second.set(report.bytes / report.seconds)
+            ctx.metrics.warmup_weight_load_bytes_per_second.set(report.bytes / report.seconds)
     if engine.skeleton_wait_seconds is not None:
         detail["waited_for_transformers_import_seconds"] = engine.skeleton_wait_seconds
-    agent.sm.record_fingerprint(engine.weight_fingerprint())
+    ctx.sm.record_fingerprint(engine.weight_fingerprint())
     t3 = clock()
 
-    agent.prompts = prompts = PromptFactory(engine.tokenize)
+    prompts = ctx.driver.start_prompts()
     lengths = warmup_lengths(cfg, engine.tokenize)
     batches = warmup_batches(cfg, facts, ctx.gpu_free_bytes, max(lengths))
     max_new = cfg["prewarm.max_new_tokens"]
     if engine.speaks_profile:
-        warm_profile(agent, ctx, lengths, batches, detail, t3)
+        warm_profile(ctx, lengths, batches, detail, t3)
         detail["seconds"].update(weights=t1 - t0, tokenizer=t2 - t1, fingerprint=t3 - t2)
-        agent.move(State.PRIME)
+        ctx.move(State.PRIME)
         return
     try:
-        batches = _fit_budget(agent, lengths, batches, max_new)
+        batches = _fit_budget(ctx, lengths, batches, max_new)
         shapes = grid(lengths, batches)
         backoff = memory_budget.BackOff()   # a shape that runs out of memory drops its batch size and larger ones
         per_shape = cfg["prewarm.requests_per_shape"]
@@ -340,18 +336,18 @@ def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
         warmed = []
         for shape in shapes:
             for _ in range(per_shape):
-                agent.checkpoint()
-                def send_one(shape=shape) -> float:
-                    return agent.send(prompts.batch(shape), "warmup", max_new_tokens=max_new)
+                ctx.checkpoint()
+                def send_one(shape: Shape = shape) -> list:
+                    return ctx.driver.send(prompts.batch(shape), "warmup", max_new_tokens=max_new)
                 backoff.run(shape.batch, send_one)
                 done += 1
-                agent.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
+                ctx.progress.step(done, total, f"len={shape.prompt_tokens} batch={shape.batch}")
             if backoff.allows(shape.batch):
                 warmed.append(shape)
     except memory_budget.BudgetExceeded as e:
-        agent.fail(e.reason, str(e))
-    detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=lengths, batches=batches,
+        ctx.fail(e.reason, str(e))
+    detail.update(shapes=len(warmed), requests=ctx.driver.warmup_requests, lengths=lengths, batches=batches,
                   dropped_batches=sorted({s.batch for s in shapes} - {s.batch for s in warmed}),
                   seconds={"weights": t1 - t0, "tokenizer": t2 - t1, "fingerprint": t3 - t2, "traffic": clock() - t3})
     ctx.warmed_shapes = [(s.prompt_tokens, s.batch) for s in warmed]
-    agent.move(State.PRIME)
+    ctx.move(State.PRIME)

@@ -114,14 +114,14 @@ class ExporterServer:
         from warmup_agent import webconfig
         self.agent, self.registry = agent, registry
         cfg = agent.cfg
-        if web_config is None and cfg is not None and cfg["exporter.web_config_file"]:
+        if web_config is None and cfg is not None and cfg.exporter.web_config_file:
             if tls_cert or basic_auth:
                 from warmup_agent.config import ConfigError
                 raise ConfigError("key 'exporter.web_config_file': set it or the exporter.tls_*/basic_auth_* keys, "
                                   "not both", "exporter.web_config_file")
-            web_config = webconfig.load(cfg["exporter.web_config_file"])
-        if admin_token is None and cfg is not None and cfg["exporter.admin_token_file"]:
-            admin_token = webconfig.read_token(cfg["exporter.admin_token_file"], "exporter.admin_token_file")
+            web_config = webconfig.load(cfg.exporter.web_config_file)
+        if admin_token is None and cfg is not None and cfg.exporter.admin_token_file:
+            admin_token = webconfig.read_token(cfg.exporter.admin_token_file, "exporter.admin_token_file")
         self.admin_token = admin_token
 
         self.auth: webconfig.BasicAuth | _PasswordAuth | None = None

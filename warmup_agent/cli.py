@@ -16,6 +16,7 @@ from warmup_agent import __version__
 from warmup_agent.config import ConfigError
 
 if TYPE_CHECKING:  # the CLI imports these lazily: `--help` stays fast and imports no engine
+    from warmup_agent.config import Config
     from warmup_agent.engines.base import Engine
     from warmup_agent.pipeline import Agent
 
@@ -143,22 +144,22 @@ def cmd_run(args) -> int:
                                           "proxy.listen": args.proxy_listen})
     from warmup_agent.progress import Progress
     progress = Progress(sys.stderr, enabled=not args.no_progress)
-    _setup_logging(cfg["log.level"], cfg["log.format"], progress)
+    _setup_logging(cfg.log.level, cfg.log.format, progress)
     log = logging.getLogger("warmup_agent")
     for warning in cfg.warnings:   # of config.load's checks (prewarm.requests_file)
         log.warning(warning)
     from warmup_agent.engines import check_installed
-    check_installed(cfg["engine"])  # a missing [torch]/[vllm] extra: one line, exit 2
+    check_installed(cfg.engine)  # a missing [torch]/[vllm] extra: one line, exit 2
 
-    if server_command and cfg["engine"] != "openai":
-        raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg['engine']})", "engine")
+    if server_command and cfg.engine != "openai":
+        raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg.engine})", "engine")
 
-    model_path = cfg["model.path"]
-    if model_path is None and cfg["engine"] == "torch":
+    model_path = cfg.model.path
+    if model_path is None and cfg.engine == "torch":
         from warmup_agent.embedded_model import embedded_model_dir, ensure_embedded_model
-        if not os.path.exists(os.path.join(embedded_model_dir(cfg["data_dir"]), ".complete")):
-            print(f"creating the embedded default model under {cfg['data_dir']} (once)...", file=sys.stderr)
-        model_path = ensure_embedded_model(cfg["data_dir"])
+        if not os.path.exists(os.path.join(embedded_model_dir(cfg.data_dir), ".complete")):
+            print(f"creating the embedded default model under {cfg.data_dir} (once)...", file=sys.stderr)
+        model_path = ensure_embedded_model(cfg.data_dir)
 
     from warmup_agent.engines import EngineError, create
     try:
@@ -197,27 +198,27 @@ def cmd_run(args) -> int:
     from warmup_agent import proxy as routing
     proxy = routing.from_config(agent, cfg)  # None unless proxy.listen is set
 
-    host, _, port = cfg["exporter.listen"].rpartition(":")
+    host, _, port = cfg.exporter.listen.rpartition(":")
     auth = None
-    if cfg["exporter.basic_auth_username"]:
-        auth = (cfg["exporter.basic_auth_username"],
-                _read_secret(cfg["exporter.basic_auth_password_file"], "exporter.basic_auth_password_file"))
+    if cfg.exporter.basic_auth_username and cfg.exporter.basic_auth_password_file:  # load() wants both or neither
+        auth = (cfg.exporter.basic_auth_username,
+                _read_secret(cfg.exporter.basic_auth_password_file, "exporter.basic_auth_password_file"))
     try:
         server = ExporterServer(agent, metrics.registry, host.strip("[]"), int(port),
-                                tls_cert=cfg["exporter.tls_cert_file"], tls_key=cfg["exporter.tls_key_file"],
+                                tls_cert=cfg.exporter.tls_cert_file, tls_key=cfg.exporter.tls_key_file,
                                 basic_auth=auth).start()
     except OSError as e:
         if proxy is not None:
             proxy.stop()
         engine.close()     # a prestarted server must not outlive this error
-        raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg['exporter.listen']}: {e.strerror}",
+        raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg.exporter.listen}: {e.strerror}",
                           "exporter.listen") from None
     if proxy is not None:
         proxy.start()
-        log.info("proxy on %s -> %s (fallback %s)", cfg["proxy.listen"], cfg["proxy.upstream_url"] or cfg["openai.url"],
-                 cfg["proxy.fallback_url"] or "none: 503 + Retry-After")
-    log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg["engine"],
-             model_path, "https" if cfg["exporter.tls_cert_file"] else "http", host, server.port)
+        log.info("proxy on %s -> %s (fallback %s)", cfg.proxy.listen, cfg.proxy.upstream_url or cfg.openai.url,
+                 cfg.proxy.fallback_url or "none: 503 + Retry-After")
+    log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg.engine,
+             model_path, "https" if cfg.exporter.tls_cert_file else "http", host, server.port)
 
     # A warmup runs Python-heavy model code in this process; with the default 5 ms
     # GIL switch interval the exporter thread waits behind it, so /readyz and
@@ -245,8 +246,8 @@ def cmd_run(args) -> int:
             if args.once:
                 return EXIT_OK
             log.info("SERVING: /readyz is 200; probing every %gs; SIGTERM drains and exits",
-                     cfg["readiness.watch_interval_seconds"])
-            agent.watch(cfg["readiness.watch_interval_seconds"])
+                     cfg.readiness.watch_interval_seconds)
+            agent.watch(cfg.readiness.watch_interval_seconds)
             signals.wait_until_stopped()
             return EXIT_OK
         if state == State.DRAINING:
@@ -281,11 +282,11 @@ def _summary(record: dict) -> str:
     return summary_table(record)
 
 
-def _record(agent: Agent, cfg) -> dict:
+def _record(agent: Agent, cfg: Config) -> dict:
     """The run record, with what config.load's check of prewarm.requests_file found."""
     check = cfg.requests_check
     return {**agent.record(), "requests_file": None if check is None else {
-        "path": check.path, "policy": cfg["prewarm.requests_file_bad_lines"], "requests": check.good_count,
+        "path": check.path, "policy": cfg.prewarm.requests_file_bad_lines, "requests": check.good_count,
         "bad_lines": check.bad_lines()}}
 
 

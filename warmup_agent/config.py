@@ -382,7 +382,9 @@ def _unknown(path: str, source: str) -> ConfigError:
 class Config(Sections):
     """Validated configuration.  Read values as typed attributes of sections,
     `cfg.readiness.min_probes` (declared in config_sections.py, generated from
-    KEYS), or by dotted key, `cfg["readiness.min_probes"]`."""
+    KEYS), or by dotted key, `cfg["readiness.min_probes"]` (config.py only: outside
+    it tests/test_typed_config.py fails on a string lookup)."""
+    data_dir: str     # load() fills the default ($XDG_CACHE_HOME/warmup-agent)
 
     def __init__(self, values: dict[str, Any], sources: dict[str, str]):
         self._values = values

@@ -101,24 +101,24 @@ class Settings:
     timeout: float            # seconds: one export, and the wait at exit
 
 
-def enabled(cfg, environ: Mapping[str, str] | None = None) -> bool:
+def enabled(cfg: Config, environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
-    return bool(cfg["tracing.enabled"]) and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"
+    return bool(cfg.tracing.enabled) and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"
 
 
-def settings(cfg, environ: Mapping[str, str] | None = None) -> Settings:
+def settings(cfg: Config, environ: Mapping[str, str] | None = None) -> Settings:
     """The exporter's settings: a `tracing.*` key when set, else the standard
     OTEL_EXPORTER_OTLP_* variables, else the OTLP defaults (localhost:4317 for
     gRPC, localhost:4318/v1/traces for HTTP)."""
     env = os.environ if environ is None else environ
-    protocol = (cfg["tracing.protocol"] or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+    protocol = (cfg.tracing.protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
     if protocol not in PROTOCOLS:
         log.warning("OTLP protocol %r is not supported (only %s): using grpc", protocol, ", ".join(PROTOCOLS))
         protocol = "grpc"
     http = protocol == "http/protobuf"
-    if cfg["tracing.endpoint"]:
-        endpoint = _base(cfg["tracing.endpoint"], http)
+    if cfg.tracing.endpoint:
+        endpoint = _base(cfg.tracing.endpoint, http)
     elif env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         endpoint = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].strip()   # used as given (OTLP spec)
     elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
@@ -126,7 +126,7 @@ def settings(cfg, environ: Mapping[str, str] | None = None) -> Settings:
     else:
         endpoint = "http://localhost:4318/v1/traces" if http else "http://localhost:4317"
     service = env.get("OTEL_SERVICE_NAME", "").strip() or "warmup-agent"
-    return Settings(protocol, endpoint, service, cfg["tracing.export_timeout_seconds"])
+    return Settings(protocol, endpoint, service, cfg.tracing.export_timeout_seconds)
 
 
 def _base(url: str, http: bool) -> str:
@@ -177,7 +177,7 @@ def current_trace_id() -> str | None:
     return _active.current_trace_id
 
 
-def setup(cfg, env: Mapping[str, str] | None = None) -> Tracing:
+def setup(cfg: Config, env: Mapping[str, str] | None = None) -> Tracing:
     """Make the process's tracer from the config; NOOP (no import) when tracing is off."""
     global _active
     if not enabled(cfg, env):

@@ -34,7 +34,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 from warmup_agent.engines.text_prompts import TextPrompts
@@ -42,6 +42,7 @@ from warmup_agent.gpu import sizing
 from warmup_agent.traffic import _SEED_TEXT, WarmRequest
 
 if TYPE_CHECKING:
+    from warmup_agent.config import Config
     from warmup_agent.supervisor import Supervisor
 
 # Optional fields that make a warmup answer exactly max_tokens long on servers
@@ -103,7 +104,7 @@ class OpenAIEngine(Engine):
     name = "openai"
     speaks_profile = True   # generate_requests, apis, text, capabilities (Engine)
 
-    def __init__(self, cfg, server_command: list[str] | None = None, log: logging.Logger | None = None,
+    def __init__(self, cfg: Config, server_command: list[str] | None = None, log: logging.Logger | None = None,
                  on_server_exit: Callable[[int], None] | None = None,
                  on_server_ready: Callable[[], None] | None = None,
                  base_env: dict[str, str] | None = None, model_path: str | None = None):
@@ -116,20 +117,21 @@ class OpenAIEngine(Engine):
             if host in ("0.0.0.0", "::", ""):
                 host = "127.0.0.1"
             port = int(option(self.command, "--port") or DEFAULT_PORT)
-            self.host, self.port = host, port
-            self.url = (cfg["openai.url"] or f"http://{host}:{port}").rstrip("/")
-        elif cfg["openai.url"]:
-            self.url = cfg["openai.url"].rstrip("/")
+            self.host: str = host
+            self.port: int | None = port
+            self.url = (cfg.openai.url or f"http://{host}:{port}").rstrip("/")
+        elif cfg.openai.url:
+            self.url = cfg.openai.url.rstrip("/")
             parsed = urllib.parse.urlparse(self.url)
-            self.host, self.port = parsed.hostname, parsed.port
+            self.host, self.port = parsed.hostname or "", parsed.port   # "": a URL without a host
         else:
             raise EngineError("server_command_missing",
                               "engine openai needs a server command after -- or openai.url (WARMUP_AGENT_OPENAI_URL)")
         self.on_server_exit = on_server_exit
         self.on_server_ready = on_server_ready
-        self.timeout = cfg["openai.request_timeout_seconds"]
-        self.model: str | None = cfg["openai.model"] or (option(self.command, "--served-model-name") if self.command else None)
-        self.model_dir: str | None = (model_path or cfg["model.path"]
+        self.timeout = cfg.openai.request_timeout_seconds
+        self.model: str | None = cfg.openai.model or (option(self.command, "--served-model-name") if self.command else None)
+        self.model_dir: str | None = (model_path or cfg.model.path
                                       or (option(self.command, "--model") if self.command else None))
         self.quantization = self._detect_quantization()
         self.supervisor: Supervisor | None = None   # the server we started (server_command), once started
@@ -138,8 +140,8 @@ class OpenAIEngine(Engine):
         self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
         self.startup: dict[str, float] = {}
         self.adapters: list[str] = []      # registered LoRA adapter names
-        self.health_path = "/" + cfg["openai.health_path"].lstrip("/")
-        self.api_setting = cfg["openai.api"]   # auto | chat | completions
+        self.health_path = "/" + cfg.openai.health_path.lstrip("/")
+        self.api_setting = cfg.openai.api   # auto | chat | completions
         self._tokenizer = None
         self.text: TextPrompts | None = None   # exact-length text prompts (local tokenizer)
         self.apis: list[str] = []              # "chat", "completions": what the server answers
@@ -170,7 +172,7 @@ class OpenAIEngine(Engine):
     def server_env(self) -> dict[str, str]:
         """The server's environment: ours plus the caches pointed at the agent's
         cache directories (solidify keeps them) and the vLLM CPU workarounds."""
-        data = self.cfg["data_dir"]
+        data = self.cfg.data_dir
         env = dict(os.environ if self.base_env is None else self.base_env)
         for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("TRITON_CACHE_DIR", "triton")):
@@ -181,7 +183,7 @@ class OpenAIEngine(Engine):
         os.makedirs(env["TMPDIR"], exist_ok=True)
         if self.host.startswith("127.") or self.host == "localhost":
             env.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        if parse_adapters(self.cfg["lora.adapters"]):
+        if parse_adapters(self.cfg.lora.adapters):
             env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         return env
 
@@ -196,7 +198,7 @@ class OpenAIEngine(Engine):
         return cmd
 
     def kv_budget_bytes(self) -> int:
-        configured = self.cfg["vllm.kv_cache_memory_bytes"]
+        configured = self.cfg.vllm.kv_cache_memory_bytes
         if configured:
             return configured
         import psutil
@@ -282,10 +284,10 @@ class OpenAIEngine(Engine):
         self.supervisor = Supervisor(
             self.server_command(), self.url + self.health_path, env=self.server_env(),
             host=self.host, port=self.port,
-            ready_timeout=self.cfg["openai.ready_timeout_seconds"],
-            backoff_initial=self.cfg["openai.restart_backoff_initial_seconds"],
-            backoff_max=self.cfg["openai.restart_backoff_max_seconds"],
-            drain_seconds=self.cfg["openai.drain_seconds"],
+            ready_timeout=self.cfg.openai.ready_timeout_seconds,
+            backoff_initial=self.cfg.openai.restart_backoff_initial_seconds,
+            backoff_max=self.cfg.openai.restart_backoff_max_seconds,
+            drain_seconds=self.cfg.openai.drain_seconds,
             on_server_exit=lambda rc: self.on_server_exit(rc) if self.on_server_exit else None,
             on_server_ready=lambda: self.on_server_ready() if self.on_server_ready else None,
             on_log_line=self._on_log_line, log=self.log)
@@ -398,7 +400,7 @@ class OpenAIEngine(Engine):
             self._request({"prompt": "Hello", "max_tokens": 1}, api, True)
 
     def _wait_remote_healthy(self) -> None:
-        deadline = time.monotonic() + self.cfg["openai.ready_timeout_seconds"]
+        deadline = time.monotonic() + self.cfg.openai.ready_timeout_seconds
         last = ""
         while time.monotonic() < deadline:
             if self._interrupted.is_set():
@@ -411,7 +413,7 @@ class OpenAIEngine(Engine):
                 last = str(getattr(e, "reason", e))
             self._interrupted.wait(0.5)
         raise EngineError("server_never_healthy",
-                          f"{self.url}{self.health_path} did not answer 200 within {self.cfg['openai.ready_timeout_seconds']:g} s"
+                          f"{self.url}{self.health_path} did not answer 200 within {self.cfg.openai.ready_timeout_seconds:g} s"
                           + (f" (last error: {last})" if last else ""))
 
     def interrupt(self) -> None:
@@ -427,7 +429,7 @@ class OpenAIEngine(Engine):
         # A restarted server has forgotten its adapters: ask it what it serves.
         served = {m["id"] for m in self._get_json("/v1/models")["data"]}
         self.adapters = [a for a in self.adapters if a in served]
-        for name, path in parse_adapters(self.cfg["lora.adapters"]):
+        for name, path in parse_adapters(self.cfg.lora.adapters):
             if name in served:
                 if name not in self.adapters:
                     self.adapters.append(name)
@@ -444,7 +446,8 @@ class OpenAIEngine(Engine):
         cfg = self._model_config()
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "unknown"
         kv = sizing.kv_bytes_per_token_if_known(cfg, dtype)
-        extra = {"url": self.url, "startup_seconds": dict(self.startup), "lora_adapters": list(self.adapters)}
+        extra: dict[str, Any] = {"url": self.url, "startup_seconds": dict(self.startup),
+                                 "lora_adapters": list(self.adapters)}
         if self.supervisor is not None:
             extra.update(server_pid=self.supervisor.pid, server_restarts=self.supervisor.restarts)
         try:

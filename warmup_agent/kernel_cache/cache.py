@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
 
     from exporter.metrics import AgentMetrics
+    from warmup_agent.config import Config
 
 log = logging.getLogger("warmup_agent.kernel_cache")
 T = TypeVar("T")
@@ -137,7 +138,7 @@ class KernelCache:
 
     # --- construction -----------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg, metrics: AgentMetrics | None = None, model_config=None, compile_options: dict | None = None,
+    def from_config(cls, cfg: Config, metrics: AgentMetrics | None = None, model_config=None, compile_options: dict | None = None,
                     runtime: dict | None = None, namespace: str | None = None,
                     announce_off: bool = True) -> "KernelCache":
         """Build from a warmup_agent.config.Config.
@@ -146,22 +147,22 @@ class KernelCache:
         config.json, else the name of the embedded default.  compile_options: whatever changes the
         compiled code (mode, dynamic shapes, dtype...); default: solidify.mode and model.dtype.
         """
-        root = cfg["kernel_cache.dir"] or os.path.join(cfg["data_dir"], "kernel-cache")
+        root = cfg.kernel_cache.dir or os.path.join(cfg.data_dir, "kernel-cache")
         if model_config is None:
-            path = cfg["model.path"]
+            path = cfg.model.path
             cfg_json = os.path.join(path, "config.json") if path else None
             model_config = cfg_json if cfg_json and os.path.isfile(cfg_json) else "embedded-default"
         if compile_options is None:
-            compile_options = {"solidify.mode": cfg["solidify.mode"], "model.dtype": cfg["model.dtype"]}
-        secret, problem = load_secret(cfg["kernel_cache.secret"], cfg["kernel_cache.secret_file"])
+            compile_options = {"solidify.mode": cfg.solidify.mode, "model.dtype": cfg.model.dtype}
+        secret, problem = load_secret(cfg.kernel_cache.secret, cfg.kernel_cache.secret_file)
         settings = Settings(
-            root=root, max_local_bytes=cfg["kernel_cache.max_local_bytes"],
-            redis_url=cfg["kernel_cache.redis_url"], secret=secret, secret_problem=problem,
-            prefix=cfg["kernel_cache.key_prefix"], ttl_seconds=cfg["kernel_cache.ttl_seconds"],
-            max_entry_bytes=cfg["kernel_cache.max_entry_bytes"],
-            socket_timeout=cfg["kernel_cache.socket_timeout_seconds"],
-            retry_interval=cfg["kernel_cache.retry_interval_seconds"],
-            lock_ttl=cfg["kernel_cache.lock_ttl_seconds"], lock_wait=cfg["kernel_cache.lock_wait_seconds"])
+            root=root, max_local_bytes=cfg.kernel_cache.max_local_bytes,
+            redis_url=cfg.kernel_cache.redis_url, secret=secret, secret_problem=problem,
+            prefix=cfg.kernel_cache.key_prefix, ttl_seconds=cfg.kernel_cache.ttl_seconds,
+            max_entry_bytes=cfg.kernel_cache.max_entry_bytes,
+            socket_timeout=cfg.kernel_cache.socket_timeout_seconds,
+            retry_interval=cfg.kernel_cache.retry_interval_seconds,
+            lock_ttl=cfg.kernel_cache.lock_ttl_seconds, lock_wait=cfg.kernel_cache.lock_wait_seconds)
         return cls(settings, nsmod.components(model_config, compile_options, runtime), metrics, namespace, announce_off)
 
     # --- engines ---------------------------------------------------------------

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from warmup_agent import memory_budget, traffic
 from warmup_agent.errors import EngineError
@@ -26,38 +28,42 @@ from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State
 from warmup_agent.traffic import Shape, grid
 
+if TYPE_CHECKING:  # types only
+    from warmup_agent.config import Config
+    from warmup_agent.engines.base import EngineFacts
+
 log = logging.getLogger("warmup_agent.stages.prewarm")
 
 
-def warmup_lengths(cfg, tokenize) -> list[int]:
-    source = cfg["prewarm.length_source"]
+def warmup_lengths(cfg: Config, tokenize: Callable[[str], list[int]]) -> list[int]:
+    source = cfg.prewarm.length_source
     drawn: list[int] = []
     if source == "gaussian":
-        drawn = traffic.gaussian_lengths(cfg["prewarm.sampled_lengths"], cfg["prewarm.length_mean"], cfg["prewarm.length_sd"],
-                                         max_length=cfg["prewarm.max_prompt_length"] or None)
+        drawn = traffic.gaussian_lengths(cfg.prewarm.sampled_lengths, cfg.prewarm.length_mean, cfg.prewarm.length_sd,
+                                         max_length=cfg.prewarm.max_prompt_length or None)
     elif source == "sample_file":
-        if not cfg["prewarm.prompts_file"]:
+        if not cfg.prewarm.prompts_file:
             raise EngineError("invalid_config", "key 'prewarm.prompts_file': length_source sample_file needs a file of real prompts")
         try:
-            drawn = traffic.lengths_from_sample(cfg["prewarm.prompts_file"], tokenize, cfg["prewarm.sampled_lengths"])
+            drawn = traffic.lengths_from_sample(cfg.prewarm.prompts_file, tokenize, cfg.prewarm.sampled_lengths)
         except ValueError as e:
             raise EngineError("invalid_config", f"key 'prewarm.prompts_file': {e}") from None
-    extra = cfg["prewarm.max_prompt_length"] if source != "grid" else 0
-    return traffic.warmup_lengths(cfg["prewarm.prompt_lengths"], drawn, extra)
+    extra = cfg.prewarm.max_prompt_length if source != "grid" else 0
+    return traffic.warmup_lengths(cfg.prewarm.prompt_lengths, drawn, extra)
 
 
-def warmup_batches(cfg, facts, free_bytes: int | None, max_length: int) -> list[int]:
-    if cfg["prewarm.batch_sizes_from_memory"] and free_bytes and facts.kv_bytes_per_token:
+def warmup_batches(cfg: Config, facts: EngineFacts, free_bytes: int | None, max_length: int) -> list[int]:
+    if cfg.prewarm.batch_sizes_from_memory and free_bytes and facts.kv_bytes_per_token:
         return sizing.batch_sizes_from_memory(free_bytes - (facts.weight_bytes or 0), facts.kv_bytes_per_token,
-                                              max_length + cfg["prewarm.max_new_tokens"], cap=cfg["prewarm.max_batch"])
-    return cfg["prewarm.batch_sizes"]
+                                              max_length + cfg.prewarm.max_new_tokens, cap=cfg.prewarm.max_batch)
+    return cfg.prewarm.batch_sizes
 
 
 def _fit_budget(ctx: StageContext, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
     """With prewarm.memory_budget_bytes set, measure one shape (the longest
     prompt at the smallest batch) and keep the batch sizes whose extrapolated
     cost fits the budget (warmup_agent/memory_budget.py)."""
-    budget = ctx.cfg["prewarm.memory_budget_bytes"]
+    budget = ctx.cfg.prewarm.memory_budget_bytes
     if not budget:
         return batches
     prompts = ctx.driver.prompts
@@ -71,7 +77,7 @@ def _fit_budget(ctx: StageContext, lengths: list[int], batches: list[int], max_n
 def _start_ramp(ctx: StageContext) -> None:
     from warmup_agent.gpu.ramp import RampSampler
     ctx.ramp = None
-    interval = ctx.cfg["gpu.ramp_sample_interval_seconds"]
+    interval = ctx.cfg.gpu.ramp_sample_interval_seconds
     if ctx.gpu is not None and interval > 0:
         ctx.ramp = RampSampler.for_gpu(ctx.gpu.uuid, interval)
         if ctx.ramp is not None:
@@ -82,7 +88,7 @@ def load_profile(ctx: StageContext, lengths: list[int]) -> traffic.TrafficProfil
     """The traffic to warm: learned from prewarm.requests_file, else the default
     (greedy and sampled on every API the server answers), limited to openai.api."""
     cfg, engine = ctx.cfg, ctx.engine
-    path = cfg["prewarm.requests_file"]
+    path = cfg.prewarm.requests_file
     if path:
         text = engine.text
         if text is None:
@@ -90,13 +96,13 @@ def load_profile(ctx: StageContext, lengths: list[int]) -> traffic.TrafficProfil
                               "tokenizer; give --model DIR (model.path) with a tokenizer.json")
         try:
             profile = traffic.load_requests_file(path, text.count_chat, text.count_text,
-                                                 bad_lines=cfg["prewarm.requests_file_bad_lines"])
+                                                 bad_lines=cfg.prewarm.requests_file_bad_lines)
         except ValueError as e:
             raise EngineError("invalid_config", f"key 'prewarm.requests_file': {e}") from None
         except Exception as e:  # noqa: BLE001 - a template error on a logged body
             raise EngineError("invalid_config", f"key 'prewarm.requests_file': {path}: {type(e).__name__}: {e}") from None
     else:
-        profile = traffic.default_profile(engine.apis, cfg["prewarm.max_output_tokens"], [])
+        profile = traffic.default_profile(engine.apis, cfg.prewarm.max_output_tokens, [])
     missing = [e for e in profile.endpoints if e not in engine.apis]
     if missing:
         log.warning(f"the traffic uses {', '.join(missing)} but the server does not answer it: not warmed")
@@ -320,7 +326,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     prompts = ctx.driver.start_prompts()
     lengths = warmup_lengths(cfg, engine.tokenize)
     batches = warmup_batches(cfg, facts, ctx.gpu_free_bytes, max(lengths))
-    max_new = cfg["prewarm.max_new_tokens"]
+    max_new = cfg.prewarm.max_new_tokens
     if engine.speaks_profile:
         warm_profile(ctx, lengths, batches, detail, t3)
         detail["seconds"].update(weights=t1 - t0, tokenizer=t2 - t1, fingerprint=t3 - t2)
@@ -330,7 +336,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         batches = _fit_budget(ctx, lengths, batches, max_new)
         shapes = grid(lengths, batches)
         backoff = memory_budget.BackOff()   # a shape that runs out of memory drops its batch size and larger ones
-        per_shape = cfg["prewarm.requests_per_shape"]
+        per_shape = cfg.prewarm.requests_per_shape
         total = len(shapes) * per_shape
         done = 0
         warmed = []

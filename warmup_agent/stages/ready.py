@@ -43,37 +43,37 @@ def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> b
 def run(ctx: StageContext, detail: dict) -> None:
     cfg = ctx.cfg
     rd = ctx.readiness
-    max_probes = cfg["readiness.max_probes"]
+    max_probes = cfg.readiness.max_probes
     # Engines that speak the traffic profile probe as users send: the first probe
     # asks for the profile's longest answer (it stands for the first user request),
     # the later ones for readiness.probe_max_tokens, all at ctx.probe_length.
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
-    min_probes = cfg["readiness.min_probes_server"] if profile_probes else cfg["readiness.min_probes"]
+    min_probes = cfg.readiness.min_probes_server if profile_probes else cfg.readiness.min_probes
     rd.thresholds.min_samples = min_probes
     # Decode is gated only where probes time it (engines that speak the traffic profile).
-    gate_decode = cfg["readiness.require_decode"] and profile_probes
+    gate_decode = cfg.readiness.require_decode and profile_probes
     ctx.probe_log.restart()     # a re-warm: its first probe is a first request again (the log keeps all)
 
     def decode_ok() -> bool:
         return not gate_decode or decode_converged(ctx.probe_log.decode, min_probes,
-                                                   cfg["readiness.tpot_p90_threshold_seconds"],
-                                                   cfg["readiness.tpot_convergence_ratio"])
+                                                   cfg.readiness.tpot_p90_threshold_seconds,
+                                                   cfg.readiness.tpot_convergence_ratio)
     for i in range(max_probes):
         ctx.checkpoint()
         ttft = ctx.probe(max_tokens=ctx.first_probe_tokens if i == 0 and profile_probes else None)
         ctx.progress.probe(i + 1, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
         if rd.thresholds.met(ctx.readiness.window) and decode_ok():
             break
-        if cfg["readiness.probe_interval_seconds"]:
-            time.sleep(cfg["readiness.probe_interval_seconds"])
+        if cfg.readiness.probe_interval_seconds:
+            time.sleep(cfg.readiness.probe_interval_seconds)
     else:
         q = ctx.readiness.window.quantiles((0.5, 0.9))
         if rd.thresholds.met(ctx.readiness.window):
             t = ctx.probe_log.decode.quantiles((0.5, 0.9))
             ctx.fail("decode_not_converged",
                        f"after {max_probes} probes the time per output token is P50 {t.get(0.5, 0) * 1000:.2f} ms / "
-                       f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg['readiness.tpot_p90_threshold_seconds'] * 1000:.0f} ms "
-                       f"and the older half of the last probes at most {cfg['readiness.tpot_convergence_ratio']:g} x "
+                       f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg.readiness.tpot_p90_threshold_seconds * 1000:.0f} ms "
+                       f"and the older half of the last probes at most {cfg.readiness.tpot_convergence_ratio:g} x "
                        f"slower than the newer half")
         ctx.fail("readiness_thresholds_not_met",
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
@@ -85,7 +85,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     if figures is not None and figures.total_tax is not None:
         ctx.metrics.warmup_first_request_total_tax_ratio.set(figures.total_tax)
     detail.update(probes=len(ctx.probe_log.probes), probe_prompt_tokens=ctx.probe_length)
-    if cfg["validation.enabled"]:
+    if cfg.validation.enabled:
         validate(ctx, detail)
     with ctx.driver.busy():
         fingerprint = ctx.engine.weight_fingerprint()
@@ -105,7 +105,7 @@ def validate(ctx: StageContext, detail: dict) -> None:
     cfg = ctx.cfg
     factory = ctx.driver.prompts
     assert factory is not None, "prewarm makes the prompt factory before ready validates"
-    prompts = [factory.prompt(n) for n in sorted({8, cfg["readiness.probe_prompt_length"]})]
+    prompts = [factory.prompt(n) for n in sorted({8, cfg.readiness.probe_prompt_length})]
     checks: list[validation.Check] = []
 
     def record(c: validation.Check) -> None:
@@ -117,15 +117,15 @@ def validate(ctx: StageContext, detail: dict) -> None:
 
     with ctx.driver.busy():
         record(validation.check_structure(ctx.engine))
-        record(validation.check_numerics(ctx.engine, prompts, cfg["validation.logits_mean_min"],
-                                         cfg["validation.logits_mean_max"], cfg["validation.logits_abs_max"]))
-        if cfg["validation.fp8_ranges"]:   # numerics of an FP8 model (seed 003 §3)
-            fp8 = validation.check_fp8_ranges(ctx.engine, cfg["validation.fp8_max_saturated_ratio"],
-                                              cfg["validation.fp8_max_roundtrip_error"])
+        record(validation.check_numerics(ctx.engine, prompts, cfg.validation.logits_mean_min,
+                                         cfg.validation.logits_mean_max, cfg.validation.logits_abs_max))
+        if cfg.validation.fp8_ranges:   # numerics of an FP8 model (seed 003 §3)
+            fp8 = validation.check_fp8_ranges(ctx.engine, cfg.validation.fp8_max_saturated_ratio,
+                                              cfg.validation.fp8_max_roundtrip_error)
             export_fp8_ranges(ctx.metrics, fp8)
             record(fp8)
     # Last: a baseline is recorded only for a model that passed the other two.
-    path = cfg["validation.baseline_file"]
+    path = cfg.validation.baseline_file
     if path:
         p50 = ctx.readiness.window.quantile(0.5)
         if p50 is None:   # readiness.window_seconds aged every sample out since the gate opened
@@ -133,6 +133,6 @@ def validate(ctx: StageContext, detail: dict) -> None:
         else:
             record(validation.check_performance(p50, os.path.expanduser(path),
                                                 validation.baseline_key(ctx.engine, ctx.sm.fingerprint),
-                                                cfg["validation.performance_factor"]))
+                                                cfg.validation.performance_factor))
     else:
         record(validation.Check("performance", "skipped", "no validation.baseline_file"))

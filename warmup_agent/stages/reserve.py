@@ -56,12 +56,12 @@ def configure_engine(ctx: StageContext) -> None:
     """Hand the GPU options of the config to the engine (Engine.configure: only the
     torch engine takes them; the others ignore them)."""
     cfg = ctx.cfg
-    ctx.engine.configure(progressive=cfg["prewarm.progressive_load"], chunk_bytes=cfg["prewarm.staging_chunk_bytes"],
-                           buffers=cfg["prewarm.staging_buffers"], workers=cfg["prewarm.loader_threads"],
-                           manifest=cfg["prewarm.weights_manifest"],
-                           cuda_context_timeout=cfg["gpu.cuda_context_timeout_seconds"],
-                           kernel_compile_timeout=cfg["gpu.kernel_compile_timeout_seconds"],
-                           graph_max_len=cfg["solidify.graph_max_length"])
+    ctx.engine.configure(progressive=cfg.prewarm.progressive_load, chunk_bytes=cfg.prewarm.staging_chunk_bytes,
+                           buffers=cfg.prewarm.staging_buffers, workers=cfg.prewarm.loader_threads,
+                           manifest=cfg.prewarm.weights_manifest,
+                           cuda_context_timeout=cfg.gpu.cuda_context_timeout_seconds,
+                           kernel_compile_timeout=cfg.gpu.kernel_compile_timeout_seconds,
+                           graph_max_len=cfg.solidify.graph_max_length)
 
 
 class Steps:
@@ -93,7 +93,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         host = hardware.read_host()
     ctx.host_facts = host.as_dict()
     detail["gpus"] = len(host.gpus)
-    device = cfg["model.device"]
+    device = cfg.model.device
     if device == "auto":
         device = "cuda" if host.gpus else "cpu"
     configure_engine(ctx)
@@ -106,7 +106,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         detail["gpu_uuid"] = gpu.uuid
         with step("pin_cpus"):
             ctx.host_facts["topology"] = hardware.topology(host.gpus)
-            if cfg["reserve.pin_cpus"] and gpu.local_cpus:
+            if cfg.reserve.pin_cpus and gpu.local_cpus:
                 cpus = hardware.assign_cpus(host.gpus, host.allowed_cpus)[gpu.index]
                 detail["pinned_cpus"] = cpus if hardware.pin_cpus(cpus) else None
     else:
@@ -118,7 +118,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     on_gpu = device.startswith("cuda") and gpu is not None
     with step("model_check"):           # config.json and every shard header
         config = check_model_dir(model_path)
-        need = _weight_bytes_on_device(model_path, "cuda" if on_gpu else "cpu", cfg["model.dtype"])
+        need = _weight_bytes_on_device(model_path, "cuda" if on_gpu else "cpu", cfg.model.dtype)
     detail["weight_bytes"] = need
     if not on_gpu:
         if need > host.memory_available_bytes:
@@ -127,10 +127,10 @@ def run(ctx: StageContext, detail: dict) -> None:
         return
     assert gpu is not None  # on_gpu
 
-    dtype = "bfloat16" if cfg["model.dtype"] == "auto" else cfg["model.dtype"]
-    plan = sizing.plan_reservation(config, dtype, need, cfg["prewarm.prompt_lengths"] + [cfg["prewarm.max_prompt_length"]],
-                                   cfg["prewarm.batch_sizes"] + ([cfg["prewarm.max_batch"]] if cfg["prewarm.batch_sizes_from_memory"] else []),
-                                   max(cfg["prewarm.max_new_tokens"], 1), cfg["reserve.activation_factor"])
+    dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
+    plan = sizing.plan_reservation(config, dtype, need, cfg.prewarm.prompt_lengths + [cfg.prewarm.max_prompt_length],
+                                   cfg.prewarm.batch_sizes + ([cfg.prewarm.max_batch] if cfg.prewarm.batch_sizes_from_memory else []),
+                                   max(cfg.prewarm.max_new_tokens, 1), cfg.reserve.activation_factor)
     detail["reservation"] = plan.as_dict()
     problem = sizing.check_fits(plan, gpu.memory_free_bytes, f"{model_path} on GPU {gpu.index} ({gpu.uuid})")
     if problem:
@@ -151,7 +151,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         # device enumeration) + the context (set_device and a first allocation).
         step.record("cuda_init", max(total - context, 0.0))
         step.record("cuda_context", context)
-        if cfg["reserve.gpu_memory"]:
+        if cfg.reserve.gpu_memory:
             with step("memory_reserve"):
                 reserved = ctx.engine.reserve_memory(plan.total_bytes)
             detail["reserved_bytes"] = reserved

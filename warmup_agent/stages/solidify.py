@@ -46,7 +46,7 @@ def _publish(cache: KernelCache | None) -> None:
 
 
 def run(ctx: StageContext, detail: dict) -> None:
-    mode = ctx.cfg["solidify.mode"]
+    mode = ctx.cfg.solidify.mode
     # Opened on every run (cheap with a local tier only) so its metrics and the
     # shared tier's state are visible; only compilation fills it.
     # A server engine whose server compiled nothing into the cache folders it was

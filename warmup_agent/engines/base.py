@@ -98,7 +98,7 @@ class Engine(abc.ABC):
     name: str = "abstract"
 
     # -- what the engine knows about its model ------------------------------------------
-    #: How the model is quantized as this engine runs it (warmup_agent/quantization.py,
+    #: How the model is quantized as this engine runs it (warmup_agent/quantization/,
     #: issue 16).  None: the engine does not say (the agent exports no quantization info).
     quantization: QuantizationInfo | None = None
     #: How load_weights read the weights (the torch engine's loader, gpu/loader.py):

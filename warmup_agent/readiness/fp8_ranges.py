@@ -9,7 +9,7 @@ When a model runs in FP8 the seed asks for warmup data that covers:
     attention_scores   0          1         20      the attention probabilities' FP8 scale
 
 Every case goes through the quantized layer's own quantize/dequantize path
-(warmup_agent/quantization.py, the functions its forward pass uses) with the
+(warmup_agent/quantization/fp8_math.py, the functions its forward pass uses) with the
 model's scales:
   activations       the layer's activation quantization: dynamic per token and
                     128-wide group (scale = group max / 448, the 50 cases share a

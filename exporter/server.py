@@ -25,7 +25,7 @@ import socket
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -54,7 +54,7 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 128
     ssl_context: ssl.SSLContext | None = None
 
-    def finish_request(self, request, client_address):
+    def finish_request(self, request: Any, client_address: Any) -> Any:
         # The TLS handshake runs here, in the connection's own thread: wrapping the
         # listening socket instead would handshake inside accept(), and one client
         # that connects and sends nothing would stall every other request.
@@ -67,7 +67,7 @@ class _HTTPServer(ThreadingHTTPServer):
         finally:
             tls.close()
 
-    def handle_error(self, request, client_address):
+    def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that fails the handshake or hangs up is not our error: one debug line, no traceback.
         import sys
         log.debug("connection from %s ended: %s", client_address[0], sys.exc_info()[1])
@@ -149,15 +149,15 @@ class ExporterServer:
         return (200 if outcome == "already" else 202), {"state": state}
 
 
-def _make_handler(server: ExporterServer):
+def _make_handler(server: ExporterServer) -> Any:
     class Handler(BaseHTTPRequestHandler):
         server_version = "warmup-agent"
         timeout = 30   # an idle or stalled client gives its thread back
 
-        def log_message(self, fmt, *args):  # route to our logger at debug: probes every second
+        def log_message(self, fmt: Any, *args: Any) -> None:  # route to our logger at debug: probes every second
             log.debug("%s %s", self.address_string(), fmt % args)
 
-        def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8", extra=None):
+        def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8", extra: Any = None) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -167,13 +167,13 @@ def _make_handler(server: ExporterServer):
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _json(self, code: int, obj: dict):
+        def _json(self, code: int, obj: dict) -> Any:
             return self._send(code, json.dumps(obj).encode() + b"\n", "application/json")
 
-        def do_HEAD(self):
+        def do_HEAD(self) -> None:
             self.do_GET()
 
-        def do_POST(self):
+        def do_POST(self) -> Any:
             path = self.path.split("?", 1)[0]
             if path not in _ADMIN_PATHS or server.admin_token is None:
                 return self._send(404, b"not found\n")
@@ -187,7 +187,7 @@ def _make_handler(server: ExporterServer):
             log.info("admin: %s from %s -> %d %s", path, self.client_address[0], code, body.get("state"))
             return self._json(code, body)
 
-        def do_GET(self):
+        def do_GET(self) -> Any:
             path = self.path.split("?", 1)[0]
             if path in _ADMIN_PATHS:
                 if server.admin_token is None:

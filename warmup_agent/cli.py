@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from warmup_agent import __version__
 from warmup_agent.config import ConfigError
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def cmd_check_config(args) -> int:
+def cmd_check_config(args: Any) -> int:
     from warmup_agent import config
     cfg = config.load(args.file)
     for warning in cfg.warnings:
@@ -121,7 +121,7 @@ def cmd_check_config(args) -> int:
     return EXIT_OK
 
 
-def _setup_logging(level: str, fmt: str, progress) -> None:
+def _setup_logging(level: str, fmt: str, progress: Any) -> None:
     from warmup_agent.progress import JsonFormatter, ProgressAwareHandler
     handler = ProgressAwareHandler(progress, sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else
@@ -282,7 +282,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tracing.shutdown()   # flush: waits at most tracing.export_timeout_seconds
 
 
-def connect_engine(engine: Engine, agent: Agent, registry) -> None:
+def connect_engine(engine: Engine, agent: Agent, registry: Any) -> None:
     """Wire the engine's optional capabilities (engines/base.py) to the agent and
     the exporter's registry.  A supervised server that crashes sends the agent back
     to PRELOAD (readiness false at once); once it answers again the agent re-warms

@@ -51,19 +51,19 @@ class Key:
         return "WARMUP_AGENT_" + self.path.upper().replace(".", "_")
 
 
-def _positive(v) -> bool:
+def _positive(v: Any) -> bool:
     return v > 0
 
 
-def _non_negative(v) -> bool:
+def _non_negative(v: Any) -> bool:
     return v >= 0
 
 
-def _positive_list(v) -> bool:
+def _positive_list(v: Any) -> bool:
     return len(v) > 0 and all(x > 0 for x in v)
 
 
-def _listen(v) -> bool:
+def _listen(v: Any) -> bool:
     host, _, port = v.rpartition(":")
     return bool(host) and port.isdigit() and 0 <= int(port) <= 65535
 

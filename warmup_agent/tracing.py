@@ -502,7 +502,7 @@ class _Worker:
             provider.force_flush(int(self.s.timeout * 1000))
             provider.shutdown()
 
-    def _setup(self):
+    def _setup(self) -> Any:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -536,7 +536,7 @@ class _Worker:
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))
         return provider, provider.get_tracer("warmup_agent", __version__)
 
-    def _handle(self, tracer, event: tuple) -> None:
+    def _handle(self, tracer: Any, event: tuple) -> None:
         from opentelemetry import trace
         from opentelemetry.context import Context
         from opentelemetry.trace import Status, StatusCode
@@ -558,7 +558,7 @@ class _Worker:
                 root.set_status(Status(StatusCode.ERROR, error))
             root.end(end_time=end_ns)
 
-    def _span(self, tracer, parent, spec: SpanSpec, trace, Status, StatusCode) -> None:  # noqa: N803 - the SDK's classes
+    def _span(self, tracer: Any, parent: Any, spec: SpanSpec, trace: Any, Status: Any, StatusCode: Any) -> None:  # noqa: N803 - the SDK's classes
         span = tracer.start_span(spec.name, context=parent, start_time=spec.start_ns, attributes=spec.attributes)
         if spec.error:
             span.set_status(Status(StatusCode.ERROR, spec.error))
@@ -568,7 +568,7 @@ class _Worker:
         span.end(end_time=spec.end_ns)
 
 
-def _logged(inner, s: Settings):
+def _logged(inner: Any, s: Settings) -> Any:
     """The OTLP exporter, saying once (not per retry) that the collector cannot be
     reached, and once when it can again."""
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -576,7 +576,7 @@ def _logged(inner, s: Settings):
     class LoggedExporter(SpanExporter):
         failing = False
 
-        def export(self, spans):
+        def export(self, spans: Any) -> Any:
             result = inner.export(spans)
             ok = result == SpanExportResult.SUCCESS
             if not ok and not self.failing:

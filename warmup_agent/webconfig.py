@@ -28,7 +28,7 @@ import os
 import ssl
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
@@ -106,7 +106,7 @@ def load(path: str) -> WebConfig:
             raise _unknown(path, str(name), _TOP)
     base = os.path.dirname(os.path.abspath(path))
 
-    def file_at(section: str, name: str, value) -> str:
+    def file_at(section: str, name: str, value: Any) -> str:
         if not isinstance(value, str) or not value:
             raise err(f"key '{section}.{name}': expected a file path")
         full = value if os.path.isabs(value) else os.path.join(base, value)

@@ -22,7 +22,7 @@ from warmup_agent.gpu import sizing
 class Discovery(StreamingClient):
     """Discovery and capabilities (the middle layer of OpenAIEngine)."""
 
-    def _detect_quantization(self):
+    def _detect_quantization(self) -> Any:
         """What the server runs quantized (issue 16): its flags (--quantization,
         --kv-cache-dtype) over the model directory's config.json when we can read it.
         The agent cannot see a server's scales: docs/fp8.md says what is not checked."""

@@ -57,7 +57,7 @@ class VllmEngine(Engine):
         """The model directory vLLM loads (reserve checks it: Engine.model_path)."""
         return self._model_path
 
-    def _detect_quantization(self):
+    def _detect_quantization(self) -> Any:
         """What vLLM will run quantized: it reads config.json's quantization_config
         itself, so that is what we read (issue 16). Its scales stay inside vLLM:
         docs/fp8.md says what is not checked."""
@@ -166,7 +166,7 @@ class VllmEngine(Engine):
                  warmup: bool = False) -> list[RequestResult]:
         return self._run(prompts, max_new_tokens, warmup)
 
-    def _run(self, prompts, max_new_tokens, warmup, lora=None) -> list[RequestResult]:
+    def _run(self, prompts: Any, max_new_tokens: Any, warmup: Any, lora: Any = None) -> list[RequestResult]:
         from vllm import SamplingParams
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         prefix = "warmup" if warmup else "req"

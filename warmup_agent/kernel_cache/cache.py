@@ -79,7 +79,7 @@ class _Entry:
         return f"{self.digest} {self.size} {self.mode:o} {self.signature}"
 
 
-def _batches(items, size_of):
+def _batches(items: Any, size_of: Any) -> Any:
     batch: list = []
     total = 0
     for item in items:
@@ -138,7 +138,7 @@ class KernelCache:
 
     # --- construction -----------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: Config, metrics: AgentMetrics | None = None, model_config=None, compile_options: dict | None = None,
+    def from_config(cls, cfg: Config, metrics: AgentMetrics | None = None, model_config: Any = None, compile_options: dict | None = None,
                     runtime: dict | None = None, namespace: str | None = None,
                     announce_off: bool = True) -> "KernelCache":
         """Build from a warmup_agent.config.Config.
@@ -301,7 +301,7 @@ class KernelCache:
         s = self.settings
         info = json.dumps(self.components, sort_keys=True, default=str)
 
-        def register(c):
+        def register(c: Any) -> None:
             pipe = c.pipeline(transaction=False)
             pipe.set(self._tier.key("info"), info, ex=s.ttl_seconds)
             pipe.zadd(self._tier.namespaces_key, {self.namespace: time.time()})
@@ -312,7 +312,7 @@ class KernelCache:
             pass
 
     def _refresh_ttl(self, keys: list[str]) -> None:
-        def refresh(c):
+        def refresh(c: Any) -> None:
             pipe = c.pipeline(transaction=False)
             for k in keys:
                 pipe.expire(k, self.settings.ttl_seconds)
@@ -364,7 +364,7 @@ class KernelCache:
         self.publish()
         return result
 
-    def _compile_as_winner(self, fn, lock_key, done_key, token):
+    def _compile_as_winner(self, fn: Any, lock_key: Any, done_key: Any, token: Any) -> Any:
         try:
             result = fn()
             self.publish()
@@ -379,7 +379,7 @@ class KernelCache:
             except SharedUnavailable:
                 pass  # the lock expires by itself
 
-    def _end_wait(self, since) -> None:
+    def _end_wait(self, since: Any) -> None:
         if since is not None:
             self._observe(lambda m: m.warmup_kernel_cache_lock_wait_seconds, time.monotonic() - since)
 
@@ -394,7 +394,7 @@ class KernelCache:
         target = "*" if all_namespaces else self.namespace
         pattern = f"{self.settings.prefix}:{target}:*"
 
-        def purge(c):
+        def purge(c: Any) -> Any:
             deleted = 0
             batch = []
             for k in c.scan_iter(match=pattern, count=500):
@@ -495,7 +495,7 @@ class KernelCache:
         if self.shared is None:
             return []
 
-        def read(c):
+        def read(c: Any) -> Any:
             names = c.zrevrange(self._tier.namespaces_key, 0, -1, withscores=True)
             infos = c.mget([self._tier.key("info", namespace=n.decode()) for n, _ in names]) if names else []
             return [{"namespace": n.decode(), "last_publish": score,
@@ -508,7 +508,7 @@ class KernelCache:
 
     def _shared_usage(self) -> tuple[dict, int]:
         """Entries per kind and bytes of distinct blobs of this namespace, from the indexes."""
-        def read(c):
+        def read(c: Any) -> Any:
             pipe = c.pipeline(transaction=False)
             for k in KINDS:
                 pipe.hgetall(self._tier.key("index", k))
@@ -544,7 +544,7 @@ class KernelCache:
         else:
             log.info("kernel cache: shared tier available")
 
-    def _log_once(self, key, level, msg, *args) -> None:
+    def _log_once(self, key: Any, level: Any, msg: Any, *args: Any) -> None:
         if key not in self._logged:
             self._logged.add(key)
             log.log(level, msg, *args)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from warmup_agent.errors import EngineError
 
@@ -49,13 +50,13 @@ class QuantizationInfo:
         return d
 
 
-def _method_label(value) -> str:
+def _method_label(value: Any) -> str:
     m = str(value).strip().lower().replace("_", "-") if value is not None else "other"
     m = {"fbgemm-fp8": "fbgemm_fp8", "experts-int8": "experts_int8", "fp-quant": "fp_quant"}.get(m, m)
     return m if m in _KNOWN_METHODS else "other"
 
 
-def _fp8_name(fmt) -> str:
+def _fp8_name(fmt: Any) -> str:
     f = str(fmt or "e4m3").lower()
     return "float8_e5m2" if "e5m2" in f else "float8_e4m3fn"
 

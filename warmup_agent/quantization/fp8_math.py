@@ -6,46 +6,47 @@ torch is imported inside the functions only.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 FP8_E4M3_MAX = 448.0              # largest finite float8_e4m3fn; beyond it a cast gives NaN, so we clamp
 _MIN_AMAX = 1e-12                 # an all-zero group gets a tiny scale instead of 0/0
 
 
 # --- FP8 arithmetic: one quantize/dequantize path for forward, checkpoint writer and validation ---------
-def fp8_dtype(name: str = "float8_e4m3fn"):
+def fp8_dtype(name: str = "float8_e4m3fn") -> Any:
     import torch
     return getattr(torch, name)
 
 
-def scaled(x, scale):
+def scaled(x: Any, scale: Any) -> Any:
     """x / scale in float32: the value the FP8 cast sees."""
     return x.float() / scale.float()
 
 
-def saturated_mask(x, scale):
+def saturated_mask(x: Any, scale: Any) -> Any:
     """Values whose scaled magnitude is beyond the largest e4m3 value: the cast would
     clamp them (we clamp; an unclamped cast would give NaN)."""
     return scaled(x, scale).abs() > FP8_E4M3_MAX
 
 
-def quantize(x, scale):
+def quantize(x: Any, scale: Any) -> Any:
     """Saturating e4m3 quantization of x with `scale` (x ~= q * scale); broadcasts."""
     import torch
     return scaled(x, scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def dequantize(q, scale):
+def dequantize(q: Any, scale: Any) -> Any:
     """float32 values of e4m3 q with `scale`; broadcasts."""
     return q.float() * scale.float()
 
 
-def block_scales(w, block: tuple[int, int]):
+def block_scales(w: Any, block: tuple[int, int]) -> Any:
     """Per-block scale (amax / 448) of a 2-D weight, shape [ceil(N/bn), ceil(K/bk)]."""
     g = _blocks(w.float(), block)
     return g.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_E4M3_MAX
 
 
-def _blocks(w, block):
+def _blocks(w: Any, block: Any) -> Any:
     """[N, K] -> [N/bn, bn, K/bk, bk], zero-padded to whole blocks."""
     import torch
     n, k = w.shape
@@ -56,20 +57,20 @@ def _blocks(w, block):
     return w.reshape(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
 
 
-def expand_block_scales(scale, shape, block):
+def expand_block_scales(scale: Any, shape: Any, block: Any) -> Any:
     """A block scale tensor broadcast to every element of a [N, K] weight."""
     n, k = shape
     return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
 
 
-def quantize_weight(w, block: tuple[int, int]):
+def quantize_weight(w: Any, block: tuple[int, int]) -> Any:
     """(e4m3 weight, float32 weight_scale_inv) in transformers' fp8 layout."""
     scale = block_scales(w, block)
     return quantize(w, expand_block_scales(scale, w.shape, block)), scale
 
 
 # --- the layer ---------------------------------------------------------------------------------
-def _activation_scales(x2, static_scale, bk: int):
+def _activation_scales(x2: Any, static_scale: Any, bk: int) -> Any:
     """Scale per token and bk-wide K group, [M, ceil(K/bk)] float32 (dynamic), or the
     checkpoint's one activation_scale everywhere (static)."""
     m, groups = x2.shape[0], math.ceil(x2.shape[1] / bk)
@@ -79,13 +80,13 @@ def _activation_scales(x2, static_scale, bk: int):
     return g.abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_E4M3_MAX
 
 
-def _quantize_groups(x2, static_scale, bk: int):
+def _quantize_groups(x2: Any, static_scale: Any, bk: int) -> Any:
     """(e4m3 [M, K], scales [M, G]): per-token, per-group activation quantization."""
     s = _activation_scales(x2, static_scale, bk)
     return quantize(x2, expand_block_scales(s, x2.shape, (1, bk))), s
 
 
-def scaled_mm_operands(weight, weight_scale_inv):
+def scaled_mm_operands(weight: Any, weight_scale_inv: Any) -> Any:
     """(weight [N, K'], scale_b [K'/128, N/128]) laid out as torch._scaled_mm's
     blockwise path (1x128 activations x 128x128 weights) accepts them.
 
@@ -115,7 +116,7 @@ def scaled_mm_operands(weight, weight_scale_inv):
     return wp, sb.t()
 
 
-def _scaled_mm_ok(device, n: int, k: int, block) -> bool:
+def _scaled_mm_ok(device: Any, n: int, k: int, block: Any) -> bool:
     """Blockwise-scaled FP8 GEMM (1x128 activations, 128x128 weights) through
     torch._scaled_mm: measured working on an H200 with torch 2.11 (cuBLAS 13)."""
     import torch

@@ -31,23 +31,23 @@ from warmup_agent.quantization.fp8_math import (
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "activation_scale", "input_scale", "k_scale", "v_scale")
 
 
-def layer_class():
+def layer_class() -> Any:
     """FP8BlockLinear (layer.py; imports torch on first use)."""
     from warmup_agent.quantization.layer import FP8BlockLinear
     return FP8BlockLinear
 
 
-def fp8_layers(model) -> list[tuple[str, Any]]:  # Any: FP8BlockLinear is built at run time
+def fp8_layers(model: Any) -> list[tuple[str, Any]]:  # Any: FP8BlockLinear is built at run time
     cls = layer_class()
     return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
 
 
-def kernel_shapes(model) -> set[tuple[int, int, int]]:
+def kernel_shapes(model: Any) -> set[tuple[int, int, int]]:
     """Every (M, N, K) FP8 GEMM the model's FP8 layers have run."""
     return {(m, layer.out_features, layer.in_features) for _, layer in fp8_layers(model) for m in layer.m_seen}
 
 
-def warm_gemms(model, max_tokens: int, cap: int = 8192) -> dict:
+def warm_gemms(model: Any, max_tokens: int, cap: int = 8192) -> dict:
     """Run every FP8 GEMM shape the warmed traffic can reach: for each distinct
     (N, K) of the model's FP8 layers, each token count M from 1 to max_tokens
     (prefill of any prompt length x batch up to the largest warmed one, and every
@@ -85,7 +85,7 @@ def warm_gemms(model, max_tokens: int, cap: int = 8192) -> dict:
             "fp8_layers_emulated": emulated, "fp8_gemm_fallbacks": fallbacks}
 
 
-def swap_linears(model, checkpoint_names, info: QuantizationInfo, compute_dtype):
+def swap_linears(model: Any, checkpoint_names: Any, info: QuantizationInfo, compute_dtype: Any) -> Any:
     """Replace every nn.Linear whose `<name>.weight_scale_inv` is in the checkpoint
     with an FP8BlockLinear (on the meta device, like the skeleton).  Returns the count."""
     import torch

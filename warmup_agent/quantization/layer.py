@@ -21,7 +21,7 @@ class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not f
     (static), then runs the FP8 GEMM (see the module docstring for the two paths)."""
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int], bias: bool,
-                 compute_dtype, activation_scheme: str = "dynamic", device=None):
+                 compute_dtype: Any, activation_scheme: str = "dynamic", device: Any = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.block = tuple(block)
@@ -43,23 +43,23 @@ class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not f
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, block={self.block}, act={self.activation_scheme}"
 
-    def activation_scales(self, x2):
+    def activation_scales(self, x2: Any) -> Any:
         """Scale per token and K group, [M, ceil(K/bk)] float32."""
         return fp8_math._activation_scales(x2, self.activation_scale, self.block[1])
 
-    def quantize_input(self, x2):
+    def quantize_input(self, x2: Any) -> Any:
         """(e4m3 [M, K], scales [M, G]): this layer's activation quantization."""
         return fp8_math._quantize_groups(x2, self.activation_scale, self.block[1])
 
-    def dequantize_weight(self):
+    def dequantize_weight(self) -> Any:
         return fp8_math.dequantize(self.weight, fp8_math.expand_block_scales(self.weight_scale_inv, self.weight.shape, self.block))
 
-    def _emulated(self, x2):
+    def _emulated(self, x2: Any) -> Any:
         xq, xs = self.quantize_input(x2)
         xd = fp8_math.dequantize(xq, fp8_math.expand_block_scales(xs, x2.shape, (1, self.block[1])))
         return (xd @ self.dequantize_weight().t()).to(x2.dtype)
 
-    def _scaled_mm(self, x2):
+    def _scaled_mm(self, x2: Any) -> Any:
         """The blockwise-scaled FP8 GEMM, on operands padded as fp8_math.scaled_mm_operands() lays them out."""
         m, k_pad = x2.shape[0], self._weight_mm.shape[1] - self.in_features
         pad = -m % 4
@@ -69,7 +69,7 @@ class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not f
                                scale_b=self._scale_b, out_dtype=x2.dtype)
         return out[:m] if pad else out
 
-    def _choose_path(self, x2) -> bool:
+    def _choose_path(self, x2: Any) -> bool:
         """Fast path only where the hardware has it, and only after it gave the
         emulation's answer on this layer's first real input (else emulate, with
         the reason kept in fallback_reason: a wrong GEMM must never serve)."""
@@ -97,7 +97,7 @@ class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not f
         self._weight_mm = self._scale_b = None
         return False
 
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         self.m_seen.add(x2.shape[0])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from warmup_agent.readiness import validation
 from warmup_agent.readiness.window import nearest_rank
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # types only
     from exporter.metrics import AgentMetrics
 
 
-def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> bool:
+def decode_converged(window: Any, min_probes: int, p90_max: float, ratio: float) -> bool:
     """Decode has converged: at least min_probes samples, the window's P90 time per
     output token at or under `p90_max`, and decode no longer getting faster: over the
     last min_probes samples, the median of the older half is at most `ratio` x the

@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 from warmup_agent import hardware
 from warmup_agent.gpu import sizing
@@ -78,7 +79,7 @@ class Steps:
         coldstart("step", "reserve", 1, step=name, duration=round(seconds, 6))
 
     @contextlib.contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> Any:
         t0 = time.perf_counter()
         try:
             yield

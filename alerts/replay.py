@@ -96,7 +96,7 @@ def evolve(samples, minutes: int, probe_interval: float = 5.0, uptime: float | N
         uptime = busy0 / cost0
     probes = _value(samples, "warmup_requests_total", kind="probe") or 0.0
     per_second = 1.0 / probe_interval if probes and probe_interval > 0 else 0.0
-    # A probe after SERVING asks for one token (pipeline.Agent.probe): it keeps the
+    # A probe after SERVING asks for one token (StageContext.probe): it keeps the
     # engine busy for about its time to first token, not for the decoded probes of
     # the gate that the recorded engine seconds also hold.
     ttft_n = _value(samples, "warmup_first_token_latency_seconds_count", kind="probe")

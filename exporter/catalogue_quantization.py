@@ -1,5 +1,5 @@
 """Quantized models (issue 16, seed 003 §3): what the model is quantized to, and the
-FP8 range validation's counts (warmup_agent/quantization.py,
+FP8 range validation's counts (warmup_agent/quantization/,
 warmup_agent/readiness/fp8_ranges.py)."""
 from exporter.metric_spec import MetricSpec
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import psutil
 from prometheus_client.core import GaugeMetricFamily
@@ -19,7 +20,7 @@ from exporter.catalogue import spec
 log = logging.getLogger("exporter.collectors")
 
 
-def _family(name: str, labels=None) -> GaugeMetricFamily:
+def _family(name: str, labels: Any = None) -> GaugeMetricFamily:
     s = spec(name)
     return GaugeMetricFamily(s.name, s.help, labels=list(s.labels) if labels is None else labels)
 
@@ -28,7 +29,7 @@ class ProcessCollector:
     def __init__(self, process: psutil.Process | None = None):
         self._proc = process or psutil.Process()
 
-    def collect(self):
+    def collect(self) -> Any:
         try:
             fam = _family("warmup_process_resident_memory_bytes")
             fam.add_metric([], float(self._proc.memory_info().rss))
@@ -49,9 +50,9 @@ class NVMLCollector:
     whatever CUDA_VISIBLE_DEVICES says), `uuid` = the GPU's UUID (stable across
     restarts and re-ordering)."""
 
-    def __init__(self, nvml=None, cuda_visible_devices=_FROM_ENV):
+    def __init__(self, nvml: Any = None, cuda_visible_devices: Any = _FROM_ENV) -> None:
         self._nvml = nvml
-        self._ok = None
+        self._ok: bool | None = None
         self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if cuda_visible_devices is _FROM_ENV \
             else cuda_visible_devices
 
@@ -65,7 +66,7 @@ class NVMLCollector:
                 self._ok = True
             except Exception:  # noqa: BLE001 - no driver: a CPU host
                 self._ok = False
-        return self._ok
+        return bool(self._ok)
 
     def owned(self) -> list[tuple[int, str, object]]:
         """(physical index, UUID, handle) of each GPU this agent owns, in CUDA order."""
@@ -75,7 +76,7 @@ class NVMLCollector:
         uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in handles]
         return [(i, uuids[i], handles[i]) for i in visible_indices(uuids, self._visible)]
 
-    def collect(self):
+    def collect(self) -> Any:
         if not self._init():
             return
         nv = self._nvml
@@ -100,7 +101,7 @@ class NVMLCollector:
         yield util
 
 
-def _text(v) -> str:
+def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
@@ -125,11 +126,11 @@ class AllocatorCollector:
     `snapshot` and `gpu_labels` (torch index -> (NVML index, UUID)) are
     injectable so the computation is tested on recorded snapshots."""
 
-    def __init__(self, snapshot=None, gpu_labels=None):
+    def __init__(self, snapshot: Any = None, gpu_labels: Any = None) -> None:
         self._snapshot = snapshot
         self._gpu_labels = gpu_labels or _TorchGpuLabels()
 
-    def collect(self):
+    def collect(self) -> Any:
         from warmup_agent.gpu.memory import fragmentation_from_snapshot, reserved_from_snapshot
         snap = self._snapshot
         if snap is None:
@@ -159,7 +160,7 @@ class _TorchGpuLabels:
     reports for the device; resolved once per device.  Without NVML the index
     is "unknown" (the UUID still identifies the GPU)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._cache: dict[int, tuple[str, str]] = {}
 
     def __call__(self, dev: int) -> tuple[str, str]:
@@ -180,6 +181,6 @@ def _nvml_index(uuid: str) -> str:
         return "unknown"
 
 
-def register_default_collectors(registry) -> None:
+def register_default_collectors(registry: Any) -> None:
     for c in (ProcessCollector(), NVMLCollector(), AllocatorCollector()):
         registry.register(c)

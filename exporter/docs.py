@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from exporter import catalogue
 
@@ -26,7 +27,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _section(title: str, specs) -> list[str]:
+def _section(title: str, specs: Any) -> list[str]:
     lines = [f"## {title}", "",
              "| Metric | Type | Labels | Unit | Source | Needs | Meaning |",
              "|---|---|---|---|---|---|---|"]
@@ -109,7 +110,7 @@ def handles_source() -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def main(argv: Any = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="one directory for both files (default: docs/ and exporter/)")
     args = ap.parse_args(argv)

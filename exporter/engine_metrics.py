@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import urllib.request
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,7 +37,7 @@ class EngineStats:
         return asdict(self)
 
 
-def _int(v) -> int | None:
+def _int(v: Any) -> int | None:
     try:
         return int(float(v))
     except (TypeError, ValueError):
@@ -83,15 +84,15 @@ class EngineMetricsCollector:
     """Register on the agent's registry: `registry.register(EngineMetricsCollector(url))`.
     `url` may be a callable returning the current URL (None: no engine yet)."""
 
-    def __init__(self, url, timeout: float = 2.0, fetch=fetch_engine_stats):
+    def __init__(self, url: Any, timeout: float = 2.0, fetch: Any = fetch_engine_stats) -> None:
         self._url = url
         self._timeout = timeout
         self._fetch = fetch
 
-    def describe(self):
+    def describe(self) -> Any:
         return []  # collected lazily: never hit the engine at registration time
 
-    def collect(self):
+    def collect(self) -> Any:
         url = self._url() if callable(self._url) else self._url
         if not url:
             return

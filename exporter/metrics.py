@@ -8,6 +8,8 @@ registry.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from exporter import metric_handles
@@ -36,7 +38,7 @@ class AgentMetrics(MetricHandles):
         for name, metric in self._metrics.items():
             setattr(self, name, metric)
 
-    def _create(self, spec: MetricSpec):
+    def _create(self, spec: MetricSpec) -> Any:
         kwargs = dict(name=spec.family, documentation=spec.help, labelnames=spec.labels,
                       registry=self.registry)
         if spec.type == "histogram":
@@ -45,9 +47,9 @@ class AgentMetrics(MetricHandles):
             kwargs.pop("labelnames")
         return _TYPES[spec.type](**kwargs)
 
-    def get(self, name: str):
+    def get(self, name: str) -> Any:
         """The prometheus_client object for a catalogue name (e.g. "warmup_requests_total")."""
         return self._metrics[name]
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Any:
         return self._metrics[name]

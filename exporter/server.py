@@ -10,14 +10,14 @@
 
 TLS and basic auth come from a web config file in the Prometheus exporter
 toolkit's format (`exporter.web_config_file`, see warmup_agent/webconfig.py), or
-from the older `exporter.tls_*` / `exporter.basic_auth_*` keys.  Probe endpoints
+from the older `exporter.tls_*` / `exporter.basic_auth_*` keys; the CLI resolves
+them (webconfig.resolve) and hands the server the result.  Probe endpoints
 stay open under basic auth because the kubelet sends no credentials.  The admin
 endpoints exist only when `exporter.admin_token_file` is set (404 otherwise) and
 need `Authorization: Bearer <token>`; basic auth does not open them.
 """
 from __future__ import annotations
 
-import base64
 import hmac
 import json
 import logging
@@ -25,9 +25,14 @@ import socket
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:  # types only
+    from prometheus_client import CollectorRegistry
+
+    from warmup_agent.webconfig import ServerSecurity, WebConfig
 
 log = logging.getLogger("exporter.server")
 
@@ -41,22 +46,6 @@ LANDING = """<!doctype html><html><head><title>warmup-agent</title></head><body>
 """
 
 
-class _PasswordAuth:
-    """The older single-user basic auth (exporter.basic_auth_username + password file)."""
-
-    def __init__(self, user: str, password: str):
-        self.user, self.password = user, password
-
-    def check(self, header: str | None) -> bool:
-        if not header or not header.startswith("Basic "):
-            return False
-        try:
-            user, _, password = base64.b64decode(header[6:]).decode().partition(":")
-        except Exception:  # noqa: BLE001 - malformed header
-            return False
-        return hmac.compare_digest(user, self.user) & hmac.compare_digest(password, self.password)
-
-
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     # socketserver's default backlog of 5 overflows when a warmup holds the GIL and
@@ -65,7 +54,7 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 128
     ssl_context: ssl.SSLContext | None = None
 
-    def finish_request(self, request, client_address):
+    def finish_request(self, request: Any, client_address: Any) -> Any:
         # The TLS handshake runs here, in the connection's own thread: wrapping the
         # listening socket instead would handshake inside accept(), and one client
         # that connects and sends nothing would stall every other request.
@@ -78,7 +67,7 @@ class _HTTPServer(ThreadingHTTPServer):
         finally:
             tls.close()
 
-    def handle_error(self, request, client_address):
+    def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that fails the handshake or hangs up is not our error: one debug line, no traceback.
         import sys
         log.debug("connection from %s ended: %s", client_address[0], sys.exc_info()[1])
@@ -86,9 +75,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
 class ServedAgent(Protocol):
     """What the exporter needs of the agent, and all it may use: warmup_agent's
-    Agent is one; tests serve stand-ins.  `cfg` (a warmup_agent Config, or None)
-    names the web config and admin token files."""
-    cfg: Any
+    Agent is one; tests serve stand-ins."""
 
     def status(self) -> dict: ...
 
@@ -104,37 +91,22 @@ class ExporterServer:
     """Serves `agent` (a ServedAgent: `.status()` returns a dict with "state")
     and `registry` on host:port in a daemon thread.
 
-    `web_config` (a webconfig.WebConfig) and `admin_token` are taken from the
-    agent's config (`agent.cfg`, keys exporter.web_config_file and
-    exporter.admin_token_file) when not passed."""
+    `security` is the protection resolved from the config in one place
+    (warmup_agent.webconfig.resolve, called by the CLI); the keyword pieces
+    (`web_config`, `tls_cert`/`tls_key`, `basic_auth`, `admin_token`) build one
+    when it is not given.  The server never reads the config."""
 
-    def __init__(self, agent: ServedAgent, registry, host: str, port: int, tls_cert: str | None = None,
-                 tls_key: str | None = None, basic_auth: tuple[str, str] | None = None,
-                 web_config=None, admin_token: str | None = None):
-        from warmup_agent import webconfig
+    def __init__(self, agent: ServedAgent, registry: CollectorRegistry, host: str, port: int,
+                 tls_cert: str | None = None, tls_key: str | None = None, basic_auth: tuple[str, str] | None = None,
+                 web_config: WebConfig | None = None, admin_token: str | None = None,
+                 security: ServerSecurity | None = None):
+        from warmup_agent.webconfig import ServerSecurity
         self.agent, self.registry = agent, registry
-        cfg = agent.cfg
-        if web_config is None and cfg is not None and cfg["exporter.web_config_file"]:
-            if tls_cert or basic_auth:
-                from warmup_agent.config import ConfigError
-                raise ConfigError("key 'exporter.web_config_file': set it or the exporter.tls_*/basic_auth_* keys, "
-                                  "not both", "exporter.web_config_file")
-            web_config = webconfig.load(cfg["exporter.web_config_file"])
-        if admin_token is None and cfg is not None and cfg["exporter.admin_token_file"]:
-            admin_token = webconfig.read_token(cfg["exporter.admin_token_file"], "exporter.admin_token_file")
-        self.admin_token = admin_token
-
-        self.auth: webconfig.BasicAuth | _PasswordAuth | None = None
-        ctx = None
-        if web_config is not None:
-            ctx = web_config.tls.context() if web_config.tls else None
-            self.auth = webconfig.BasicAuth(web_config.users) if web_config.users else None
-        if tls_cert:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            ctx.load_cert_chain(tls_cert, tls_key)
-        if basic_auth:
-            self.auth = _PasswordAuth(*basic_auth)
+        if security is None:
+            security = ServerSecurity.of(web_config, tls_cert, tls_key, basic_auth, admin_token)
+        self.admin_token = security.admin_token
+        self.auth = security.auth
+        ctx = security.tls
         self.tls = ctx is not None
 
         handler = _make_handler(self)
@@ -144,7 +116,7 @@ class ExporterServer:
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="exporter-http", daemon=True)
 
-    def start(self) -> "ExporterServer":
+    def start(self) -> ExporterServer:
         self._thread.start()
         return self
 
@@ -177,15 +149,15 @@ class ExporterServer:
         return (200 if outcome == "already" else 202), {"state": state}
 
 
-def _make_handler(server: ExporterServer):
+def _make_handler(server: ExporterServer) -> Any:
     class Handler(BaseHTTPRequestHandler):
         server_version = "warmup-agent"
         timeout = 30   # an idle or stalled client gives its thread back
 
-        def log_message(self, fmt, *args):  # route to our logger at debug: probes every second
+        def log_message(self, fmt: Any, *args: Any) -> None:  # route to our logger at debug: probes every second
             log.debug("%s %s", self.address_string(), fmt % args)
 
-        def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8", extra=None):
+        def _send(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8", extra: Any = None) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -195,13 +167,13 @@ def _make_handler(server: ExporterServer):
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _json(self, code: int, obj: dict):
+        def _json(self, code: int, obj: dict) -> Any:
             return self._send(code, json.dumps(obj).encode() + b"\n", "application/json")
 
-        def do_HEAD(self):
+        def do_HEAD(self) -> None:
             self.do_GET()
 
-        def do_POST(self):
+        def do_POST(self) -> Any:
             path = self.path.split("?", 1)[0]
             if path not in _ADMIN_PATHS or server.admin_token is None:
                 return self._send(404, b"not found\n")
@@ -215,7 +187,7 @@ def _make_handler(server: ExporterServer):
             log.info("admin: %s from %s -> %d %s", path, self.client_address[0], code, body.get("state"))
             return self._json(code, body)
 
-        def do_GET(self):
+        def do_GET(self) -> Any:
             path = self.path.split("?", 1)[0]
             if path in _ADMIN_PATHS:
                 if server.admin_token is None:
@@ -225,7 +197,7 @@ def _make_handler(server: ExporterServer):
                 return self._send(401, b"unauthorized\n", extra={"WWW-Authenticate": 'Basic realm="warmup-agent"'})
             try:
                 status = server.agent.status()
-            except Exception:  # noqa: BLE001 - never let a status bug take the endpoint down
+            except Exception:
                 log.exception("status failed")
                 status = {"state": "UNKNOWN"}
             state = status.get("state")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+from dataclasses import MISSING
 
 import pytest
 
@@ -143,15 +144,15 @@ def test_stages_share_only_the_declared_context():
 
 
 def test_nothing_probes_the_agent_or_itself_for_an_attribute():
-    """Issue 17: the Agent declares what it holds in __init__ (`_watch_thread`,
+    """Issue 17: the Agent declares what it holds in __init__ (`_watch`,
     `readiness`), so no code asks `getattr(agent, ...)` / `getattr(self, ...)`."""
     found = probes(("agent", "self"))
     assert not found, found
 
 
-def test_stages_type_their_agent_without_importing_the_pipeline():
-    """Issue 17: each stage's run(agent, ctx, detail) names its agent `Agent`, imported
-    for types only: the pipeline imports the stages, never the other way at run time."""
+def test_stages_take_the_context_without_importing_the_pipeline():
+    """Issues 17, 24: each stage is run(ctx, detail) with a StageContext: the pipeline
+    imports the stages, never the other way (tests/test_stage_seams.py)."""
     import subprocess
     import sys
     stages = os.path.join(ROOT, "warmup_agent", "stages")
@@ -161,8 +162,8 @@ def test_stages_type_their_agent_without_importing_the_pipeline():
         with open(os.path.join(stages, name + ".py"), encoding="utf-8") as fh:
             tree = ast.parse(fh.read())
         run = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run")
-        assert [a.arg for a in run.args.args] == ["agent", "ctx", "detail"], name
-        assert run.args.args[0].annotation is not None and ast.unparse(run.args.args[0].annotation) == "Agent", name
+        assert [a.arg for a in run.args.args] == ["ctx", "detail"], name
+        assert run.args.args[0].annotation is not None and ast.unparse(run.args.args[0].annotation) == "StageContext", name
     code = ("import sys\n"
             + "".join(f"import warmup_agent.stages.{n}\n" for n in names)
             + "assert 'warmup_agent.pipeline' not in sys.modules, 'a stage imports the pipeline at run time'")
@@ -173,8 +174,11 @@ def test_the_agent_owns_one_context_with_empty_defaults(clean_env):
     from warmup_agent.pipeline import Agent
     from warmup_agent.stages.context import StageContext
     agent = Agent(config.load(env={}), Minimal())
-    assert agent.context == StageContext()
+    outputs = [f for f in StageContext.__dataclass_fields__.values() if f.default is not MISSING
+               or f.default_factory is not MISSING]
+    assert outputs and all(getattr(agent.context, f.name) == (f.default if f.default is not MISSING
+                                                              else f.default_factory()) for f in outputs)
     assert agent.context.gpu is None and agent.context.warmed_shapes == [] and agent.context.kernel_cache is None
     assert agent.record()["traffic_profile"] is None
     agent.stop()                                   # no kernel cache opened: nothing to close
-    assert not agent.engine_lock.locked()
+    assert not agent.driver.lock.locked()

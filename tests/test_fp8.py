@@ -508,7 +508,7 @@ def test_fast_path_operands_fit_torch_layout_checks_and_match_the_emulation(k, m
     layer.weight.data.copy_(q)
     layer.weight_scale_inv.data.copy_(s)
     monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm_reference, raising=False)
-    monkeypatch.setattr(quantization, "_scaled_mm_ok", lambda *a: True)
+    monkeypatch.setattr(quantization.fp8_math, "_scaled_mm_ok", lambda *a: True)
     x = torch.randn(37, k)                            # M=37: padded to 40 rows
     with torch.inference_mode():
         y = layer(x)
@@ -544,7 +544,7 @@ def test_a_layer_that_falls_back_emulates_on_its_own_unpadded_weight(gemm, reaso
     layer.weight.data.copy_(q)
     layer.weight_scale_inv.data.copy_(s)
     monkeypatch.setattr(torch, "_scaled_mm", gemm, raising=False)
-    monkeypatch.setattr(quantization, "_scaled_mm_ok", lambda *a: True)
+    monkeypatch.setattr(quantization.fp8_math, "_scaled_mm_ok", lambda *a: True)
     x = torch.randn(8, k)
     with torch.inference_mode():
         y = layer(x)

@@ -180,7 +180,7 @@ def test_outside_clients_first_chat_request_is_answered(served):
 def test_first_request_tax_on_time_to_first_token_is_exported_exactly(served):
     _, agent, _, _, _ = served
     reg = agent.metrics.registry
-    first = agent.first_request_seconds
+    first = agent.probe_log.figures.ttft_seconds
     assert reg.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(
         first / statistics.median(agent.probes[1:agent.stages[-1].detail["probes"]]), rel=1e-12)
 
@@ -242,8 +242,7 @@ def test_probes_after_serving_ask_for_one_token(served):
     eng, agent, state, relay, _ = served
     assert state == State.SERVING
     before = len(relay.posts())
-    agent._watch_stop.clear()        # the fixture stopped the agent; watch again for a moment
-    agent.watch(0.05)
+    agent.watch(0.05)                # the fixture stopped the agent; watch again for a moment
     deadline = time.monotonic() + 60
     while len(relay.posts()) < before + 2 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -179,10 +179,8 @@ def test_no_secret_in_log_metrics_or_startupz(live):
 # --- in-process servers -----------------------------------------------------------------
 
 class Stub:
-    """An agent as far as the server is concerned (exporter.server.ServedAgent; no
-    config: nothing comes from files).  Admin calls are refused: these tests only
-    check who may make them."""
-    cfg = None
+    """An agent as far as the server is concerned (exporter.server.ServedAgent).
+    Admin calls are refused: these tests only check who may make them."""
     state_name = "SERVING"
 
     def status(self):
@@ -289,12 +287,9 @@ def test_web_config_and_older_keys_together_are_refused(tmp_path):
     cert, key = make_leaf(d, make_ca(d), "server")
     cfg = config.load(env={"WARMUP_AGENT_EXPORTER_WEB_CONFIG_FILE": _web_config(d, cert, key),
                            "WARMUP_AGENT_EXPORTER_TLS_CERT_FILE": cert, "WARMUP_AGENT_EXPORTER_TLS_KEY_FILE": key})
-    agent = Stub()
-    agent.cfg = cfg
-    from exporter.metrics import AgentMetrics
-    from exporter.server import ExporterServer
+    from warmup_agent import webconfig
     with pytest.raises(ConfigError, match="exporter.web_config_file': set it or the exporter.tls_"):
-        ExporterServer(agent, AgentMetrics().registry, "127.0.0.1", 0, tls_cert=cert, tls_key=key)
+        webconfig.resolve(cfg.exporter)       # the one place the exporter's protection is resolved
 
 
 def test_bcrypt_check_is_cached_but_never_wrong():

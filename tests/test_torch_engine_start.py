@@ -141,10 +141,10 @@ def test_prewarm_stops_warming_a_shape_once_its_calls_match_steady(embedded_mode
 
     cfg = config.load(env={"WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[8, 32]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
                            "WARMUP_AGENT_PREWARM_REQUESTS_PER_SHAPE": "3", "WARMUP_AGENT_MODEL_DEVICE": "cpu"})
-    agent = Agent(cfg, Scripted(embedded_model, dtype=cfg["model.dtype"], device="cpu"), metrics=AgentMetrics())
+    agent = Agent(cfg, Scripted(embedded_model, dtype=cfg.model.dtype, device="cpu"), metrics=AgentMetrics())
     detail: dict = {}
     try:
-        prewarm.run(agent, agent.context, detail)
+        prewarm.run(agent.context, detail)
     finally:
         agent.engine.close()
     assert calls == [(8, 1)] * 3 + [(32, 1)]

@@ -10,14 +10,18 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from warmup_agent import __version__
 from warmup_agent.config import ConfigError
 
 if TYPE_CHECKING:  # the CLI imports these lazily: `--help` stays fast and imports no engine
+    from exporter.server import ExporterServer
+    from warmup_agent.config import Config
     from warmup_agent.engines.base import Engine
     from warmup_agent.pipeline import Agent
+    from warmup_agent.progress import Progress
+    from warmup_agent.proxy import RoutingProxy
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
 
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def cmd_check_config(args) -> int:
+def cmd_check_config(args: Any) -> int:
     from warmup_agent import config
     cfg = config.load(args.file)
     for warning in cfg.warnings:
@@ -117,7 +121,7 @@ def cmd_check_config(args) -> int:
     return EXIT_OK
 
 
-def _setup_logging(level: str, fmt: str, progress) -> None:
+def _setup_logging(level: str, fmt: str, progress: Any) -> None:
     from warmup_agent.progress import JsonFormatter, ProgressAwareHandler
     handler = ProgressAwareHandler(progress, sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else
@@ -127,50 +131,40 @@ def _setup_logging(level: str, fmt: str, progress) -> None:
     root.setLevel(level.upper())
 
 
-def _read_secret(path: str, key: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip()
-    except OSError as e:
-        raise ConfigError(f"key '{key}': cannot read {path}: {e.strerror}", key) from None
-
-
-def cmd_run(args) -> int:
+def _load(args: argparse.Namespace) -> tuple[Config, Progress]:
+    """The configuration from the file, the environment and the flags; logging set
+    up; the engine's extra checked."""
     from warmup_agent import config
-    server_command = [a for a in (args.server_command or []) if a != "--"] or None
     cfg = config.load(args.config, flags={"model.path": args.model, "engine": args.engine,
                                           "exporter.listen": args.listen, "data_dir": args.data_dir,
                                           "proxy.listen": args.proxy_listen})
     from warmup_agent.progress import Progress
     progress = Progress(sys.stderr, enabled=not args.no_progress)
-    _setup_logging(cfg["log.level"], cfg["log.format"], progress)
-    log = logging.getLogger("warmup_agent")
+    _setup_logging(cfg.log.level, cfg.log.format, progress)
     for warning in cfg.warnings:   # of config.load's checks (prewarm.requests_file)
-        log.warning(warning)
+        logging.getLogger("warmup_agent").warning(warning)
     from warmup_agent.engines import check_installed
-    check_installed(cfg["engine"])  # a missing [torch]/[vllm] extra: one line, exit 2
+    check_installed(cfg.engine)  # a missing [torch]/[vllm] extra: one line, exit 2
+    return cfg, progress
 
-    if server_command and cfg["engine"] != "openai":
-        raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg['engine']})", "engine")
 
-    model_path = cfg["model.path"]
-    if model_path is None and cfg["engine"] == "torch":
-        from warmup_agent.embedded_model import embedded_model_dir, ensure_embedded_model
-        if not os.path.exists(os.path.join(embedded_model_dir(cfg["data_dir"]), ".complete")):
-            print(f"creating the embedded default model under {cfg['data_dir']} (once)...", file=sys.stderr)
-        model_path = ensure_embedded_model(cfg["data_dir"])
+def _model_path(cfg: Config) -> str | None:
+    """model.path; with the torch engine and none given, the embedded default (made once)."""
+    model_path = cfg.model.path
+    if model_path is None and cfg.engine == "torch":
+        from warmup_agent.embedded_model import (
+            embedded_model_dir,
+            ensure_embedded_model,
+        )
+        if not os.path.exists(os.path.join(embedded_model_dir(cfg.data_dir), ".complete")):
+            print(f"creating the embedded default model under {cfg.data_dir} (once)...", file=sys.stderr)
+        model_path = ensure_embedded_model(cfg.data_dir)
+    return model_path
 
-    from warmup_agent.engines import EngineError, create
-    try:
-        engine = create(cfg, model_path, server_command=server_command)
-    except EngineError as e:
-        print(f"warmup-agent: {e.message}", file=sys.stderr)
-        return EXIT_FAILED
-    # A supervised server's start-up overlaps the rest of the agent's set-up (the
-    # exporter's and the pipeline's imports, reserve) from here on: on an H200,
-    # llama.cpp's server is up 1.2-1.5 s after its spawn.
-    engine.prestart()
 
+def _make_agent(cfg: Config, engine: Engine, progress: Progress) -> Agent:
+    """The metrics registry with its collectors, the tracer, and the Agent on the
+    process's clock, wired to the engine."""
     # No `_created` series: they double every counter and histogram in the text
     # format, which nothing here reads, and /metrics is served up to every second
     # while a warmup competes for the same interpreter.
@@ -178,9 +172,7 @@ def cmd_run(args) -> int:
 
     from exporter.collectors import register_default_collectors
     from exporter.metrics import AgentMetrics
-    from exporter.server import ExporterServer
     from warmup_agent.pipeline import Agent
-    from warmup_agent.states import State
     prometheus_client.disable_created_metrics()
     metrics = AgentMetrics()
     register_default_collectors(metrics.registry)
@@ -193,36 +185,63 @@ def cmd_run(args) -> int:
     # creation are part of the time to SERVING (the "startup" stage).
     agent = Agent(cfg, engine, metrics=metrics, progress=progress, process_started=process_started())
     connect_engine(engine, agent, metrics.registry)
+    return agent
 
+
+def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
+                     model_path: str | None) -> tuple[ExporterServer, RoutingProxy | None]:
+    """The exporter's server (started) and the proxy when proxy.listen asks for one."""
+    from exporter.server import ExporterServer
     from warmup_agent import proxy as routing
+    from warmup_agent import webconfig
+    log = logging.getLogger("warmup_agent")
     proxy = routing.from_config(agent, cfg)  # None unless proxy.listen is set
-
-    host, _, port = cfg["exporter.listen"].rpartition(":")
-    auth = None
-    if cfg["exporter.basic_auth_username"]:
-        auth = (cfg["exporter.basic_auth_username"],
-                _read_secret(cfg["exporter.basic_auth_password_file"], "exporter.basic_auth_password_file"))
+    host, _, port = cfg.exporter.listen.rpartition(":")
+    security = webconfig.resolve(cfg.exporter)   # TLS, basic auth, admin token: worked out here only
     try:
-        server = ExporterServer(agent, metrics.registry, host.strip("[]"), int(port),
-                                tls_cert=cfg["exporter.tls_cert_file"], tls_key=cfg["exporter.tls_key_file"],
-                                basic_auth=auth).start()
+        server = ExporterServer(agent, agent.metrics.registry, host.strip("[]"), int(port), security=security).start()
     except OSError as e:
         if proxy is not None:
             proxy.stop()
         engine.close()     # a prestarted server must not outlive this error
-        raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg['exporter.listen']}: {e.strerror}",
+        raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg.exporter.listen}: {e.strerror}",
                           "exporter.listen") from None
     if proxy is not None:
         proxy.start()
-        log.info("proxy on %s -> %s (fallback %s)", cfg["proxy.listen"], cfg["proxy.upstream_url"] or cfg["openai.url"],
-                 cfg["proxy.fallback_url"] or "none: 503 + Retry-After")
-    log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg["engine"],
-             model_path, "https" if cfg["exporter.tls_cert_file"] else "http", host, server.port)
+        log.info("proxy on %s -> %s (fallback %s)", cfg.proxy.listen, cfg.proxy.upstream_url or cfg.openai.url,
+                 cfg.proxy.fallback_url or "none: 503 + Retry-After")
+    log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg.engine,
+             model_path, "https" if cfg.exporter.tls_cert_file else "http", host, server.port)
+    return server, proxy
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    server_command = [a for a in (args.server_command or []) if a != "--"] or None
+    cfg, progress = _load(args)
+    if server_command and cfg.engine != "openai":
+        raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg.engine})", "engine")
+    model_path = _model_path(cfg)
+
+    from warmup_agent.engines import EngineError, create
+    try:
+        engine = create(cfg, model_path, server_command=server_command)
+    except EngineError as e:
+        print(f"warmup-agent: {e.message}", file=sys.stderr)
+        return EXIT_FAILED
+    # A supervised server's start-up overlaps the rest of the agent's set-up (the
+    # exporter's and the pipeline's imports, reserve) from here on: on an H200,
+    # llama.cpp's server is up 1.2-1.5 s after its spawn.
+    engine.prestart()
+    agent = _make_agent(cfg, engine, progress)
+    server, proxy = _serve_endpoints(cfg, agent, engine, model_path)
 
     # A warmup runs Python-heavy model code in this process; with the default 5 ms
     # GIL switch interval the exporter thread waits behind it, so /readyz and
     # /metrics answer late under load.  1 ms keeps them responsive.
     sys.setswitchinterval(0.001)
+    from warmup_agent import tracing
+    from warmup_agent.states import State
+
     def on_signal(signum: int) -> None:
         was = agent.sm.state
         if not was.terminal:  # a second signal, or one after FAILED, only stops
@@ -244,9 +263,9 @@ def cmd_run(args) -> int:
         if state == State.SERVING:
             if args.once:
                 return EXIT_OK
-            log.info("SERVING: /readyz is 200; probing every %gs; SIGTERM drains and exits",
-                     cfg["readiness.watch_interval_seconds"])
-            agent.watch(cfg["readiness.watch_interval_seconds"])
+            logging.getLogger("warmup_agent").info("SERVING: /readyz is 200; probing every %gs; SIGTERM drains and "
+                                                   "exits", cfg.readiness.watch_interval_seconds)
+            agent.watch(cfg.readiness.watch_interval_seconds)
             signals.wait_until_stopped()
             return EXIT_OK
         if state == State.DRAINING:
@@ -263,7 +282,7 @@ def cmd_run(args) -> int:
         tracing.shutdown()   # flush: waits at most tracing.export_timeout_seconds
 
 
-def connect_engine(engine: Engine, agent: Agent, registry) -> None:
+def connect_engine(engine: Engine, agent: Agent, registry: Any) -> None:
     """Wire the engine's optional capabilities (engines/base.py) to the agent and
     the exporter's registry.  A supervised server that crashes sends the agent back
     to PRELOAD (readiness false at once); once it answers again the agent re-warms
@@ -281,11 +300,11 @@ def _summary(record: dict) -> str:
     return summary_table(record)
 
 
-def _record(agent: Agent, cfg) -> dict:
+def _record(agent: Agent, cfg: Config) -> dict:
     """The run record, with what config.load's check of prewarm.requests_file found."""
     check = cfg.requests_check
     return {**agent.record(), "requests_file": None if check is None else {
-        "path": check.path, "policy": cfg["prewarm.requests_file_bad_lines"], "requests": check.good_count,
+        "path": check.path, "policy": cfg.prewarm.requests_file_bad_lines, "requests": check.good_count,
         "bad_lines": check.bad_lines()}}
 
 

@@ -51,19 +51,19 @@ class Key:
         return "WARMUP_AGENT_" + self.path.upper().replace(".", "_")
 
 
-def _positive(v) -> bool:
+def _positive(v: Any) -> bool:
     return v > 0
 
 
-def _non_negative(v) -> bool:
+def _non_negative(v: Any) -> bool:
     return v >= 0
 
 
-def _positive_list(v) -> bool:
+def _positive_list(v: Any) -> bool:
     return len(v) > 0 and all(x > 0 for x in v)
 
 
-def _listen(v) -> bool:
+def _listen(v: Any) -> bool:
     host, _, port = v.rpartition(":")
     return bool(host) and port.isdigit() and 0 <= int(port) <= 65535
 
@@ -382,7 +382,9 @@ def _unknown(path: str, source: str) -> ConfigError:
 class Config(Sections):
     """Validated configuration.  Read values as typed attributes of sections,
     `cfg.readiness.min_probes` (declared in config_sections.py, generated from
-    KEYS), or by dotted key, `cfg["readiness.min_probes"]`."""
+    KEYS), or by dotted key, `cfg["readiness.min_probes"]` (config.py only: outside
+    it tests/test_typed_config.py fails on a string lookup)."""
+    data_dir: str     # load() fills the default ($XDG_CACHE_HOME/warmup-agent)
 
     def __init__(self, values: dict[str, Any], sources: dict[str, str]):
         self._values = values

@@ -26,3 +26,9 @@ class EngineError(ReasonedError):
     """A failure of the model or engine with a named reason (goes into
     model_loading_failures_total{reason}).  `message` is one line for the user.
     Also importable from warmup_agent.engines.base and warmup_agent.engines."""
+
+
+class AgentFailure(ReasonedError):
+    """The warmup failed (or stopped: reason "draining") with a named reason; the
+    state machine is FAILED or DRAINING.  Raised by the stages through
+    StageContext.fail/checkpoint/move; also importable from warmup_agent.pipeline."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import psutil
 
@@ -59,12 +60,12 @@ def _cpus_from_mask(words: list[int]) -> list[int]:
     return cpus
 
 
-def _load_nvml():
+def _load_nvml() -> Any:
     import pynvml
     return pynvml
 
 
-def read_gpus(nvml=None, cpu_count: int | None = None) -> tuple[list[GPUFacts], str | None]:
+def read_gpus(nvml: Any = None, cpu_count: int | None = None) -> tuple[list[GPUFacts], str | None]:
     """GPU facts from NVML; ([], reason) where NVML is unavailable."""
     try:
         nv = nvml or _load_nvml()
@@ -91,7 +92,7 @@ def read_gpus(nvml=None, cpu_count: int | None = None) -> tuple[list[GPUFacts], 
     return gpus, None
 
 
-def _nvlinks(nv, h) -> tuple[int | None, dict[str, int]]:
+def _nvlinks(nv: Any, h: Any) -> tuple[int | None, dict[str, int]]:
     """Active NVLink links and, per peer PCI bus id, how many of them lead there."""
     active = 0
     peers: dict[str, int] = {}
@@ -111,25 +112,25 @@ def _nvlinks(nv, h) -> tuple[int | None, dict[str, int]]:
     return active, peers
 
 
-def _str(v) -> str:
+def _str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _bus(v) -> str:
+def _bus(v: Any) -> str:
     """PCI bus ids come as 00000000:19:00.0 or 0000:19:00.0 depending on the call: normalise."""
     s = _str(v).lower()
     domain, _, rest = s.partition(":")
     return f"{int(domain, 16):04x}:{rest}" if rest else s
 
 
-def _try(fn):
+def _try(fn: Any) -> Any:
     try:
         return fn()
     except Exception:  # noqa: BLE001 - optional NVML fields
         return None
 
 
-def read_host(nvml=None) -> HostFacts:
+def read_host(nvml: Any = None) -> HostFacts:
     vm = psutil.virtual_memory()
     gpus, err = read_gpus(nvml)
     return HostFacts(cpu_count=os.cpu_count() or 1, allowed_cpus=sorted(os.sched_getaffinity(0)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import psutil
 
@@ -23,7 +24,7 @@ def jitter_ratio(samples: list[int]) -> float:
 
 
 class MemorySampler:
-    def __init__(self, interval: float = 0.1, window: float = 60.0, clock=time.monotonic):
+    def __init__(self, interval: float = 0.1, window: float = 60.0, clock: Any = time.monotonic) -> None:
         self.interval, self.window, self._clock = interval, window, clock
         self._samples: deque[tuple[float, int]] = deque()
         self._proc = psutil.Process()

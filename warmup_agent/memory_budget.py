@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from warmup_agent.errors import ReasonedError
 
@@ -77,7 +77,7 @@ def measure_peak_rss(fn: Callable[[], object], interval: float = 0.001) -> tuple
     peak = [base]
     done = threading.Event()
 
-    def sample():
+    def sample() -> None:
         while not done.wait(interval):
             peak[0] = max(peak[0], proc.memory_info().rss)
 
@@ -102,14 +102,14 @@ def is_out_of_memory(e: BaseException) -> bool:
 class BackOff:
     """Runtime back-off over the batch sizes of the grid."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.limit = math.inf       # batch sizes >= limit are skipped
         self.dropped_at: list[tuple[int, str]] = []   # (batch, error) in the order it happened
 
     def allows(self, batch: int) -> bool:
         return batch < self.limit
 
-    def run(self, batch: int, fn: Callable[[], object]):
+    def run(self, batch: int, fn: Callable[[], object]) -> Any:
         """Run fn() for a shape of `batch`; on out-of-memory drop this batch size and
         every larger one and return None.  Other errors propagate."""
         if not self.allows(batch):

@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 
 from warmup_agent.benefit import Call
+from warmup_agent.readiness.window import SlidingWindow
 
 # A probe is timed like a warmup call: TTFT, whole answer, tokens, prompt length.
 Probe = Call
@@ -62,17 +63,28 @@ def first_request(probes: list[Probe]) -> FirstRequest | None:
 
 
 class ProbeLog:
-    """Every probe, in order (a re-warm's too); the first-request figures of the
-    current gate: from its first probe (`restart`) to the one that opened it (`freeze`)."""
+    """Every probe, in order (a re-warm's too); the decode window (time per output
+    token of the probes that decoded); the first-request figures of the current
+    gate: from its first probe (`restart`) to the one that opened it (`freeze`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode_window_size: int = 100) -> None:
         self.probes: list[Probe] = []
+        #: Time per output token of the probes: (total - first token) / (output tokens - 1).
+        self.decode = SlidingWindow(decode_window_size)
         self._start = 0                     # index of the current gate's first probe
         self._frozen: FirstRequest | None = None
         self._frozen_at: int | None = None
 
     def add(self, probe: Probe) -> None:
         self.probes.append(probe)
+
+    def add_decode(self, probe: Probe) -> bool:
+        """Put a probe's time per output token, the interval between streamed tokens,
+        into the decode window; False (nothing added) for a one-token answer."""
+        if probe.output_tokens <= 1:
+            return False
+        self.decode.add((probe.total - probe.ttft) / (probe.output_tokens - 1))
+        return True
 
     def restart(self) -> None:
         """A new gate (a re-warm): its next probe is a first request again."""

@@ -7,13 +7,14 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 from warmup_agent.tracing import current_trace_id
 
 coldstart_log = logging.getLogger("warmup_agent.coldstart")
 
 
-def coldstart(event: str, stage: str, phase: int, **fields) -> None:
+def coldstart(event: str, stage: str, phase: int, **fields: Any) -> None:
     """One structured `[COLDSTART]` line; fields also go to JSON logs as keys.  With
     start-up traces on (tracing.py) the line ends with the trace's `trace_id`."""
     if (trace_id := current_trace_id()) is not None:
@@ -23,7 +24,7 @@ def coldstart(event: str, stage: str, phase: int, **fields) -> None:
                        extra={"phase": phase, "stage": stage, "event": event, **fields})
 
 
-def _fmt(v) -> str:
+def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
@@ -32,7 +33,7 @@ class Progress:
     second); elsewhere a plain line is printed at each stage start, at each
     quarter of its steps and at its end."""
 
-    def __init__(self, stream=None, tty: bool | None = None, enabled: bool = True):
+    def __init__(self, stream: Any = None, tty: bool | None = None, enabled: bool = True) -> None:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self.enabled = enabled
@@ -120,7 +121,7 @@ class ProgressAwareHandler(logging.StreamHandler):
     """A log handler that lifts the live progress line out of the way of each log
     record and puts it back afterwards."""
 
-    def __init__(self, progress: Progress, stream=None):
+    def __init__(self, progress: Progress, stream: Any = None) -> None:
         super().__init__(stream or progress.stream)
         self.progress = progress
 
@@ -155,12 +156,14 @@ def summary_table(record: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    # The first-request figures as probes.py computed them (the record carries them; no arithmetic here).
     first, steady = record.get("first_request_seconds"), record.get("steady_first_token_seconds")
-    if first is not None and steady:
+    tax = record.get("first_request_tax_ratio")
+    if first is not None and steady and tax is not None:
         lines.append("")
         lines.append(f"first request after warmup: {first * 1000:.1f} ms time to first token; "
                      f"steady: {steady * 1000:.1f} ms (median of {record['probe_count'] - 1} probes); "
-                     f"first-request tax {first / steady:.2f}x")
+                     f"first-request tax {tax:.2f}x")
     if record.get("failure_reason"):
         lines.append(f"failed: {record['failure_reason']}: {record.get('failure_message', '')}")
     return "\n".join(lines)

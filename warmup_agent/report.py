@@ -15,6 +15,7 @@ import io
 import json
 import os
 import sys
+from typing import Any
 
 from warmup_agent.config import BY_PATH
 from warmup_agent.readiness.window import nearest_rank
@@ -70,7 +71,7 @@ def timeline(record: dict) -> list[dict]:
     return stages
 
 
-def _duration_label(ax, row: int, start: float, dur: float, xmax: float) -> None:
+def _duration_label(ax: Any, row: int, start: float, dur: float, xmax: float) -> None:
     """Put a stage's duration where it cannot leave the axes: after the bar, inside
     a long bar near the right edge, or before a short one there.  Each stage has
     its own row, so labels of different stages never share a line."""
@@ -85,7 +86,7 @@ def _duration_label(ax, row: int, start: float, dur: float, xmax: float) -> None
         ax.text(start - 0.01 * xmax, row, text, va="center", ha="right", fontsize=8)
 
 
-def build_figure(record: dict, thresholds: dict[str, float]):
+def build_figure(record: dict, thresholds: dict[str, float]) -> Any:
     """The report's figure: the stage timeline above, the probes against the
     thresholds below.  Every label is placed so that none overlaps another or
     leaves the picture (tests/test_report.py measures it with the renderer)."""
@@ -163,7 +164,7 @@ def render_png(record: dict, thresholds: dict[str, float]) -> bytes:
     return buf.getvalue()
 
 
-def _fmt(v, unit="s") -> str:
+def _fmt(v: Any, unit: Any = "s") -> str:
     if v is None:
         return "-"
     return f"{v * 1000:.1f} ms" if unit == "ms" else f"{v:.3f} s"
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(prog="warmup-agent report", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))

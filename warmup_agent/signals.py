@@ -25,7 +25,7 @@ import logging
 import signal
 import socket
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class SignalWatcher:
             pass
 
     # The Python-level handler: runs on the main thread, whenever it gets there.
-    def _python_handler(self, signum, frame) -> None:
+    def _python_handler(self, signum: Any, frame: Any) -> None:
         self._handle(signum, source="handler")
 
     def _watch(self) -> None:

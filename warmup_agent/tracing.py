@@ -38,10 +38,47 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # types only
-    from warmup_agent.pipeline import Agent, StageTiming
+    from exporter.metrics import AgentMetrics
+    from warmup_agent.config import Config
+    from warmup_agent.engines.base import Engine
+    from warmup_agent.hardware import GPUFacts
+    from warmup_agent.states import StateMachine
+    from warmup_agent.timeline import StageTiming
+
+
+class _Context(Protocol):
+    @property
+    def gpu(self) -> GPUFacts | None: ...
+
+
+class Agent(Protocol):
+    """What the tracer reads of the run (pipeline.Agent is one); declared here so
+    that tracing imports nothing of the pipeline."""
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def metrics(self) -> AgentMetrics: ...
+    @property
+    def sm(self) -> StateMachine: ...
+    @property
+    def context(self) -> _Context: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def startup(self) -> StageTiming | None: ...
+    @property
+    def serving_at(self) -> float | None: ...
+    @property
+    def probes(self) -> list[float]: ...
+    @property
+    def probe_totals(self) -> list[float]: ...
+    def clock(self) -> float: ...
+    def record(self) -> dict: ...
 
 log = logging.getLogger("warmup_agent.tracing")
 
@@ -64,24 +101,24 @@ class Settings:
     timeout: float            # seconds: one export, and the wait at exit
 
 
-def enabled(cfg, environ: Mapping[str, str] | None = None) -> bool:
+def enabled(cfg: Config, environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
-    return bool(cfg["tracing.enabled"]) and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"
+    return bool(cfg.tracing.enabled) and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"
 
 
-def settings(cfg, environ: Mapping[str, str] | None = None) -> Settings:
+def settings(cfg: Config, environ: Mapping[str, str] | None = None) -> Settings:
     """The exporter's settings: a `tracing.*` key when set, else the standard
     OTEL_EXPORTER_OTLP_* variables, else the OTLP defaults (localhost:4317 for
     gRPC, localhost:4318/v1/traces for HTTP)."""
     env = os.environ if environ is None else environ
-    protocol = (cfg["tracing.protocol"] or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+    protocol = (cfg.tracing.protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
     if protocol not in PROTOCOLS:
         log.warning("OTLP protocol %r is not supported (only %s): using grpc", protocol, ", ".join(PROTOCOLS))
         protocol = "grpc"
     http = protocol == "http/protobuf"
-    if cfg["tracing.endpoint"]:
-        endpoint = _base(cfg["tracing.endpoint"], http)
+    if cfg.tracing.endpoint:
+        endpoint = _base(cfg.tracing.endpoint, http)
     elif env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         endpoint = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].strip()   # used as given (OTLP spec)
     elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
@@ -89,7 +126,7 @@ def settings(cfg, environ: Mapping[str, str] | None = None) -> Settings:
     else:
         endpoint = "http://localhost:4318/v1/traces" if http else "http://localhost:4317"
     service = env.get("OTEL_SERVICE_NAME", "").strip() or "warmup-agent"
-    return Settings(protocol, endpoint, service, cfg["tracing.export_timeout_seconds"])
+    return Settings(protocol, endpoint, service, cfg.tracing.export_timeout_seconds)
 
 
 def _base(url: str, http: bool) -> str:
@@ -140,7 +177,7 @@ def current_trace_id() -> str | None:
     return _active.current_trace_id
 
 
-def setup(cfg, env: Mapping[str, str] | None = None) -> Tracing:
+def setup(cfg: Config, env: Mapping[str, str] | None = None) -> Tracing:
     """Make the process's tracer from the config; NOOP (no import) when tracing is off."""
     global _active
     if not enabled(cfg, env):
@@ -233,7 +270,7 @@ def flatten(prefix: str, data: dict, out: dict[str, Any] | None = None, depth: i
 
 def model_name(agent: Agent) -> str | None:
     """gen_ai.request.model: the served name sent in requests, else the model directory's name."""
-    served = agent.cfg["openai.model"] if agent.cfg["engine"] == "openai" else None
+    served = agent.cfg.openai.model if agent.cfg.engine == "openai" else None
     path = agent.engine.model_path
     return served or (os.path.basename(os.path.normpath(path)) if path else None)
 
@@ -401,7 +438,7 @@ class OtlpTracing(Tracing):
             tr.root_start_ns = tr.origin_ns
             self._queue.put(("root", tr.trace_id, tr.name, tr.root_start_ns))
         sm = agent.sm
-        attrs: dict[str, Any] = {"warmup.engine": agent.cfg["engine"], "warmup.state": sm.state.name}
+        attrs: dict[str, Any] = {"warmup.engine": agent.cfg.engine, "warmup.state": sm.state.name}
         for key, value in (("gen_ai.request.model", model_name(agent)),
                            ("warmup.model.path", agent.engine.model_path),
                            ("warmup.gpu.uuid", agent.context.gpu.uuid if agent.context.gpu is not None else None),
@@ -465,7 +502,7 @@ class _Worker:
             provider.force_flush(int(self.s.timeout * 1000))
             provider.shutdown()
 
-    def _setup(self):
+    def _setup(self) -> Any:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -499,7 +536,7 @@ class _Worker:
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))
         return provider, provider.get_tracer("warmup_agent", __version__)
 
-    def _handle(self, tracer, event: tuple) -> None:
+    def _handle(self, tracer: Any, event: tuple) -> None:
         from opentelemetry import trace
         from opentelemetry.context import Context
         from opentelemetry.trace import Status, StatusCode
@@ -521,7 +558,7 @@ class _Worker:
                 root.set_status(Status(StatusCode.ERROR, error))
             root.end(end_time=end_ns)
 
-    def _span(self, tracer, parent, spec: SpanSpec, trace, Status, StatusCode) -> None:  # noqa: N803 - the SDK's classes
+    def _span(self, tracer: Any, parent: Any, spec: SpanSpec, trace: Any, Status: Any, StatusCode: Any) -> None:  # noqa: N803 - the SDK's classes
         span = tracer.start_span(spec.name, context=parent, start_time=spec.start_ns, attributes=spec.attributes)
         if spec.error:
             span.set_status(Status(StatusCode.ERROR, spec.error))
@@ -531,7 +568,7 @@ class _Worker:
         span.end(end_time=spec.end_ns)
 
 
-def _logged(inner, s: Settings):
+def _logged(inner: Any, s: Settings) -> Any:
     """The OTLP exporter, saying once (not per retry) that the collector cannot be
     reached, and once when it can again."""
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -539,7 +576,7 @@ def _logged(inner, s: Settings):
     class LoggedExporter(SpanExporter):
         failing = False
 
-        def export(self, spans):
+        def export(self, spans: Any) -> Any:
             result = inner.export(spans)
             ok = result == SpanExportResult.SUCCESS
             if not ok and not self.failing:

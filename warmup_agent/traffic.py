@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # Plain text that any BPE tokenizer splits into many tokens; repeated and cut to
 # the exact length needed, so prompt length is controlled in tokens, not words.
@@ -33,7 +34,7 @@ def grid(prompt_lengths: list[int], batch_sizes: list[int]) -> list[Shape]:
 class PromptFactory:
     """Builds token-id prompts of exact lengths from the engine's own tokenizer."""
 
-    def __init__(self, tokenize):
+    def __init__(self, tokenize: Any) -> None:
         self._tokens = tokenize(_SEED_TEXT * 4) or [0]
 
     def prompt(self, length: int, variant: int = 0) -> list[int]:
@@ -64,7 +65,7 @@ def gaussian_lengths(count: int, mean: float = 23.0, sd: float = 5.0, seed: int 
     return out
 
 
-def lengths_from_sample(path: str, tokenize, count: int, seed: int = 0) -> list[int]:
+def lengths_from_sample(path: str, tokenize: Any, count: int, seed: int = 0) -> list[int]:
     """Prompt lengths learned from a file of real prompts (one per line): `count`
     lengths drawn from their empirical token-length distribution."""
     import random
@@ -211,7 +212,7 @@ def default_profile(endpoints: Sequence[str], max_tokens: int, prompt_lengths: l
                           prompt_lengths=list(prompt_lengths), max_tokens=max_tokens)
 
 
-def load_requests_file(path: str, count_chat, count_text, max_lengths: int = 8,
+def load_requests_file(path: str, count_chat: Any, count_text: Any, max_lengths: int = 8,
                        bad_lines: str = "skip") -> TrafficProfile:
     """A profile learned from JSON Lines of OpenAI request bodies, as a gateway logs
     them.  `count_chat(messages)` / `count_text(prompt)` give exact token counts

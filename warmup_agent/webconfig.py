@@ -12,6 +12,11 @@
 Same file as node_exporter's `--web.config.file`, so a team that already has one
 can reuse it.  Passwords are stored only as bcrypt hashes.  Every problem is a
 `ConfigError` with one line naming the file, the key and what was expected.
+
+`resolve` is the one place the exporter's protection is worked out from the
+`exporter.*` keys (this file, the older tls_*/basic_auth_* keys, the admin
+token), like node_exporter resolving its web config in `main`: the exporter's
+server receives the result, a `ServerSecurity`, and never sees the config.
 """
 from __future__ import annotations
 
@@ -23,10 +28,14 @@ import os
 import ssl
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
 from warmup_agent.config import ConfigError
+
+if TYPE_CHECKING:  # types only
+    from warmup_agent.config_sections import ExporterSection
 
 # exporter-toolkit names -> Python's verify modes.  RequestClientCert and
 # RequireAnyClientCert (a certificate asked for but not verified) have no
@@ -97,7 +106,7 @@ def load(path: str) -> WebConfig:
             raise _unknown(path, str(name), _TOP)
     base = os.path.dirname(os.path.abspath(path))
 
-    def file_at(section: str, name: str, value) -> str:
+    def file_at(section: str, name: str, value: Any) -> str:
         if not isinstance(value, str) or not value:
             raise err(f"key '{section}.{name}': expected a file path")
         full = value if os.path.isabs(value) else os.path.join(base, value)
@@ -195,3 +204,77 @@ def read_token(path: str, key: str) -> str:
     if len(token) < 16:
         raise ConfigError(f"key '{key}': {path} holds {len(token)} characters; expected a token of at least 16", key)
     return token
+
+
+class PasswordAuth:
+    """The older single-user basic auth (exporter.basic_auth_username + password file)."""
+
+    def __init__(self, user: str, password: str):
+        self.user, self.password = user, password
+
+    def check(self, header: str | None) -> bool:
+        if not header or not header.startswith("Basic "):
+            return False
+        try:
+            user, _, password = base64.b64decode(header[6:]).decode().partition(":")
+        except Exception:  # noqa: BLE001 - malformed header
+            return False
+        return hmac.compare_digest(user, self.user) & hmac.compare_digest(password, self.password)
+
+
+class Authenticator(Protocol):
+    def check(self, header: str | None) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How the exporter's server is protected, resolved: the TLS context (None:
+    plain HTTP), the basic-auth check (None: open) and the admin token (None: the
+    admin endpoints answer 404)."""
+    tls: ssl.SSLContext | None = None
+    auth: Authenticator | None = None
+    admin_token: str | None = None
+
+    @classmethod
+    def of(cls, web_config: WebConfig | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+           basic_auth: tuple[str, str] | None = None, admin_token: str | None = None) -> ServerSecurity:
+        """From the pieces: a web config, and/or the older certificate pair and
+        (user, password); the older keys win where both are given."""
+        ctx: ssl.SSLContext | None = None
+        auth: Authenticator | None = None
+        if web_config is not None:
+            ctx = web_config.tls.context() if web_config.tls else None
+            auth = BasicAuth(web_config.users) if web_config.users else None
+        if tls_cert:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(tls_cert, tls_key)
+        if basic_auth:
+            auth = PasswordAuth(*basic_auth)
+        return cls(ctx, auth, admin_token)
+
+
+def read_secret(path: str, key: str) -> str:
+    """A secret from a file, stripped; ConfigError (one line) when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"key '{key}': cannot read {path}: {e.strerror}", key) from None
+
+
+def resolve(ec: ExporterSection) -> ServerSecurity:
+    """The exporter's protection from the `exporter.*` keys: the basic-auth password
+    file is read, the web config file loaded (refused beside the older tls_* or
+    basic_auth_* keys), the admin token read."""
+    basic_auth = None
+    if ec.basic_auth_username and ec.basic_auth_password_file:   # config.load wants both or neither
+        basic_auth = (ec.basic_auth_username, read_secret(ec.basic_auth_password_file, "exporter.basic_auth_password_file"))
+    web_config = None
+    if ec.web_config_file:
+        if ec.tls_cert_file or basic_auth:
+            raise ConfigError("key 'exporter.web_config_file': set it or the exporter.tls_*/basic_auth_* keys, "
+                              "not both", "exporter.web_config_file")
+        web_config = load(ec.web_config_file)
+    token = read_token(ec.admin_token_file, "exporter.admin_token_file") if ec.admin_token_file else None
+    return ServerSecurity.of(web_config, ec.tls_cert_file, ec.tls_key_file, basic_auth, token)

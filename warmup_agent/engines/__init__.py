@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from warmup_agent.config import ConfigError
+from warmup_agent.config import Config, ConfigError
 from warmup_agent.engines.base import Engine, EngineError
 
 # What each in-process engine imports beyond the core install, and the extra that
@@ -30,15 +30,15 @@ def check_installed(name: str) -> None:
                           f"pip install 'warmup-agent[{extra}]', or use engine openai", "engine")
 
 
-def create(cfg, model_path: str | None, server_command: list[str] | None = None) -> Engine:
+def create(cfg: Config, model_path: str | None, server_command: list[str] | None = None) -> Engine:
     """Build the engine named by cfg.engine.  Imports are lazy: a torch user never
     imports vLLM, and `--help` never imports torch."""
-    name = cfg["engine"]
+    name = cfg.engine
     if name == "torch":
         from warmup_agent.engines.torch_engine import TorchEngine
         if model_path is None:
             raise ValueError("engine torch needs a model directory (the CLI makes the embedded one when none is given)")
-        return TorchEngine(model_path, dtype=cfg["model.dtype"], device=cfg["model.device"])
+        return TorchEngine(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
     if name == "openai":
         from warmup_agent.engines.openai_engine import OpenAIEngine
         return OpenAIEngine(cfg, server_command=server_command, model_path=model_path)

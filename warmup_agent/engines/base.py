@@ -87,7 +87,7 @@ class Engine(abc.ABC):
     server_name
     speaks_profile              False                           openai; prewarm warms the traffic
     generate_requests(), apis,  raises, (), None, {}            profile and probes are profile
-    text, capabilities                                          requests (pipeline.Agent.probe)
+    text, capabilities                                          requests (StageContext.probe)
     has_compile_artifacts()     True                            openai; solidify skips the cache
     set_server_callbacks(x, r)  ignores them (no server)        openai; cli (crash -> PRELOAD)
     metrics_url                 None (no engine /metrics)       openai; cli registers the collector
@@ -99,7 +99,7 @@ class Engine(abc.ABC):
     name: str = "abstract"
 
     # -- what the engine knows about its model ------------------------------------------
-    #: How the model is quantized as this engine runs it (warmup_agent/quantization.py,
+    #: How the model is quantized as this engine runs it (warmup_agent/quantization/,
     #: issue 16).  None: the engine does not say (the agent exports no quantization info).
     quantization: QuantizationInfo | None = None
     #: How load_weights read the weights (the torch engine's loader, gpu/loader.py):

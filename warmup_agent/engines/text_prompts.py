@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 
 class ChatTemplateMissing(Exception):
@@ -23,7 +24,7 @@ class TextPrompts:
     """`tokenizer`: a tokenizers.Tokenizer.  `template`: the chat template (jinja2
     source) from tokenizer_config.json, or None (no chat prompts)."""
 
-    def __init__(self, tokenizer, template: str | None = None, special: dict | None = None, seed_text: str = ""):
+    def __init__(self, tokenizer: Any, template: str | None = None, special: dict | None = None, seed_text: str = "") -> None:
         self.tok = tokenizer
         self.special = special or {}
         self._template = None
@@ -34,7 +35,7 @@ class TextPrompts:
                                                                extensions=["jinja2.ext.loopcontrols"])
             env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
 
-            def raise_exception(message):
+            def raise_exception(message: Any) -> None:
                 raise jinja2.exceptions.TemplateError(message)
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(template)
@@ -88,7 +89,7 @@ class TextPrompts:
             start = 0
         return self.tok.decode(ids[:k])
 
-    def _fit(self, length: int, variant: int, measure) -> tuple[str, int]:
+    def _fit(self, length: int, variant: int, measure: Any) -> tuple[str, int]:
         """Content text whose measured length is `length` (or the closest found)."""
         k = max(0, length - measure(""))
         best = ("", measure(""))

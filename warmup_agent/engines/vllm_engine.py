@@ -22,11 +22,14 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 from warmup_agent.engines.openai_engine import parse_adapters
 from warmup_agent.gpu import sizing
+
+if TYPE_CHECKING:  # types only
+    from warmup_agent.config import Config
 
 
 def _one_line(e: BaseException) -> str:
@@ -37,7 +40,7 @@ def _one_line(e: BaseException) -> str:
 class VllmEngine(Engine):
     name = "vllm"
 
-    def __init__(self, cfg, model_path: str, log: logging.Logger | None = None):
+    def __init__(self, cfg: Config, model_path: str, log: logging.Logger | None = None):
         self.cfg = cfg
         self._model_path = model_path
         self.log = log or logging.getLogger("warmup_agent.engines.vllm")
@@ -54,7 +57,7 @@ class VllmEngine(Engine):
         """The model directory vLLM loads (reserve checks it: Engine.model_path)."""
         return self._model_path
 
-    def _detect_quantization(self):
+    def _detect_quantization(self) -> Any:
         """What vLLM will run quantized: it reads config.json's quantization_config
         itself, so that is what we read (issue 16). Its scales stay inside vLLM:
         docs/fp8.md says what is not checked."""
@@ -67,7 +70,7 @@ class VllmEngine(Engine):
             return quantization.QuantizationInfo()
 
     def _set_cache_dirs(self) -> None:
-        data = self.cfg["data_dir"]
+        data = self.cfg.data_dir
         for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("TRITON_CACHE_DIR", "triton")):
             os.environ.setdefault(var, os.path.join(data, "cache", sub))
@@ -90,23 +93,23 @@ class VllmEngine(Engine):
     def engine_args(self) -> dict:
         """Keyword arguments for vllm.LLM, from the config."""
         cfg = self.cfg
-        args = dict(model=self.model_path, enforce_eager=cfg["vllm.enforce_eager"], seed=0)
-        if cfg["model.dtype"] != "auto":
-            args["dtype"] = cfg["model.dtype"]
-        if cfg["vllm.max_model_len"]:
-            args["max_model_len"] = cfg["vllm.max_model_len"]
-        if cfg["vllm.max_num_seqs"]:
-            args["max_num_seqs"] = cfg["vllm.max_num_seqs"]
-        if cfg["vllm.kv_cache_memory_bytes"]:
-            args["kv_cache_memory_bytes"] = cfg["vllm.kv_cache_memory_bytes"]
+        args = dict(model=self.model_path, enforce_eager=cfg.vllm.enforce_eager, seed=0)
+        if cfg.model.dtype != "auto":
+            args["dtype"] = cfg.model.dtype
+        if cfg.vllm.max_model_len:
+            args["max_model_len"] = cfg.vllm.max_model_len
+        if cfg.vllm.max_num_seqs:
+            args["max_num_seqs"] = cfg.vllm.max_num_seqs
+        if cfg.vllm.kv_cache_memory_bytes:
+            args["kv_cache_memory_bytes"] = cfg.vllm.kv_cache_memory_bytes
         elif not _has_cuda():
             # The CPU build takes ~8 GiB for KV unless told: a quarter of what is free, at most 4 GiB.
             import psutil
             args["kv_cache_memory_bytes"] = int(min(psutil.virtual_memory().available * 0.25, 4 << 30))
         else:
-            args["gpu_memory_utilization"] = cfg["vllm.gpu_memory_utilization"]
-        if parse_adapters(cfg["lora.adapters"]):
-            args.update(enable_lora=True, max_lora_rank=cfg["lora.max_rank"])
+            args["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
+        if parse_adapters(cfg.lora.adapters):
+            args.update(enable_lora=True, max_lora_rank=cfg.lora.max_rank)
         return args
 
     def load_weights(self) -> None:
@@ -128,7 +131,7 @@ class VllmEngine(Engine):
 
     def load_lora_adapters(self) -> None:
         from vllm.lora.request import LoRARequest
-        for i, (name, path) in enumerate(parse_adapters(self.cfg["lora.adapters"]), start=1):
+        for i, (name, path) in enumerate(parse_adapters(self.cfg.lora.adapters), start=1):
             if name in self.adapters:
                 continue
             req = LoRARequest(name, i, path)
@@ -163,7 +166,7 @@ class VllmEngine(Engine):
                  warmup: bool = False) -> list[RequestResult]:
         return self._run(prompts, max_new_tokens, warmup)
 
-    def _run(self, prompts, max_new_tokens, warmup, lora=None) -> list[RequestResult]:
+    def _run(self, prompts: Any, max_new_tokens: Any, warmup: Any, lora: Any = None) -> list[RequestResult]:
         from vllm import SamplingParams
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         prefix = "warmup" if warmup else "req"
@@ -192,7 +195,7 @@ class VllmEngine(Engine):
         """vLLM compiles and captures CUDA graphs inside LLM(...) (unless
         enforce_eager), into the cache directories set above; report that time."""
         return SolidifyReport(method="engine_startup", shapes=len(shapes), seconds=self.load_seconds or 0.0,
-                              detail={"enforce_eager": self.cfg["vllm.enforce_eager"]})
+                              detail={"enforce_eager": self.cfg.vllm.enforce_eager})
 
     def weight_fingerprint(self) -> str:
         """Name, size and safetensors header of each weight file (header only: fast)."""

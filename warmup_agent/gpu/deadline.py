@@ -5,16 +5,17 @@ abandoned (it cannot be killed; the process is expected to fail and restart)."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from warmup_agent.errors import EngineError
 
 
-def run_with_deadline(fn, seconds: float, reason: str, what: str):
+def run_with_deadline(fn: Any, seconds: float, reason: str, what: str) -> Any:
     if not seconds or seconds <= 0:
         return fn()
     box: dict = {}
 
-    def target():
+    def target() -> None:
         try:
             box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller below

@@ -14,6 +14,7 @@ reason and keeps the eager path: never a crash.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 log = logging.getLogger("warmup_agent.gpu.graphs")
 
@@ -21,7 +22,7 @@ log = logging.getLogger("warmup_agent.gpu.graphs")
 class StaticDecoder:
     """Static KV cache + (optionally) a captured decode step for one batch size."""
 
-    def __init__(self, model, batch: int, max_len: int, device, capture: bool, pool=None):
+    def __init__(self, model: Any, batch: int, max_len: int, device: Any, capture: bool, pool: Any = None) -> None:
         import torch
         from transformers import StaticCache
         self.model, self.batch, self.max_len, self.device = model, batch, max_len, device
@@ -35,11 +36,11 @@ class StaticDecoder:
         if capture:
             self._capture(pool)
 
-    def _step(self):
+    def _step(self) -> Any:
         return self.model(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos,
                           use_cache=True).logits
 
-    def _capture(self, pool) -> None:
+    def _capture(self, pool: Any) -> None:
         import torch
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -52,7 +53,7 @@ class StaticDecoder:
             self.logits = self._step()
         torch.cuda.synchronize(self.device)
 
-    def prefill(self, ids):
+    def prefill(self, ids: Any) -> Any:
         """Eager prefill of equal-length prompts into the (reset) static cache; logits of the last position."""
         import torch
         n = ids.shape[1]
@@ -62,7 +63,7 @@ class StaticDecoder:
                              cache_position=torch.arange(n, device=self.device), use_cache=True)
         return out.logits[:, -1, :]
 
-    def decode(self, token, position: int):
+    def decode(self, token: Any, position: int) -> Any:
         """One decode step for `token` ([batch, 1]) at `position`; logits [batch, vocab]."""
         import torch
         with torch.inference_mode():
@@ -75,7 +76,7 @@ class StaticDecoder:
             return self._step()[:, -1, :]
 
 
-def build(model, batches: list[int], max_len: int, device, capture: bool) -> tuple[dict, str | None]:
+def build(model: Any, batches: list[int], max_len: int, device: Any, capture: bool) -> tuple[dict, str | None]:
     """StaticDecoders by batch size; (decoders, None) or ({}, reason) where it failed."""
     import torch
     if capture and device.type != "cuda":

@@ -23,6 +23,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from warmup_agent.errors import EngineError
 
@@ -74,7 +75,7 @@ class LoadReport:
         return d
 
 
-def checkpoint_slots(shards: list[str], read_header) -> list[TensorSlot]:
+def checkpoint_slots(shards: list[str], read_header: Any) -> list[TensorSlot]:
     """Every tensor of every shard with its absolute file offset, in forward order."""
     import struct
     slots = []
@@ -90,7 +91,7 @@ def checkpoint_slots(shards: list[str], read_header) -> list[TensorSlot]:
 
 
 def check_against_skeleton(path: str, slots: list[TensorSlot], expected: dict[str, tuple], tied: set[str],
-                           config_dtype: str | None, keep=lambda name: False) -> None:
+                           config_dtype: str | None, keep: Any = lambda name: False) -> None:
     found = {s.name: s for s in slots}
     for name in sorted(found):
         if name in expected and tuple(expected[name]) != found[name].shape:
@@ -131,7 +132,7 @@ def check_manifest(path: str, manifest: str) -> int:
     return len(lines)
 
 
-def build_meta_skeleton(config_path: str, dtype):
+def build_meta_skeleton(config_path: str, dtype: Any) -> Any:
     """The model on the meta device (no memory).  Returns (model, expected shapes,
     tied names).  Needs transformers and the model's modeling module: this is the
     part a background thread can do while the weights are being read."""
@@ -145,7 +146,7 @@ def build_meta_skeleton(config_path: str, dtype):
     return model, expected, tied
 
 
-def allocate(slots: list[TensorSlot], dtype, device, keep=lambda name: False) -> dict:
+def allocate(slots: list[TensorSlot], dtype: Any, device: Any, keep: Any = lambda name: False) -> dict:
     """Uninitialised destination tensors for the checkpoint, by name: floating
     tensors in the target dtype, others as stored (and FP8 tensors, and the names
     `keep` selects: quantization scales).  Needs no model, so weights can be read
@@ -161,7 +162,7 @@ def allocate(slots: list[TensorSlot], dtype, device, keep=lambda name: False) ->
     return out
 
 
-def bind(model, tensors: dict, device):
+def bind(model: Any, tensors: dict, device: Any) -> Any:
     """Make the loaded tensors the parameters of a meta-device skeleton (no copy):
     non-persistent buffers rebuilt from the config first (they are in no
     checkpoint), then the tensors assigned, then the weights tied."""
@@ -177,7 +178,7 @@ def bind(model, tensors: dict, device):
     return model.eval()
 
 
-def _rebuild_nonpersistent(model, device) -> None:
+def _rebuild_nonpersistent(model: Any, device: Any) -> None:
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if not getattr(child, "_non_persistent_buffers_set", None):
@@ -190,12 +191,12 @@ def _rebuild_nonpersistent(model, device) -> None:
             setattr(parent, child_name, fresh.to(device))
 
 
-def _dest_tensors(model) -> dict:
+def _dest_tensors(model: Any) -> dict:
     """name -> the parameter or persistent buffer to fill (tied names map to one tensor)."""
     return dict(model.state_dict(keep_vars=True))
 
 
-def load(model, slots: list[TensorSlot], device, chunk_bytes: int = 64 << 20, buffers: int = 4,
+def load(model: Any, slots: list[TensorSlot], device: Any, chunk_bytes: int = 64 << 20, buffers: int = 4,
          workers: int = 4) -> LoadReport:
     """Fill `model` (or a dict name -> tensor, see allocate()) from the checkpoint;
     pinned and overlapped on CUDA, plain elsewhere."""
@@ -227,7 +228,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def _load_plain(dest, slots) -> LoadReport:
+def _load_plain(dest: Any, slots: Any) -> LoadReport:
     """Read each tensor straight into its destination when the stored dtype is the
     target dtype; otherwise through one reused staging buffer and a cast.  (A fresh
     buffer per tensor made the kernel fault in every page twice.)"""
@@ -256,7 +257,7 @@ def _load_plain(dest, slots) -> LoadReport:
     return LoadReport(path="plain", bytes=total)
 
 
-def _load_pinned(dest, slots, device, chunk_bytes, nbuf, workers) -> LoadReport:
+def _load_pinned(dest: Any, slots: Any, device: Any, chunk_bytes: Any, nbuf: Any, workers: Any) -> LoadReport:
     import torch
     chunks = []   # (shard, file offset, nbytes, destination byte view, start)
     for s in slots:
@@ -270,7 +271,7 @@ def _load_pinned(dest, slots, device, chunk_bytes, nbuf, workers) -> LoadReport:
     stream = torch.cuda.Stream(device)
     fds = {shard: os.open(shard, os.O_RDONLY) for shard in {c[0] for c in chunks}}
 
-    def read(i):
+    def read(i: Any) -> None:
         shard, off, n, _, _ = chunks[i]
         k = i % nbuf
         done_events[k].synchronize()           # the copy out of this buffer has finished

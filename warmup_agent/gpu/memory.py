@@ -13,6 +13,8 @@ device, from torch.cuda.memory_snapshot().  See fragmentation_from_snapshot.
 """
 from __future__ import annotations
 
+from typing import Any
+
 
 def _live(block: dict) -> bool:
     return block.get("state") != "inactive"      # active_allocated or active_pending_free
@@ -71,7 +73,7 @@ def old_fragmentation_from_snapshot(snapshot: list[dict]) -> dict[int, float]:
     return {d: (1.0 - largest[d] / free[d]) if free[d] else 0.0 for d in free}
 
 
-def reserve(device, nbytes: int) -> int:
+def reserve(device: Any, nbytes: int) -> int:
     """Reserve and touch `nbytes` on a CUDA device; return the bytes the allocator
     now holds for this process on it.  CPU devices: nothing to reserve, 0."""
     import torch

@@ -8,6 +8,7 @@ interval; the slope is the least-squares fit of utilisation (0..1) against time
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from warmup_agent.periodic import Periodic
 
@@ -26,7 +27,7 @@ def least_squares_slope(samples: list[tuple[float, float]]) -> float | None:
 
 
 class RampSampler:
-    def __init__(self, nvml, handle, interval: float = 0.05, clock=time.perf_counter):
+    def __init__(self, nvml: Any, handle: Any, interval: float = 0.05, clock: Any = time.perf_counter) -> None:
         self._nvml, self._handle, self.interval, self._clock = nvml, handle, interval, clock
         self.samples: list[tuple[float, float]] = []
         self._loop = Periodic(interval, self.sample, name="gpu-ramp-sampler")

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
 
     from exporter.metrics import AgentMetrics
+    from warmup_agent.config import Config
 
 log = logging.getLogger("warmup_agent.kernel_cache")
 T = TypeVar("T")
@@ -78,7 +79,7 @@ class _Entry:
         return f"{self.digest} {self.size} {self.mode:o} {self.signature}"
 
 
-def _batches(items, size_of):
+def _batches(items: Any, size_of: Any) -> Any:
     batch: list = []
     total = 0
     for item in items:
@@ -137,7 +138,7 @@ class KernelCache:
 
     # --- construction -----------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg, metrics: AgentMetrics | None = None, model_config=None, compile_options: dict | None = None,
+    def from_config(cls, cfg: Config, metrics: AgentMetrics | None = None, model_config: Any = None, compile_options: dict | None = None,
                     runtime: dict | None = None, namespace: str | None = None,
                     announce_off: bool = True) -> "KernelCache":
         """Build from a warmup_agent.config.Config.
@@ -146,22 +147,22 @@ class KernelCache:
         config.json, else the name of the embedded default.  compile_options: whatever changes the
         compiled code (mode, dynamic shapes, dtype...); default: solidify.mode and model.dtype.
         """
-        root = cfg["kernel_cache.dir"] or os.path.join(cfg["data_dir"], "kernel-cache")
+        root = cfg.kernel_cache.dir or os.path.join(cfg.data_dir, "kernel-cache")
         if model_config is None:
-            path = cfg["model.path"]
+            path = cfg.model.path
             cfg_json = os.path.join(path, "config.json") if path else None
             model_config = cfg_json if cfg_json and os.path.isfile(cfg_json) else "embedded-default"
         if compile_options is None:
-            compile_options = {"solidify.mode": cfg["solidify.mode"], "model.dtype": cfg["model.dtype"]}
-        secret, problem = load_secret(cfg["kernel_cache.secret"], cfg["kernel_cache.secret_file"])
+            compile_options = {"solidify.mode": cfg.solidify.mode, "model.dtype": cfg.model.dtype}
+        secret, problem = load_secret(cfg.kernel_cache.secret, cfg.kernel_cache.secret_file)
         settings = Settings(
-            root=root, max_local_bytes=cfg["kernel_cache.max_local_bytes"],
-            redis_url=cfg["kernel_cache.redis_url"], secret=secret, secret_problem=problem,
-            prefix=cfg["kernel_cache.key_prefix"], ttl_seconds=cfg["kernel_cache.ttl_seconds"],
-            max_entry_bytes=cfg["kernel_cache.max_entry_bytes"],
-            socket_timeout=cfg["kernel_cache.socket_timeout_seconds"],
-            retry_interval=cfg["kernel_cache.retry_interval_seconds"],
-            lock_ttl=cfg["kernel_cache.lock_ttl_seconds"], lock_wait=cfg["kernel_cache.lock_wait_seconds"])
+            root=root, max_local_bytes=cfg.kernel_cache.max_local_bytes,
+            redis_url=cfg.kernel_cache.redis_url, secret=secret, secret_problem=problem,
+            prefix=cfg.kernel_cache.key_prefix, ttl_seconds=cfg.kernel_cache.ttl_seconds,
+            max_entry_bytes=cfg.kernel_cache.max_entry_bytes,
+            socket_timeout=cfg.kernel_cache.socket_timeout_seconds,
+            retry_interval=cfg.kernel_cache.retry_interval_seconds,
+            lock_ttl=cfg.kernel_cache.lock_ttl_seconds, lock_wait=cfg.kernel_cache.lock_wait_seconds)
         return cls(settings, nsmod.components(model_config, compile_options, runtime), metrics, namespace, announce_off)
 
     # --- engines ---------------------------------------------------------------
@@ -300,7 +301,7 @@ class KernelCache:
         s = self.settings
         info = json.dumps(self.components, sort_keys=True, default=str)
 
-        def register(c):
+        def register(c: Any) -> None:
             pipe = c.pipeline(transaction=False)
             pipe.set(self._tier.key("info"), info, ex=s.ttl_seconds)
             pipe.zadd(self._tier.namespaces_key, {self.namespace: time.time()})
@@ -311,7 +312,7 @@ class KernelCache:
             pass
 
     def _refresh_ttl(self, keys: list[str]) -> None:
-        def refresh(c):
+        def refresh(c: Any) -> None:
             pipe = c.pipeline(transaction=False)
             for k in keys:
                 pipe.expire(k, self.settings.ttl_seconds)
@@ -363,7 +364,7 @@ class KernelCache:
         self.publish()
         return result
 
-    def _compile_as_winner(self, fn, lock_key, done_key, token):
+    def _compile_as_winner(self, fn: Any, lock_key: Any, done_key: Any, token: Any) -> Any:
         try:
             result = fn()
             self.publish()
@@ -378,7 +379,7 @@ class KernelCache:
             except SharedUnavailable:
                 pass  # the lock expires by itself
 
-    def _end_wait(self, since) -> None:
+    def _end_wait(self, since: Any) -> None:
         if since is not None:
             self._observe(lambda m: m.warmup_kernel_cache_lock_wait_seconds, time.monotonic() - since)
 
@@ -393,7 +394,7 @@ class KernelCache:
         target = "*" if all_namespaces else self.namespace
         pattern = f"{self.settings.prefix}:{target}:*"
 
-        def purge(c):
+        def purge(c: Any) -> Any:
             deleted = 0
             batch = []
             for k in c.scan_iter(match=pattern, count=500):
@@ -494,7 +495,7 @@ class KernelCache:
         if self.shared is None:
             return []
 
-        def read(c):
+        def read(c: Any) -> Any:
             names = c.zrevrange(self._tier.namespaces_key, 0, -1, withscores=True)
             infos = c.mget([self._tier.key("info", namespace=n.decode()) for n, _ in names]) if names else []
             return [{"namespace": n.decode(), "last_publish": score,
@@ -507,7 +508,7 @@ class KernelCache:
 
     def _shared_usage(self) -> tuple[dict, int]:
         """Entries per kind and bytes of distinct blobs of this namespace, from the indexes."""
-        def read(c):
+        def read(c: Any) -> Any:
             pipe = c.pipeline(transaction=False)
             for k in KINDS:
                 pipe.hgetall(self._tier.key("index", k))
@@ -543,7 +544,7 @@ class KernelCache:
         else:
             log.info("kernel cache: shared tier available")
 
-    def _log_once(self, key, level, msg, *args) -> None:
+    def _log_once(self, key: Any, level: Any, msg: Any, *args: Any) -> None:
         if key not in self._logged:
             self._logged.add(key)
             log.log(level, msg, *args)

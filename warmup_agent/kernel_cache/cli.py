@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from warmup_agent import config as config_mod
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "cache", help="inspect and manage the shared kernel cache",
         description="Inspect and manage the two-tier kernel cache (local directories + Redis).")
@@ -36,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def main(args) -> int:
+def main(args: Any) -> int:
     from warmup_agent.kernel_cache.cache import KernelCache
     from warmup_agent.kernel_cache.shared import SharedUnavailable
 
@@ -99,7 +100,7 @@ def _text(st: dict) -> str:
     return "\n".join(lines)
 
 
-def _standalone(argv=None) -> int:
+def _standalone(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(prog="warmup-agent")
     parser.add_argument("--config", default=None)
     add_parser(parser.add_subparsers(dest="command", required=True))

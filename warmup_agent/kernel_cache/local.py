@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from typing import Any
 
 KINDS = ("inductor", "triton", "vllm")
 # Environment variables that point each engine at its directory.
@@ -110,7 +111,7 @@ class LocalTier:
         """Bytes of this namespace's files."""
         return sum(st.st_size for kind in KINDS for st in self.files(kind).values())
 
-    def _all_entries(self):
+    def _all_entries(self) -> Any:
         """(recency, size, namespace, kind, relpath) for every file under the root.
 
         Other namespaces (left by an older version of the stack, or another

@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+from typing import Any
 
 # Bump when the layout of entries in Redis changes.
 SCHEMA = 1
@@ -44,7 +45,7 @@ def runtime_components() -> dict:
     }
 
 
-def model_config_hash(model_config) -> str:
+def model_config_hash(model_config: Any) -> str:
     """sha256 of a model config: a dict (canonical JSON), a config.json path, or bytes/str."""
     if isinstance(model_config, dict):
         data = json.dumps(model_config, sort_keys=True, default=str).encode()
@@ -58,7 +59,7 @@ def model_config_hash(model_config) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def components(model_config, compile_options: dict | None, runtime: dict | None = None) -> dict:
+def components(model_config: Any, compile_options: dict | None, runtime: dict | None = None) -> dict:
     """All inputs of the namespace key, as a JSON-able dict (kept in Redis for `cache stats`)."""
     out = dict(runtime if runtime is not None else runtime_components())
     out["model_config"] = model_config_hash(model_config)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 try:
     import redis
@@ -69,7 +69,7 @@ class SharedTier:
         return f"{self.prefix}:namespaces"
 
     # --- guard --------------------------------------------------------------
-    def call(self, what: str, fn: Callable[[redis.Redis], object]):
+    def call(self, what: str, fn: Callable[[redis.Redis], object]) -> Any:
         """Run fn(client); on any Redis trouble mark degraded and raise SharedUnavailable."""
         if time.monotonic() < self._down_until:
             raise SharedUnavailable(f"shared tier degraded; next try in {self._down_until - time.monotonic():.0f} s")

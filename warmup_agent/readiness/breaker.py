@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from typing import Any
 
 
 class BreakerState(enum.Enum):
@@ -28,7 +29,7 @@ class BreakerState(enum.Enum):
 
 class Breaker:
     def __init__(self, trip_after: int = 3, open_seconds: float = 30.0, half_open_probes: int = 3,
-                 clock=time.monotonic, on_change=None):
+                 clock: Any = time.monotonic, on_change: Any = None) -> None:
         self.trip_after, self.open_seconds, self.half_open_probes = trip_after, open_seconds, half_open_probes
         self.clock = clock
         self.state = BreakerState.CLOSED

@@ -9,7 +9,7 @@ When a model runs in FP8 the seed asks for warmup data that covers:
     attention_scores   0          1         20      the attention probabilities' FP8 scale
 
 Every case goes through the quantized layer's own quantize/dequantize path
-(warmup_agent/quantization.py, the functions its forward pass uses) with the
+(warmup_agent/quantization/fp8_math.py, the functions its forward pass uses) with the
 model's scales:
   activations       the layer's activation quantization: dynamic per token and
                     128-wide group (scale = group max / 448, the 50 cases share a
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from warmup_agent import quantization as q
 
@@ -78,12 +79,12 @@ class RangeReport:
         return {k: v.as_dict() for k, v in self.ranges.items()}
 
 
-def cases(r: Range, device=None):
+def cases(r: Range, device: Any = None) -> Any:
     import torch
     return torch.linspace(r.low, r.high, r.cases, dtype=torch.float32, device=device)
 
 
-def _error(xd, x, r: Range) -> float:
+def _error(xd: Any, x: Any, r: Range) -> float:
     return float((xd - x).abs().max()) / r.peak
 
 
@@ -94,7 +95,7 @@ def _note(res: RangeResult, layer: str, sat: int, err: float) -> None:
     res.max_error = max(res.max_error, err)
 
 
-def activations(layer, r: Range):
+def activations(layer: Any, r: Range) -> Any:
     """(values, saturated, error) of the 50 cases through `layer`'s input quantization.
     The cases fill one token's input vector (tiled across K, so every 128-wide
     group sees the whole range): a dynamic group scale is then the range's peak / 448."""
@@ -110,7 +111,7 @@ def activations(layer, r: Range):
     return xv.numel(), sat, _error(q.dequantize(qv, sv), xv, r)
 
 
-def weights(layer, r: Range):
+def weights(layer: Any, r: Range) -> Any:
     """(values, saturated, error) of the 30 cases against every block scale of `layer`."""
     x = cases(r, layer.weight.device)[:, None]
     s = layer.weight_scale_inv.float().reshape(1, -1)
@@ -118,7 +119,7 @@ def weights(layer, r: Range):
     return x.numel() * s.numel(), sat, _error(q.dequantize(q.quantize(x, s), s), x.expand(-1, s.shape[1]), r)
 
 
-def attention_scale(model):
+def attention_scale(model: Any) -> Any:
     """The checkpoint's FP8 attention-probability scale, if any (none in transformers'
     fp8 layout; compressed-tensors/modelopt KV-cache schemes carry k/v scales, not
     a probability scale)."""
@@ -128,7 +129,7 @@ def attention_scale(model):
     return None, "unit (the checkpoint has no attention-probability scale)"
 
 
-def run(model, ranges=SEED_RANGES) -> RangeReport:
+def run(model: Any, ranges: Any = SEED_RANGES) -> RangeReport:
     """The seed's cases through every FP8 layer of `model` (see the module docstring)."""
     import torch
     layers = q.fp8_layers(model)

@@ -58,7 +58,6 @@ class Readiness:
                                clock=clock, on_change=self._breaker_moved)
         self.water = WaterLevel(rc.water_level_alpha, rc.water_level_window_seconds,
                                 rc.water_level_period_seconds, rc.water_level_headroom, clock=clock)
-        self.fallback_available = False      # set by the proxy when it has a fallback upstream
         self._lock = threading.RLock()
         self._publish_breaker()
         self._publish_thresholds()
@@ -124,6 +123,15 @@ class Readiness:
     def retry_after(self, default: float) -> float:
         remaining = self.breaker.frozen_remaining()
         return remaining if remaining > 0 else default
+
+    @property
+    def state_name(self) -> str:
+        """The state machine's state (the proxy's 503 message and its DRAINING/DEGRADED cases)."""
+        return self.sm.state.name
+
+    def user_request(self) -> None:
+        """A user request arrived (the proxy): counted in the water level's QPS."""
+        self.water.request()
 
     # -- breaker -> state machine ---------------------------------------------------------
     def _breaker_moved(self, frm: BreakerState, to: BreakerState) -> None:

@@ -12,6 +12,7 @@ adaptation only tightens the gate towards what this pod has shown it can do
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 
 class Thresholds:
@@ -35,14 +36,14 @@ class Thresholds:
     def p90(self) -> float:
         return self.current[0.9]
 
-    def met(self, window) -> bool:
+    def met(self, window: Any) -> bool:
         """Both percentiles of `window` at or under their thresholds, with enough samples."""
         if len(window) < self.min_samples:
             return False
         q = window.quantiles((0.5, 0.9))
         return bool(q) and q[0.5] <= self.p50 and q[0.9] <= self.p90
 
-    def sample_added(self, window) -> bool:
+    def sample_added(self, window: Any) -> bool:
         """Count one sample; every `every` samples re-fit from `window` (adaptive only).
         Returns whether the thresholds were re-fitted."""
         if not self.adaptive:

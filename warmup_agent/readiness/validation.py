@@ -21,6 +21,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -40,11 +41,11 @@ class Check:
         return self.failure_reason or f"validation_{self.name}"
 
 
-def _torch_model(engine):
+def _torch_model(engine: Any) -> Any:
     return engine.torch_model()   # None unless the engine exposes it (Engine.torch_model)
 
 
-def check_structure(engine) -> Check:
+def check_structure(engine: Any) -> Check:
     model = _torch_model(engine)
     if model is None:
         return Check("structure", "skipped", f"engine {engine.name} does not expose its model")
@@ -78,7 +79,7 @@ def check_structure(engine) -> Check:
     return Check("structure", "passed", detail=detail)
 
 
-def check_numerics(engine, prompts: list[list[int]], mean_min: float, mean_max: float, abs_max: float) -> Check:
+def check_numerics(engine: Any, prompts: list[list[int]], mean_min: float, mean_max: float, abs_max: float) -> Check:
     model = _torch_model(engine)
     if model is None:
         return Check("numerics", "skipped", f"engine {engine.name} does not expose logits")
@@ -107,7 +108,7 @@ def check_numerics(engine, prompts: list[list[int]], mean_min: float, mean_max: 
     return Check("numerics", "passed", detail=detail)
 
 
-def check_fp8_ranges(engine, max_saturated_ratio: float, max_error: float) -> Check:
+def check_fp8_ranges(engine: Any, max_saturated_ratio: float, max_error: float) -> Check:
     """Numerics of an FP8 model: the seed's value ranges through each FP8 layer's
     own quantize/dequantize path (readiness/fp8_ranges.py).  Reasons fp8_saturation
     (more saturated values than validation.fp8_max_saturated_ratio allows) and
@@ -144,7 +145,7 @@ def check_fp8_ranges(engine, max_saturated_ratio: float, max_error: float) -> Ch
     return Check("fp8_ranges", "passed", detail=detail)
 
 
-def baseline_key(engine, fingerprint: str | None) -> str:
+def baseline_key(engine: Any, fingerprint: str | None) -> str:
     facts = engine.facts()
     return f"{facts.engine}|{facts.model}|{facts.device}|{facts.dtype}|{(fingerprint or '')[:16]}"
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 import threading
 import time
+from typing import Any
 
 
 class WaterLevel:
     def __init__(self, alpha: float = 0.85, window_seconds: int = 60, period_seconds: float = 5.0,
-                 headroom: float = 1.2, clock=time.monotonic):
+                 headroom: float = 1.2, clock: Any = time.monotonic) -> None:
         if not 0 <= alpha < 1:
             raise ValueError("alpha must be in [0, 1)")
         self.alpha, self.window, self.period, self.headroom = alpha, int(window_seconds), period_seconds, headroom

@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from collections import deque
+from typing import Any
 
 
 def nearest_rank(sorted_values: list[float], q: float) -> float:
@@ -26,7 +27,7 @@ def nearest_rank(sorted_values: list[float], q: float) -> float:
 
 
 class SlidingWindow:
-    def __init__(self, size: int, max_age_seconds: float = 0.0, clock=time.monotonic):
+    def __init__(self, size: int, max_age_seconds: float = 0.0, clock: Any = time.monotonic) -> None:
         if size <= 0:
             raise ValueError("window size must be > 0")
         if max_age_seconds < 0:
@@ -65,6 +66,6 @@ class SlidingWindow:
         vals = sorted(self.values())
         return nearest_rank(vals, q) if vals else None
 
-    def quantiles(self, qs=(0.5, 0.9, 0.99)) -> dict[float, float]:
+    def quantiles(self, qs: Any = (0.5, 0.9, 0.99)) -> dict[float, float]:
         vals = sorted(self.values())
         return {q: nearest_rank(vals, q) for q in qs} if vals else {}

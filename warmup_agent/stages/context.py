@@ -1,11 +1,18 @@
-"""What the four stages share, declared in one place (issue 17).
+"""What the four stages share, declared in one place (issues 17, 24).
 
 The Agent (pipeline.py) creates one `StageContext` and owns it as
-`agent.context`; every stage is called as `run(agent, ctx, detail)` with it.  A
-stage hands later stages what it found through these fields and nothing else:
-no stage sets attributes of its own on the Agent.  It lives as long as the
-Agent, so a re-warm (prewarm, solidify and ready again after an engine restart)
-still sees what reserve found on the first run.
+`agent.context`; every stage is called as `run(ctx, detail)` with it and sees
+nothing else of the Agent.  It carries
+  - the collaborators: the configuration (typed sections, `ctx.cfg.prewarm.x`),
+    the engine, the engine driver (driver.py: the engine lock, `send`, probe
+    prompts), the state machine, readiness, the probe log (probes.py), the
+    metrics and the progress display;
+  - the run services the stages call: `checkpoint`, `fail`, `move` and `probe`;
+  - the stage outputs: a stage hands later stages (and the run record) what it
+    found through these fields and nothing else: no stage sets attributes of
+    the Agent (tests/test_stage_seams.py checks it).
+It lives as long as the Agent, so a re-warm (prewarm, solidify and ready again
+after an engine restart) still sees what reserve found on the first run.
 
 `detail` is the stage's own part of the run record (StageTiming.detail); the
 stages fill it as they go rather than return it, so that a stage that fails
@@ -15,16 +22,49 @@ the validation check that failed).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+from warmup_agent.errors import AgentFailure
+from warmup_agent.probes import Probe
+from warmup_agent.readiness.runtime import percentile_label
+from warmup_agent.states import State
 
 if TYPE_CHECKING:  # types only: the sampler and the cache are imported where they are made
+    from exporter.metrics import AgentMetrics
+    from warmup_agent.config import Config
+    from warmup_agent.driver import EngineDriver
+    from warmup_agent.engines.base import Engine
     from warmup_agent.gpu.ramp import RampSampler
     from warmup_agent.hardware import GPUFacts
     from warmup_agent.kernel_cache import KernelCache
+    from warmup_agent.probes import ProbeLog
+    from warmup_agent.progress import Progress
+    from warmup_agent.readiness.runtime import Readiness
+    from warmup_agent.states import StateMachine
+    from warmup_agent.traffic import TrafficProfile
 
 
-@dataclass
+@dataclass(eq=False)
 class StageContext:
+    # -- the collaborators (the Agent hands them over at construction) ----------------
+    cfg: Config
+    engine: Engine
+    driver: EngineDriver
+    sm: StateMachine
+    readiness: Readiness
+    probe_log: ProbeLog
+    metrics: AgentMetrics
+    progress: Progress
+
+    # -- the stage outputs -----------------------------------------------------------
+    #: reserve: the host's facts (hardware.HostFacts.as_dict()); the run record's `host`.
+    host_facts: dict = field(default_factory=dict)
+    #: prewarm: the engine's facts (EngineFacts as a dict); /startupz `engine`, the
+    #: run record's `engine_facts`.
+    engine_facts: dict = field(default_factory=dict)
+    #: prewarm, engines that speak the traffic profile: the traffic it warmed; the
+    #: readiness probes are requests of it.  None: token-id probes.
+    profile: TrafficProfile | None = None
     #: reserve: the NVML GPU behind the engine's CUDA device; None on a CPU run (or
     #: when the device is not a visible GPU).  prewarm samples its utilisation ramp,
     #: solidify labels the CUDA-graph and ramp gauges with it.
@@ -54,3 +94,55 @@ class StageContext:
     #: prewarm: output tokens of the first readiness probe (the profile's longest
     #: answer).  None: readiness.probe_max_tokens like the others.
     first_probe_tokens: int | None = None
+
+    # -- the run services the stages call ----------------------------------------------
+    def checkpoint(self) -> None:
+        """Raise AgentFailure if the machine failed (a deadline, say) or started
+        draining (a signal) while a stage was working."""
+        if self.sm.state == State.FAILED:
+            raise AgentFailure(self.sm.failure_reason or "failed", self.sm.failure_message or "")
+        if self.sm.state == State.DRAINING:
+            raise AgentFailure("draining", "stopped by a signal")
+
+    def fail(self, reason: str, message: str) -> NoReturn:
+        self.sm.fail(reason, message)
+        raise AgentFailure(reason, message)
+
+    def move(self, to: State) -> None:
+        """Transition to `to`; already being there is fine (a re-warm after an
+        engine restart starts in PRELOAD)."""
+        if self.sm.state == to:
+            return
+        if not self.sm.transition(to):
+            self.checkpoint()
+            raise AgentFailure("illegal_transition", f"{self.sm.state.name} -> {to.name} is not allowed")
+
+    def probe(self, decode: bool = True, max_tokens: int | None = None) -> float:
+        """One readiness probe, recorded; returns its time to first token.  With an
+        engine that speaks the traffic profile the probe is a request as a user
+        sends it: the profile's endpoint and sampling, a prompt of `probe_length`
+        tokens that no earlier request began with, `max_tokens` output tokens
+        (default readiness.probe_max_tokens); else a prompt of token ids.
+        decode=False (the probes after SERVING): one output token.  The breaker
+        judges time to first token only, and 16 decoded tokens every 5 s took 12.5 %
+        of a transformers-serve H200 pod's engine time, which kept
+        warmup_cost_ratio over its alert threshold on a healthy pod."""
+        rc = self.cfg.readiness
+        tokens = (max_tokens or rc.probe_max_tokens) if decode else 1
+        r = self.driver.send_probe(self.profile, self.probe_length or rc.probe_prompt_length, tokens)
+        probe = Probe(r.first_token_seconds, r.total_seconds, r.output_tokens, r.prompt_tokens)
+        self.record_probe(r.first_token_seconds, probe=probe)
+        if self.probe_log.add_decode(probe):
+            for q, v in self.probe_log.decode.quantiles().items():
+                self.metrics.warmup_time_per_output_token_window_seconds.labels(percentile=percentile_label(q)).set(v)
+        return r.first_token_seconds
+
+    def record_probe(self, ttft: float, kind: str = "probe", probe: Probe | None = None) -> None:
+        """One time-to-first-token sample of the main engine: a probe, or (kind="user")
+        a real request through the proxy.  It feeds the window, the adaptive
+        thresholds and the breaker (readiness/runtime.py, which also sets the window
+        gauges); only probes are kept in the probe log (user traffic would grow it
+        without bound)."""
+        if kind == "probe":
+            self.probe_log.add(probe or Probe(ttft, ttft, 1))
+        self.readiness.observe(ttft)

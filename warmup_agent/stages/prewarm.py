@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from warmup_agent import memory_budget, shape_warmup, traffic
@@ -25,68 +26,70 @@ from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State
-from warmup_agent.traffic import PromptFactory, Shape, grid
+from warmup_agent.traffic import Shape, grid
 
-if TYPE_CHECKING:  # types only: pipeline imports the stages
-    from warmup_agent.pipeline import Agent
+if TYPE_CHECKING:  # types only
+    from warmup_agent import benefit
+    from warmup_agent.config import Config
+    from warmup_agent.engines.base import EngineFacts
 
 log = logging.getLogger("warmup_agent.stages.prewarm")
 
 
-def warmup_lengths(cfg, tokenize) -> list[int]:
-    source = cfg["prewarm.length_source"]
+def warmup_lengths(cfg: Config, tokenize: Callable[[str], list[int]]) -> list[int]:
+    source = cfg.prewarm.length_source
     drawn: list[int] = []
     if source == "gaussian":
-        drawn = traffic.gaussian_lengths(cfg["prewarm.sampled_lengths"], cfg["prewarm.length_mean"], cfg["prewarm.length_sd"],
-                                         max_length=cfg["prewarm.max_prompt_length"] or None)
+        drawn = traffic.gaussian_lengths(cfg.prewarm.sampled_lengths, cfg.prewarm.length_mean, cfg.prewarm.length_sd,
+                                         max_length=cfg.prewarm.max_prompt_length or None)
     elif source == "sample_file":
-        if not cfg["prewarm.prompts_file"]:
+        if not cfg.prewarm.prompts_file:
             raise EngineError("invalid_config", "key 'prewarm.prompts_file': length_source sample_file needs a file of real prompts")
         try:
-            drawn = traffic.lengths_from_sample(cfg["prewarm.prompts_file"], tokenize, cfg["prewarm.sampled_lengths"])
+            drawn = traffic.lengths_from_sample(cfg.prewarm.prompts_file, tokenize, cfg.prewarm.sampled_lengths)
         except ValueError as e:
             raise EngineError("invalid_config", f"key 'prewarm.prompts_file': {e}") from None
-    extra = cfg["prewarm.max_prompt_length"] if source != "grid" else 0
-    return traffic.warmup_lengths(cfg["prewarm.prompt_lengths"], drawn, extra)
+    extra = cfg.prewarm.max_prompt_length if source != "grid" else 0
+    return traffic.warmup_lengths(cfg.prewarm.prompt_lengths, drawn, extra)
 
 
-def warmup_batches(cfg, facts, free_bytes: int | None, max_length: int) -> list[int]:
-    if cfg["prewarm.batch_sizes_from_memory"] and free_bytes and facts.kv_bytes_per_token:
+def warmup_batches(cfg: Config, facts: EngineFacts, free_bytes: int | None, max_length: int) -> list[int]:
+    if cfg.prewarm.batch_sizes_from_memory and free_bytes and facts.kv_bytes_per_token:
         return sizing.batch_sizes_from_memory(free_bytes - (facts.weight_bytes or 0), facts.kv_bytes_per_token,
-                                              max_length + cfg["prewarm.max_new_tokens"], cap=cfg["prewarm.max_batch"])
-    return cfg["prewarm.batch_sizes"]
+                                              max_length + cfg.prewarm.max_new_tokens, cap=cfg.prewarm.max_batch)
+    return cfg.prewarm.batch_sizes
 
 
-def _fit_budget(agent: Agent, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
+def _fit_budget(ctx: StageContext, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
     """With prewarm.memory_budget_bytes set, measure one shape (the longest
     prompt at the smallest batch) and keep the batch sizes whose extrapolated
     cost fits the budget (warmup_agent/memory_budget.py)."""
-    budget = agent.cfg["prewarm.memory_budget_bytes"]
+    budget = ctx.cfg.prewarm.memory_budget_bytes
     if not budget:
         return batches
-    prompts = agent.prompts
+    prompts = ctx.driver.prompts
     assert prompts is not None, "prewarm makes the prompt factory before it measures"
     shape = Shape(max(lengths), min(batches))
     _, cost = memory_budget.measure_peak_rss(
-        lambda: agent.send(prompts.batch(shape), "warmup", max_new_tokens=max_new))
+        lambda: ctx.driver.send(prompts.batch(shape), "warmup", max_new_tokens=max_new))
     return memory_budget.plan(batches, shape.prompt_tokens, cost / (shape.batch * shape.prompt_tokens), budget).batches
 
 
-def _start_ramp(agent: Agent, ctx: StageContext) -> None:
+def _start_ramp(ctx: StageContext) -> None:
     from warmup_agent.gpu.ramp import RampSampler
     ctx.ramp = None
-    interval = agent.cfg["gpu.ramp_sample_interval_seconds"]
+    interval = ctx.cfg.gpu.ramp_sample_interval_seconds
     if ctx.gpu is not None and interval > 0:
         ctx.ramp = RampSampler.for_gpu(ctx.gpu.uuid, interval)
         if ctx.ramp is not None:
             ctx.ramp.start()
 
 
-def load_profile(agent: Agent, lengths: list[int]) -> traffic.TrafficProfile:
+def load_profile(ctx: StageContext, lengths: list[int]) -> traffic.TrafficProfile:
     """The traffic to warm: learned from prewarm.requests_file, else the default
     (greedy and sampled on every API the server answers), limited to openai.api."""
-    cfg, engine = agent.cfg, agent.engine
-    path = cfg["prewarm.requests_file"]
+    cfg, engine = ctx.cfg, ctx.engine
+    path = cfg.prewarm.requests_file
     if path:
         text = engine.text
         if text is None:
@@ -94,13 +97,13 @@ def load_profile(agent: Agent, lengths: list[int]) -> traffic.TrafficProfile:
                               "tokenizer; give --model DIR (model.path) with a tokenizer.json")
         try:
             profile = traffic.load_requests_file(path, text.count_chat, text.count_text,
-                                                 bad_lines=cfg["prewarm.requests_file_bad_lines"])
+                                                 bad_lines=cfg.prewarm.requests_file_bad_lines)
         except ValueError as e:
             raise EngineError("invalid_config", f"key 'prewarm.requests_file': {e}") from None
         except Exception as e:  # noqa: BLE001 - a template error on a logged body
             raise EngineError("invalid_config", f"key 'prewarm.requests_file': {path}: {type(e).__name__}: {e}") from None
     else:
-        profile = traffic.default_profile(engine.apis, cfg["prewarm.max_output_tokens"], [])
+        profile = traffic.default_profile(engine.apis, cfg.prewarm.max_output_tokens, [])
     missing = [e for e in profile.endpoints if e not in engine.apis]
     if missing:
         log.warning(f"the traffic uses {', '.join(missing)} but the server does not answer it: not warmed")
@@ -127,7 +130,7 @@ def remedy_for(server: str | None) -> str:
             "TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in its environment, or keep prewarm.decode_coverage auto")
 
 
-def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
+def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
                  t_start: float) -> None:
     """Warm the traffic profile by measured benefit (warmup_agent/benefit.py):
     1. the anchor path (the probe family on the main endpoint, smallest batch, the
@@ -143,66 +146,91 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
     All under one time budget; a path the budget did not reach is skipped, and the
     record says so.  A family the server refuses (HTTP 4xx) is skipped too: user
     requests of that family fail on it as well, warm or not."""
-    from warmup_agent import benefit
-    from warmup_agent.benefit import Call, Path
-    from warmup_agent.traffic import WarmRequest, _frozen, decode_tiles, probe_endpoint, probe_family
-    cfg = agent.cfg
-    pc = cfg.prewarm
-    agent.profile = profile = load_profile(agent, lengths)
-    engine = agent.engine
-    seconds, why = benefit.budget_for(engine.server_start_seconds, pc.budget_ratio, pc.budget_min_seconds,
-                                      pc.budget_seconds)
-    budget = benefit.Budget(seconds, why)
-    agent.metrics.warmup_budget_seconds.set(seconds)
-    tol, max_calls = pc.converge_tolerance, pc.max_calls_per_path
-    answer = max(2, min(pc.warm_answer_tokens, profile.max_tokens))
-    fam0 = probe_family(profile)
-    ep0 = probe_endpoint(profile)
-    b0 = min(batches) if batches else 1
-    plens = sorted(set(profile.prompt_lengths) or set(lengths))
-    lo, hi = plens[0], plens[-1]
-    steady = benefit.SteadyLevels()
-    refused: dict[str, str] = {}
-    decoded: list[tuple[int, int]] = []     # (prompt, prompt + answer) ranges decoded so far
-    outcomes: list[benefit.Outcome] = []
-    sent = 0
+    from warmup_agent.benefit import Path
+    w = _ProfileWarmup(ctx, load_profile(ctx, lengths), lengths, batches)
+    # 1. the anchor: the steady level every other path is compared with
+    w.warm(Path(w.ep0, w.fam0, w.b0, w.hi))
+    # 2. does the server pay per sequence length?
+    per_length = w.per_length_test()
+    # 3. the other paths, each until warm
+    w.other_paths(per_length, batches)
+    # 4. decode coverage over the profile's lengths
+    coverage = w.decode_coverage(per_length)
+    w.record(per_length, coverage, batches, detail, t_start)
 
-    def send(path: Path, tokens: int = answer) -> Call:
-        nonlocal sent
-        agent.checkpoint()
+
+class _ProfileWarmup:
+    """The state of one `warm_profile`: the budget, the steady levels, what was sent
+    and decoded, the outcome of every path, the families the server refuses."""
+
+    def __init__(self, ctx: StageContext, profile: traffic.TrafficProfile, lengths: list[int], batches: list[int]):
+        from warmup_agent import benefit
+        from warmup_agent.traffic import probe_endpoint, probe_family
+        pc = ctx.cfg.prewarm
+        self.ctx, self.pc = ctx, pc
+        ctx.profile = self.profile = profile
+        seconds, why = benefit.budget_for(ctx.engine.server_start_seconds, pc.budget_ratio, pc.budget_min_seconds,
+                                          pc.budget_seconds)
+        self.budget = benefit.Budget(seconds, why)
+        ctx.metrics.warmup_budget_seconds.set(seconds)
+        self.tol, self.max_calls = pc.converge_tolerance, pc.max_calls_per_path
+        self.answer = max(2, min(pc.warm_answer_tokens, profile.max_tokens))
+        self.fam0 = probe_family(profile)
+        self.ep0 = probe_endpoint(profile)
+        self.b0 = min(batches) if batches else 1
+        self.plens = sorted(set(profile.prompt_lengths) or set(lengths))
+        self.lo, self.hi = self.plens[0], self.plens[-1]
+        self.steady = benefit.SteadyLevels()
+        self.refused: dict[str, str] = {}
+        self.decoded: list[tuple[int, int]] = []     # (prompt, prompt + answer) ranges decoded so far
+        self.outcomes: list[benefit.Outcome] = []
+        self.sent = 0
+
+    def send(self, path: benefit.Path, tokens: int | None = None) -> benefit.Call:
+        from warmup_agent.benefit import Call
+        from warmup_agent.traffic import WarmRequest, _frozen
+        ctx, profile = self.ctx, self.profile
+        tokens = self.answer if tokens is None else tokens
+        ctx.checkpoint()
         req = WarmRequest(path.endpoint, path.prompt_tokens, tokens, path.family, _frozen(profile.families[path.family]))
-        results = agent.send_requests([req] * path.batch, "warmup")
-        decoded.append((path.prompt_tokens, path.prompt_tokens + tokens))
-        sent += 1
-        agent.progress.step(sent, sent + 1, f"{path.label} out={tokens}")
+        results = ctx.driver.send([req] * path.batch, "warmup")
+        self.decoded.append((path.prompt_tokens, path.prompt_tokens + tokens))
+        self.sent += 1
+        ctx.progress.step(self.sent, self.sent + 1, f"{path.label} out={tokens}")
         slow = max(results, key=lambda r: r.total_seconds)
         return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens,
                     slow.prompt_tokens)
 
-    def warm(path: Path, tokens: int = answer) -> None:
-        if path.family in refused:
-            outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
+    def warm(self, path: benefit.Path, tokens: int | None = None) -> None:
+        from warmup_agent import benefit
+        profile = self.profile
+        if path.family in self.refused:
+            self.outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
             return
         try:
-            outcomes.append(benefit.warm_path(path, lambda p: send(p, tokens), steady, budget, tol, max_calls))
+            self.outcomes.append(benefit.warm_path(path, lambda p: self.send(p, tokens), self.steady, self.budget,
+                                                   self.tol, self.max_calls))
         except EngineError as e:
-            if not _refused(e) or path.family == fam0:
+            if not _refused(e) or path.family == self.fam0:
                 raise
-            refused[path.family] = e.message
+            self.refused[path.family] = e.message
             line = profile.family_lines.get(path.family)
             src = f" (first seen at {profile.source}:{line})" if line else ""
             log.warning(f"the server refuses sampling family {path.family}{src}: {e.message}")
-            outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
+            self.outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
 
-    # 1. the anchor: the steady level every other path is compared with
-    warm(Path(ep0, fam0, b0, hi))
-    # 2. does the server pay per sequence length?
-    per_length: dict = {"tested": False}
-    steady_tpot = steady.tpot_ref(b0)
-    if steady_tpot is not None and not budget.exhausted():
-        fresh = benefit.fresh_lengths(lo, hi, decoded, 2, answer)
+    def per_length_test(self) -> dict:
+        """Two calls at fresh sequence lengths against the anchor's steady decode and prefill."""
+        from warmup_agent import benefit
+        from warmup_agent.benefit import Path
+        ctx, steady, b0 = self.ctx, self.steady, self.b0
+        per_length: dict = {"tested": False}
+        steady_tpot = steady.tpot_ref(b0)
+        if steady_tpot is None or self.budget.exhausted():
+            return per_length
+        fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 2, self.answer)
         try:
-            calls = [send(Path(ep0, fam0, b0, n)) for n in fresh]
+            calls = [self.send(Path(self.ep0, self.fam0, b0, n)) for n in fresh]
         except EngineError as e:
             # A server that refuses a length (its context is shorter, say): not a reason
             # to fail the start; the finding is "not measured" and says why.
@@ -211,88 +239,104 @@ def warm_profile(agent: Agent, ctx: StageContext, lengths: list[int], batches: l
             log.warning(f"the per-length test could not run: {e.message}")
             calls = []
             per_length = {"tested": False, "error": e.message}
-        pays, ratios = benefit.pays_per_length(calls, steady_tpot, pc.per_length_ratio)
+        pays, ratios = benefit.pays_per_length(calls, steady_tpot, self.pc.per_length_ratio)
         if calls:
-            prefill_pays = not benefit.prefill_warm(list(zip(fresh, calls, strict=False)), steady, b0, tol)
+            prefill_pays = not benefit.prefill_warm(list(zip(fresh, calls, strict=False)), steady, b0, self.tol)
             per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [c.prompt_tokens for c in calls],
                           "steady_tpot_ms": round(steady_tpot * 1e3, 3), "prefill_pays": prefill_pays,
                           "ttft_ms": [round(c.ttft * 1e3, 2) for c in calls],
-                          "steady_ttft_ms": round((steady.ttft_ref(b0, hi) or 0) * 1e3, 2)}
+                          "steady_ttft_ms": round((steady.ttft_ref(b0, self.hi) or 0) * 1e3, 2)}
         if ratios:
-            agent.metrics.warmup_per_length_decode_ratio.set(min(ratios))
+            ctx.metrics.warmup_per_length_decode_ratio.set(min(ratios))
         if pays:
-            remedy = remedy_for(engine.server_name)
+            remedy = remedy_for(ctx.engine.server_name)
             per_length["remedy"] = remedy
-            agent.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
+            ctx.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
             log.warning("the server pays per sequence length: decode at new lengths ran "
                         + ", ".join(f"{r:.1f}x" for r in ratios) + f" its steady time per token; remedy: {remedy}")
-    # 3. the other paths, each until warm
-    for fam in profile.families:
-        if fam != fam0:
-            warm(Path(ep0, fam, b0, hi))
-    for ep in profile.endpoints:
-        if ep != ep0:
-            for fam in profile.families:
-                if not (fam == "json_schema" and ep != "chat"):
-                    warm(Path(ep, fam, b0, hi))
-    for n in reversed(plens[:-1]):
-        if per_length.get("prefill_pays") is False:
-            # Two lengths nothing had reached already prefilled at the anchor's steady
-            # speed: this server pays nothing per prompt length, so these calls would
-            # only cost time (on llama.cpp, 5 of its 9 warmup calls).
-            outcomes.append(benefit.Outcome(Path(ep0, fam0, b0, n), "skipped", NEW_LENGTHS_WARM))
-            continue
-        warm(Path(ep0, fam0, b0, n), tokens=1)      # prefill at this length; decode is the anchor's
-    for b in sorted(set(batches)):
-        if b != b0:
-            warm(Path(ep0, fam0, b, hi))
-    # 4. decode coverage over the profile's lengths
-    mode = pc.decode_coverage
-    coverage: dict = {"mode": mode, "tiles": [], "skipped_tiles": []}
-    if mode == "always" or (mode == "auto" and per_length.get("pays")):
-        for n in decode_tiles(plens, profile.max_tokens):
-            if budget.exhausted():
-                coverage["skipped_tiles"].append(n)
+        return per_length
+
+    def other_paths(self, per_length: dict, batches: list[int]) -> None:
+        """Every other family and endpoint, every profile length (prefill), every larger batch."""
+        from warmup_agent import benefit
+        from warmup_agent.benefit import Path
+        profile, ep0, fam0, b0, hi = self.profile, self.ep0, self.fam0, self.b0, self.hi
+        for fam in profile.families:
+            if fam != fam0:
+                self.warm(Path(ep0, fam, b0, hi))
+        for ep in profile.endpoints:
+            if ep != ep0:
+                for fam in profile.families:
+                    if not (fam == "json_schema" and ep != "chat"):
+                        self.warm(Path(ep, fam, b0, hi))
+        for n in reversed(self.plens[:-1]):
+            if per_length.get("prefill_pays") is False:
+                # Two lengths nothing had reached already prefilled at the anchor's steady
+                # speed: this server pays nothing per prompt length, so these calls would
+                # only cost time (on llama.cpp, 5 of its 9 warmup calls).
+                self.outcomes.append(benefit.Outcome(Path(ep0, fam0, b0, n), "skipped", NEW_LENGTHS_WARM))
                 continue
-            send(Path(ep0, fam0, b0, n), profile.max_tokens)
-            coverage["tiles"].append(n)
-        if coverage["skipped_tiles"]:
-            log.warning(f"warmup budget ({budget.seconds:.1f} s: {budget.why}) ran out before decode coverage of "
-                        f"prompt lengths {coverage['skipped_tiles']}: the first answers from there may decode cold")
-    # The probes' length: a profile length no warmup request used, as a user's would be.
-    used = {a for a, _ in decoded}
-    probe_length = plens[len(plens) // 2]
-    while probe_length in used:
-        probe_length += 1
-    ctx.probe_length = probe_length
-    ctx.first_probe_tokens = profile.max_tokens
-    counts = Counter(o.result for o in outcomes)
-    for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
-        agent.metrics.warmup_paths_total.labels(result=result).set(counts[result])
-    skipped = [{"path": o.path.label, "reason": o.reason} for o in outcomes if o.result == "skipped"]
-    ctx.warmup_summary = summary = {
-        "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
-        "skipped": skipped, "requests": sent, "probe_length": probe_length}
-    if budget.exhausted():
-        unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
-        log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "
-                    f"{unreached} path(s) not warmed; readiness probes decide")
-    ctx.profile_summary = profile_summary = {
-        "source": profile.source, "requests_seen": profile.requests_seen, "endpoints": profile.endpoints,
-        "families": sorted(f for f in profile.families if f not in refused), "refused_families": refused,
-        "prompt_lengths": profile.prompt_lengths, "max_tokens": profile.max_tokens,
-        "bad_lines": profile.bad_lines, "capabilities": dict(engine.capabilities)}
-    detail.update(shapes=len({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls}),
-                  requests=agent.warmup_requests, lengths=sorted(used), batches=batches, profile=profile_summary,
-                  warmup=summary, paths=[o.as_dict() for o in outcomes],
-                  seconds={"traffic": time.perf_counter() - t_start})
-    ctx.warmed_shapes = sorted({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls})
+            self.warm(Path(ep0, fam0, b0, n), tokens=1)      # prefill at this length; decode is the anchor's
+        for b in sorted(set(batches)):
+            if b != b0:
+                self.warm(Path(ep0, fam0, b, hi))
+
+    def decode_coverage(self, per_length: dict) -> dict:
+        """Decode over the profile's lengths, when the server pays per length (auto) or always."""
+        from warmup_agent.benefit import Path
+        from warmup_agent.traffic import decode_tiles
+        budget, profile = self.budget, self.profile
+        mode = self.pc.decode_coverage
+        coverage: dict = {"mode": mode, "tiles": [], "skipped_tiles": []}
+        if mode == "always" or (mode == "auto" and per_length.get("pays")):
+            for n in decode_tiles(self.plens, profile.max_tokens):
+                if budget.exhausted():
+                    coverage["skipped_tiles"].append(n)
+                    continue
+                self.send(Path(self.ep0, self.fam0, self.b0, n), profile.max_tokens)
+                coverage["tiles"].append(n)
+            if coverage["skipped_tiles"]:
+                log.warning(f"warmup budget ({budget.seconds:.1f} s: {budget.why}) ran out before decode coverage of "
+                            f"prompt lengths {coverage['skipped_tiles']}: the first answers from there may decode cold")
+        return coverage
+
+    def record(self, per_length: dict, coverage: dict, batches: list[int], detail: dict, t_start: float) -> None:
+        """The probes' length and answer, the paths' metrics, /startupz's summary, the record."""
+        ctx, profile, budget, outcomes, refused = self.ctx, self.profile, self.budget, self.outcomes, self.refused
+        # The probes' length: a profile length no warmup request used, as a user's would be.
+        used = {a for a, _ in self.decoded}
+        probe_length = self.plens[len(self.plens) // 2]
+        while probe_length in used:
+            probe_length += 1
+        ctx.probe_length = probe_length
+        ctx.first_probe_tokens = profile.max_tokens
+        counts = Counter(o.result for o in outcomes)
+        for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
+            ctx.metrics.warmup_paths_total.labels(result=result).set(counts[result])
+        skipped = [{"path": o.path.label, "reason": o.reason} for o in outcomes if o.result == "skipped"]
+        ctx.warmup_summary = summary = {
+            "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
+            "skipped": skipped, "requests": self.sent, "probe_length": probe_length}
+        if budget.exhausted():
+            unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
+            log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "
+                        f"{unreached} path(s) not warmed; readiness probes decide")
+        ctx.profile_summary = profile_summary = {
+            "source": profile.source, "requests_seen": profile.requests_seen, "endpoints": profile.endpoints,
+            "families": sorted(f for f in profile.families if f not in refused), "refused_families": refused,
+            "prompt_lengths": profile.prompt_lengths, "max_tokens": profile.max_tokens,
+            "bad_lines": profile.bad_lines, "capabilities": dict(ctx.engine.capabilities)}
+        detail.update(shapes=len({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls}),
+                      requests=ctx.driver.warmup_requests, lengths=sorted(used), batches=batches,
+                      profile=profile_summary, warmup=summary, paths=[o.as_dict() for o in outcomes],
+                      seconds={"traffic": time.perf_counter() - t_start})
+        ctx.warmed_shapes = sorted({(o.path.prompt_tokens, o.path.batch) for o in outcomes if o.calls})
 
 
-def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
-    cfg, engine = agent.cfg, agent.engine
-    agent.move(State.PRELOAD)
-    _start_ramp(agent, ctx)
+def run(ctx: StageContext, detail: dict) -> None:
+    cfg, engine = ctx.cfg, ctx.engine
+    ctx.move(State.PRELOAD)
+    _start_ramp(ctx)
 
     clock = time.perf_counter
     # Weights before the tokenizer: the engine reads them while transformers is
@@ -300,60 +344,61 @@ def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     # paid once, overlapped, instead of before the weights.
     t0 = clock()
     engine.load_weights()
-    agent.checkpoint()
+    ctx.checkpoint()
     t1 = clock()
     engine.load_tokenizer()
-    agent.checkpoint()
+    ctx.checkpoint()
     t2 = clock()
     facts = engine.facts()
-    agent.engine_facts = vars(facts)
-    quant = engine.quantization     # warmup_agent/quantization.py (issue 16)
+    ctx.engine_facts = vars(facts)
+    quant = engine.quantization     # warmup_agent/quantization/ (issue 16)
     if quant is not None:
-        agent.metrics.warmup_model_quantization_info.info(quant.labels())
+        ctx.metrics.warmup_model_quantization_info.info(quant.labels())
         detail["quantization"] = quant.as_dict()
     report = engine.load_report
     if report is not None:
         detail["weight_load"] = report.as_dict()
         if report.seconds > 0:
-            agent.metrics.warmup_weight_load_bytes_per_second.set(report.bytes / report.seconds)
+            ctx.metrics.warmup_weight_load_bytes_per_second.set(report.bytes / report.seconds)
     if engine.skeleton_wait_seconds is not None:
         detail["waited_for_transformers_import_seconds"] = engine.skeleton_wait_seconds
-    agent.sm.record_fingerprint(engine.weight_fingerprint())
+    ctx.sm.record_fingerprint(engine.weight_fingerprint())
     t3 = clock()
 
-    agent.prompts = prompts = PromptFactory(engine.tokenize)
+    prompts = ctx.driver.start_prompts()
     lengths = warmup_lengths(cfg, engine.tokenize)
     batches = warmup_batches(cfg, facts, ctx.gpu_free_bytes, max(lengths))
-    max_new = cfg["prewarm.max_new_tokens"]
+    max_new = cfg.prewarm.max_new_tokens
     if engine.speaks_profile:
-        warm_profile(agent, ctx, lengths, batches, detail, t3)
+        warm_profile(ctx, lengths, batches, detail, t3)
         detail["seconds"].update(weights=t1 - t0, tokenizer=t2 - t1, fingerprint=t3 - t2)
-        agent.move(State.PRIME)
+        ctx.move(State.PRIME)
         return
     try:
-        batches = _fit_budget(agent, lengths, batches, max_new)
+        batches = _fit_budget(ctx, lengths, batches, max_new)
         shapes = grid(lengths, batches)
         backoff = memory_budget.BackOff()   # a shape that runs out of memory drops its batch size and larger ones
         # Each shape until its calls stop getting faster or match the steady level
         # (warmup_agent/shape_warmup.py, issue 25); requests_per_shape raises the cap.
-        cap = max(cfg["prewarm.requests_per_shape"], cfg["prewarm.max_calls_per_path"])
+        cap = max(cfg.prewarm.requests_per_shape, cfg.prewarm.max_calls_per_path)
         done = 0
 
         def send_shape(shape: Shape) -> shape_warmup.Call:
             nonlocal done
-            agent.checkpoint()
-            if backoff.run(shape.batch, lambda: agent.send(prompts.batch(shape), "warmup", max_new_tokens=max_new)) is None:
+            ctx.checkpoint()
+            results = backoff.run(shape.batch, lambda: ctx.driver.send(prompts.batch(shape), "warmup", max_new_tokens=max_new))
+            if results is None:
                 raise shape_warmup.Dropped(f"batch {shape.batch} dropped: out of memory")
             done += 1
-            agent.progress.step(done, max(len(shapes), done + 1), f"len={shape.prompt_tokens} batch={shape.batch}")
-            return shape_warmup.call_of(agent.last_results)
-        outcomes = shape_warmup.warm_grid(shapes, send_shape, cfg["prewarm.converge_tolerance"], cap)
+            ctx.progress.step(done, max(len(shapes), done + 1), f"len={shape.prompt_tokens} batch={shape.batch}")
+            return shape_warmup.call_of(results)
+        outcomes = shape_warmup.warm_grid(shapes, send_shape, cfg.prewarm.converge_tolerance, cap)
         warmed = [s for s, o in zip(shapes, outcomes, strict=True) if o.calls and backoff.allows(s.batch)]
         detail.update(warmup=shape_warmup.summary(outcomes), paths=[o.as_dict() for o in outcomes])
     except memory_budget.BudgetExceeded as e:
-        agent.fail(e.reason, str(e))
-    detail.update(shapes=len(warmed), requests=agent.warmup_requests, lengths=lengths, batches=batches,
+        ctx.fail(e.reason, str(e))
+    detail.update(shapes=len(warmed), requests=ctx.driver.warmup_requests, lengths=lengths, batches=batches,
                   dropped_batches=sorted({s.batch for s in shapes} - {s.batch for s in warmed}),
                   seconds={"weights": t1 - t0, "tokenizer": t2 - t1, "fingerprint": t3 - t2, "traffic": clock() - t3})
     ctx.warmed_shapes = [(s.prompt_tokens, s.batch) for s in warmed]
-    agent.move(State.PRIME)
+    ctx.move(State.PRIME)

@@ -14,18 +14,17 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from warmup_agent.readiness import validation
 from warmup_agent.readiness.window import nearest_rank
 from warmup_agent.stages.context import StageContext
 
-if TYPE_CHECKING:  # types only: pipeline imports the stages
+if TYPE_CHECKING:  # types only
     from exporter.metrics import AgentMetrics
-    from warmup_agent.pipeline import Agent
 
 
-def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> bool:
+def decode_converged(window: Any, min_probes: int, p90_max: float, ratio: float) -> bool:
     """Decode has converged: at least min_probes samples, the window's P90 time per
     output token at or under `p90_max`, and decode no longer getting faster: over the
     last min_probes samples, the median of the older half is at most `ratio` x the
@@ -41,57 +40,57 @@ def decode_converged(window, min_probes: int, p90_max: float, ratio: float) -> b
     return statistics.median(recent[:half]) <= ratio * statistics.median(recent[half:])
 
 
-def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
-    cfg = agent.cfg
-    rd = agent.readiness
-    max_probes = cfg["readiness.max_probes"]
+def run(ctx: StageContext, detail: dict) -> None:
+    cfg = ctx.cfg
+    rd = ctx.readiness
+    max_probes = cfg.readiness.max_probes
     # Engines that speak the traffic profile probe as users send: the first probe
     # asks for the profile's longest answer (it stands for the first user request),
     # the later ones for readiness.probe_max_tokens, all at ctx.probe_length.
-    profile_probes = agent.engine.speaks_profile and agent.profile is not None
-    min_probes = cfg["readiness.min_probes_server"] if profile_probes else cfg["readiness.min_probes"]
+    profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
+    min_probes = cfg.readiness.min_probes_server if profile_probes else cfg.readiness.min_probes
     rd.thresholds.min_samples = min_probes
     # Decode is gated only where probes time it (engines that speak the traffic profile).
-    gate_decode = cfg["readiness.require_decode"] and profile_probes
-    agent.probe_log.restart()     # a re-warm: its first probe is a first request again (the log keeps all)
+    gate_decode = cfg.readiness.require_decode and profile_probes
+    ctx.probe_log.restart()     # a re-warm: its first probe is a first request again (the log keeps all)
 
     def decode_ok() -> bool:
-        return not gate_decode or decode_converged(agent.tpot_window, min_probes,
-                                                   cfg["readiness.tpot_p90_threshold_seconds"],
-                                                   cfg["readiness.tpot_convergence_ratio"])
+        return not gate_decode or decode_converged(ctx.probe_log.decode, min_probes,
+                                                   cfg.readiness.tpot_p90_threshold_seconds,
+                                                   cfg.readiness.tpot_convergence_ratio)
     for i in range(max_probes):
-        agent.checkpoint()
-        ttft = agent.probe(max_tokens=ctx.first_probe_tokens if i == 0 and profile_probes else None)
-        agent.progress.probe(i + 1, len(agent.window), rd.thresholds.min_samples, max_probes, ttft)
-        if rd.thresholds.met(agent.window) and decode_ok():
+        ctx.checkpoint()
+        ttft = ctx.probe(max_tokens=ctx.first_probe_tokens if i == 0 and profile_probes else None)
+        ctx.progress.probe(i + 1, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
+        if rd.thresholds.met(ctx.readiness.window) and decode_ok():
             break
-        if cfg["readiness.probe_interval_seconds"]:
-            time.sleep(cfg["readiness.probe_interval_seconds"])
+        if cfg.readiness.probe_interval_seconds:
+            time.sleep(cfg.readiness.probe_interval_seconds)
     else:
-        q = agent.window.quantiles((0.5, 0.9))
-        if rd.thresholds.met(agent.window):
-            t = agent.tpot_window.quantiles((0.5, 0.9))
-            agent.fail("decode_not_converged",
+        q = ctx.readiness.window.quantiles((0.5, 0.9))
+        if rd.thresholds.met(ctx.readiness.window):
+            t = ctx.probe_log.decode.quantiles((0.5, 0.9))
+            ctx.fail("decode_not_converged",
                        f"after {max_probes} probes the time per output token is P50 {t.get(0.5, 0) * 1000:.2f} ms / "
-                       f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg['readiness.tpot_p90_threshold_seconds'] * 1000:.0f} ms "
-                       f"and the older half of the last probes at most {cfg['readiness.tpot_convergence_ratio']:g} x "
+                       f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg.readiness.tpot_p90_threshold_seconds * 1000:.0f} ms "
+                       f"and the older half of the last probes at most {cfg.readiness.tpot_convergence_ratio:g} x "
                        f"slower than the newer half")
-        agent.fail("readiness_thresholds_not_met",
+        ctx.fail("readiness_thresholds_not_met",
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
                    f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
     # The first-request figures, once, from the gate's probes (warmup_agent/probes.py).
-    figures = agent.probe_log.freeze()
+    figures = ctx.probe_log.freeze()
     if figures is not None and figures.ttft_tax is not None:
-        agent.metrics.warmup_first_request_tax_ratio.set(figures.ttft_tax)
+        ctx.metrics.warmup_first_request_tax_ratio.set(figures.ttft_tax)
     if figures is not None and figures.total_tax is not None:
-        agent.metrics.warmup_first_request_total_tax_ratio.set(figures.total_tax)
-    detail.update(probes=len(agent.probes), probe_prompt_tokens=ctx.probe_length)
-    if cfg["validation.enabled"]:
-        validate(agent, detail)
-    with agent.engine_lock:
-        fingerprint = agent.engine.weight_fingerprint()
-    if not agent.sm.serve(fingerprint):
-        agent.checkpoint()
+        ctx.metrics.warmup_first_request_total_tax_ratio.set(figures.total_tax)
+    detail.update(probes=len(ctx.probe_log.probes), probe_prompt_tokens=ctx.probe_length)
+    if cfg.validation.enabled:
+        validate(ctx, detail)
+    with ctx.driver.busy():
+        fingerprint = ctx.engine.weight_fingerprint()
+    if not ctx.sm.serve(fingerprint):
+        ctx.checkpoint()
 
 
 def export_fp8_ranges(metrics: AgentMetrics, check: validation.Check) -> None:
@@ -101,39 +100,39 @@ def export_fp8_ranges(metrics: AgentMetrics, check: validation.Check) -> None:
         metrics.warmup_fp8_range_roundtrip_error_ratio.labels(range=name).set(r["max_error"])
 
 
-def validate(agent: Agent, detail: dict) -> None:
+def validate(ctx: StageContext, detail: dict) -> None:
     """Structure, numerics, performance; the first failure fails the agent with its reason."""
-    cfg = agent.cfg
-    factory = agent.prompts
+    cfg = ctx.cfg
+    factory = ctx.driver.prompts
     assert factory is not None, "prewarm makes the prompt factory before ready validates"
-    prompts = [factory.prompt(n) for n in sorted({8, cfg["readiness.probe_prompt_length"]})]
+    prompts = [factory.prompt(n) for n in sorted({8, cfg.readiness.probe_prompt_length})]
     checks: list[validation.Check] = []
 
     def record(c: validation.Check) -> None:
         checks.append(c)
         detail.setdefault("validation", {})[c.name] = {"result": c.result, "message": c.message, **c.detail}
-        agent.metrics.warmup_validation_checks_total.labels(check=c.name, result=c.result).inc()
+        ctx.metrics.warmup_validation_checks_total.labels(check=c.name, result=c.result).inc()
         if not c.ok:
-            agent.fail(c.reason, c.message)
+            ctx.fail(c.reason, c.message)
 
-    with agent.engine_lock:
-        record(validation.check_structure(agent.engine))
-        record(validation.check_numerics(agent.engine, prompts, cfg["validation.logits_mean_min"],
-                                         cfg["validation.logits_mean_max"], cfg["validation.logits_abs_max"]))
-        if cfg["validation.fp8_ranges"]:   # numerics of an FP8 model (seed 003 §3)
-            fp8 = validation.check_fp8_ranges(agent.engine, cfg["validation.fp8_max_saturated_ratio"],
-                                              cfg["validation.fp8_max_roundtrip_error"])
-            export_fp8_ranges(agent.metrics, fp8)
+    with ctx.driver.busy():
+        record(validation.check_structure(ctx.engine))
+        record(validation.check_numerics(ctx.engine, prompts, cfg.validation.logits_mean_min,
+                                         cfg.validation.logits_mean_max, cfg.validation.logits_abs_max))
+        if cfg.validation.fp8_ranges:   # numerics of an FP8 model (seed 003 §3)
+            fp8 = validation.check_fp8_ranges(ctx.engine, cfg.validation.fp8_max_saturated_ratio,
+                                              cfg.validation.fp8_max_roundtrip_error)
+            export_fp8_ranges(ctx.metrics, fp8)
             record(fp8)
     # Last: a baseline is recorded only for a model that passed the other two.
-    path = cfg["validation.baseline_file"]
+    path = cfg.validation.baseline_file
     if path:
-        p50 = agent.window.quantile(0.5)
+        p50 = ctx.readiness.window.quantile(0.5)
         if p50 is None:   # readiness.window_seconds aged every sample out since the gate opened
             record(validation.Check("performance", "skipped", "no probe left in the window (readiness.window_seconds)"))
         else:
             record(validation.check_performance(p50, os.path.expanduser(path),
-                                                validation.baseline_key(agent.engine, agent.sm.fingerprint),
-                                                cfg["validation.performance_factor"]))
+                                                validation.baseline_key(ctx.engine, ctx.sm.fingerprint),
+                                                cfg.validation.performance_factor))
     else:
         record(validation.Check("performance", "skipped", "no validation.baseline_file"))

@@ -27,16 +27,13 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from warmup_agent import hardware
 from warmup_agent.gpu import sizing
 from warmup_agent.model_dir import check_model_dir, check_safetensors_header, safetensors_files
 from warmup_agent.progress import coldstart
 from warmup_agent.stages.context import StageContext
-
-if TYPE_CHECKING:  # types only: pipeline imports the stages
-    from warmup_agent.pipeline import Agent
 
 log = logging.getLogger("warmup_agent.stages.reserve")
 
@@ -56,24 +53,24 @@ def _device_index(device: str) -> int:
     return int(device.split(":")[1]) if ":" in device else 0
 
 
-def configure_engine(agent: Agent) -> None:
+def configure_engine(ctx: StageContext) -> None:
     """Hand the GPU options of the config to the engine (Engine.configure: only the
     torch engine takes them; the others ignore them)."""
-    cfg = agent.cfg
-    agent.engine.configure(progressive=cfg["prewarm.progressive_load"], chunk_bytes=cfg["prewarm.staging_chunk_bytes"],
-                           buffers=cfg["prewarm.staging_buffers"], workers=cfg["prewarm.loader_threads"],
-                           manifest=cfg["prewarm.weights_manifest"],
-                           cuda_context_timeout=cfg["gpu.cuda_context_timeout_seconds"],
-                           kernel_compile_timeout=cfg["gpu.kernel_compile_timeout_seconds"],
-                           graph_max_len=cfg["solidify.graph_max_length"])
+    cfg = ctx.cfg
+    ctx.engine.configure(progressive=cfg.prewarm.progressive_load, chunk_bytes=cfg.prewarm.staging_chunk_bytes,
+                           buffers=cfg.prewarm.staging_buffers, workers=cfg.prewarm.loader_threads,
+                           manifest=cfg.prewarm.weights_manifest,
+                           cuda_context_timeout=cfg.gpu.cuda_context_timeout_seconds,
+                           kernel_compile_timeout=cfg.gpu.kernel_compile_timeout_seconds,
+                           graph_max_len=cfg.solidify.graph_max_length)
 
 
 class Steps:
     """Times the sub-steps of reserve into detail["steps_seconds"], the log and
     the warmup_reserve_step_duration_seconds gauge (one clock: perf_counter)."""
 
-    def __init__(self, agent: Agent, detail: dict):
-        self._gauge = agent.metrics.warmup_reserve_step_duration_seconds
+    def __init__(self, ctx: StageContext, detail: dict):
+        self._gauge = ctx.metrics.warmup_reserve_step_duration_seconds
         self.seconds = detail.setdefault("steps_seconds", {})
 
     def record(self, name: str, seconds: float) -> None:
@@ -82,7 +79,7 @@ class Steps:
         coldstart("step", "reserve", 1, step=name, duration=round(seconds, 6))
 
     @contextlib.contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> Any:
         t0 = time.perf_counter()
         try:
             yield
@@ -90,17 +87,17 @@ class Steps:
             self.record(name, time.perf_counter() - t0)
 
 
-def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
-    cfg = agent.cfg
-    step = Steps(agent, detail)
+def run(ctx: StageContext, detail: dict) -> None:
+    cfg = ctx.cfg
+    step = Steps(ctx, detail)
     with step("host_facts"):            # NVML init, per-GPU facts, NVLink links
         host = hardware.read_host()
-    agent.host_facts = host.as_dict()
+    ctx.host_facts = host.as_dict()
     detail["gpus"] = len(host.gpus)
-    device = cfg["model.device"]
+    device = cfg.model.device
     if device == "auto":
         device = "cuda" if host.gpus else "cpu"
-    configure_engine(agent)
+    configure_engine(ctx)
 
     gpu = None
     if host.gpus and device.startswith("cuda"):
@@ -109,54 +106,54 @@ def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
     if gpu is not None:
         detail["gpu_uuid"] = gpu.uuid
         with step("pin_cpus"):
-            agent.host_facts["topology"] = hardware.topology(host.gpus)
-            if cfg["reserve.pin_cpus"] and gpu.local_cpus:
+            ctx.host_facts["topology"] = hardware.topology(host.gpus)
+            if cfg.reserve.pin_cpus and gpu.local_cpus:
                 cpus = hardware.assign_cpus(host.gpus, host.allowed_cpus)[gpu.index]
                 detail["pinned_cpus"] = cpus if hardware.pin_cpus(cpus) else None
     else:
         detail["pinned_cpus"] = None  # no GPU: no locality to pin to; keep the cgroup's cpuset
 
-    model_path = agent.engine.model_path   # None: no local model directory to check
+    model_path = ctx.engine.model_path   # None: no local model directory to check
     if not model_path:
         return
     on_gpu = device.startswith("cuda") and gpu is not None
     with step("model_check"):           # config.json and every shard header
         config = check_model_dir(model_path)
-        need = _weight_bytes_on_device(model_path, "cuda" if on_gpu else "cpu", cfg["model.dtype"])
+        need = _weight_bytes_on_device(model_path, "cuda" if on_gpu else "cpu", cfg.model.dtype)
     detail["weight_bytes"] = need
     if not on_gpu:
         if need > host.memory_available_bytes:
-            agent.fail("insufficient_memory",
+            ctx.fail("insufficient_memory",
                        f"{model_path}: weights need {need / 2**30:.2f} GiB but only {host.memory_available_bytes / 2**30:.2f} GiB of memory is available")
         return
     assert gpu is not None  # on_gpu
 
-    dtype = "bfloat16" if cfg["model.dtype"] == "auto" else cfg["model.dtype"]
-    plan = sizing.plan_reservation(config, dtype, need, cfg["prewarm.prompt_lengths"] + [cfg["prewarm.max_prompt_length"]],
-                                   cfg["prewarm.batch_sizes"] + ([cfg["prewarm.max_batch"]] if cfg["prewarm.batch_sizes_from_memory"] else []),
-                                   max(cfg["prewarm.max_new_tokens"], 1), cfg["reserve.activation_factor"])
+    dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
+    plan = sizing.plan_reservation(config, dtype, need, cfg.prewarm.prompt_lengths + [cfg.prewarm.max_prompt_length],
+                                   cfg.prewarm.batch_sizes + ([cfg.prewarm.max_batch] if cfg.prewarm.batch_sizes_from_memory else []),
+                                   max(cfg.prewarm.max_new_tokens, 1), cfg.reserve.activation_factor)
     detail["reservation"] = plan.as_dict()
     problem = sizing.check_fits(plan, gpu.memory_free_bytes, f"{model_path} on GPU {gpu.index} ({gpu.uuid})")
     if problem:
-        agent.fail("insufficient_gpu_memory", problem)
+        ctx.fail("insufficient_gpu_memory", problem)
     ctx.gpu_free_bytes = gpu.memory_free_bytes
-    if agent.engine.sets_up_device:
+    if ctx.engine.sets_up_device:
         # The first `import torch` of the process lands here (nothing imports it
         # earlier on a GPU host); timed apart so it is not read as reservation.
         with step("torch_import"):
             if "torch" not in sys.modules:
                 import torch  # noqa: F401
         t0 = time.perf_counter()
-        agent.engine.init_device()        # CUDA context, under its deadline
+        ctx.engine.init_device()        # CUDA context, under its deadline
         total = time.perf_counter() - t0
-        context = agent.engine.context_seconds or 0.0
-        detail["cuda_context_seconds"] = agent.engine.context_seconds
+        context = ctx.engine.context_seconds or 0.0
+        detail["cuda_context_seconds"] = ctx.engine.context_seconds
         # init_device = device resolution (torch.cuda.is_available(): cuInit and
         # device enumeration) + the context (set_device and a first allocation).
         step.record("cuda_init", max(total - context, 0.0))
         step.record("cuda_context", context)
-        if cfg["reserve.gpu_memory"]:
+        if cfg.reserve.gpu_memory:
             with step("memory_reserve"):
-                reserved = agent.engine.reserve_memory(plan.total_bytes)
+                reserved = ctx.engine.reserve_memory(plan.total_bytes)
             detail["reserved_bytes"] = reserved
-            agent.metrics.warmup_gpu_memory_reserved_bytes.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)
+            ctx.metrics.warmup_gpu_memory_reserved_bytes.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)

@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import TYPE_CHECKING
 
 from warmup_agent.stages.context import StageContext
 
-if TYPE_CHECKING:  # types only: pipeline imports the stages
+if TYPE_CHECKING:  # types only: imported where it is opened
     from warmup_agent.kernel_cache import KernelCache
-    from warmup_agent.pipeline import Agent
 
 log = logging.getLogger("warmup_agent.stages.solidify")
 
 
-def open_kernel_cache(agent: Agent) -> KernelCache | None:
+def open_kernel_cache(ctx: StageContext) -> KernelCache | None:
     """The two-tier kernel cache with the engines' cache variables pointed at its
     local tier and restored from the shared tier; None when it cannot be used."""
     try:
         from warmup_agent.kernel_cache import KernelCache
-        cache = KernelCache.from_config(agent.cfg, agent.metrics)
+        cache = KernelCache.from_config(ctx.cfg, ctx.metrics)
         os.environ.update(cache.env())
         cache.restore()
         return cache
@@ -47,40 +45,38 @@ def _publish(cache: KernelCache | None) -> None:
         log.warning("kernel cache publish failed (%s: %s)", type(e).__name__, e)
 
 
-def run(agent: Agent, ctx: StageContext, detail: dict) -> None:
-    mode = agent.cfg["solidify.mode"]
+def run(ctx: StageContext, detail: dict) -> None:
+    mode = ctx.cfg.solidify.mode
     # Opened on every run (cheap with a local tier only) so its metrics and the
     # shared tier's state are visible; only compilation fills it.
     # A server engine whose server compiled nothing into the cache folders it was
     # given (`transformers serve`, eager) has nothing to share: skip the cache,
     # whose namespace costs a torch import (seconds on a GPU host) on the way to SERVING.
-    wanted = mode != "none" and agent.engine.has_compile_artifacts()
-    cache = open_kernel_cache(agent) if wanted else None
+    wanted = mode != "none" and ctx.engine.has_compile_artifacts()
+    cache = open_kernel_cache(ctx) if wanted else None
     previous, ctx.kernel_cache = ctx.kernel_cache, cache   # the agent closes it at stop
     if previous is not None:  # a re-warm opens a fresh one
         previous.close()
-    t0 = time.perf_counter()
-    with agent.engine_lock:
+    with ctx.driver.busy("solidify"):     # its engine-seconds count in warmup_cost_ratio
         shapes = ctx.warmed_shapes
         if cache is not None and mode == "compile":
-            report = cache.compile_once("solidify", lambda: agent.engine.solidify(shapes, mode=mode))
+            report = cache.compile_once("solidify", lambda: ctx.engine.solidify(shapes, mode=mode))
         else:
-            report = agent.engine.solidify(shapes, mode=mode)
-    agent.metrics.warmup_engine_seconds_total.labels(kind="solidify").inc(time.perf_counter() - t0)
+            report = ctx.engine.solidify(shapes, mode=mode)
     _publish(cache)
     if cache is not None:
         detail["kernel_cache"] = "degraded" if cache.degraded else "ok"
     detail.update(method=report.method, shapes=report.shapes, **report.detail)
     reason = report.detail.get("fallback_reason")
     if reason:
-        agent.metrics.warmup_solidify_fallbacks_total.labels(reason=reason.split(":")[0]).inc()
+        ctx.metrics.warmup_solidify_fallbacks_total.labels(reason=reason.split(":")[0]).inc()
     gpu = ctx.gpu
     if gpu is not None:
-        agent.metrics.warmup_cuda_graphs.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
+        ctx.metrics.warmup_cuda_graphs.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
     ramp = ctx.ramp
     if ramp is not None:
         slope = ramp.stop()
         detail["ramp_samples"] = len(ramp.samples)
         if slope is not None and gpu is not None:
             detail["ramp_slope_per_second"] = slope
-            agent.metrics.warmup_gpu_utilization_ramp_slope.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(slope)
+            ctx.metrics.warmup_gpu_utilization_ramp_slope.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(slope)

@@ -1,0 +1,49 @@
+"""Typed config everywhere (issue 24): outside warmup_agent/config.py a key of the
+configuration is read as a typed attribute of its section, `cfg.prewarm.max_batch`
+(warmup_agent/config_sections.py, which mypy checks), never by string,
+`cfg["prewarm.max_batch"]`."""
+from __future__ import annotations
+
+import ast
+import glob
+import os
+
+from warmup_agent.config import KEYS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = {k.path for k in KEYS} | {"engine", "data_dir"}
+# Files left out of the scan, and why; the list only shrinks.  (torch_engine.py has
+# no string lookup today; it is listed because another branch is changing it.)
+EXCEPTIONS = {
+    "warmup_agent/engines/torch_engine.py": "issue 24: converted after the in-process start-up work merges",
+}
+
+
+def lookups(source: str) -> list[tuple[int, str]]:
+    """(line, key) of every subscript by a configuration key: `x["readiness.min_probes"]`,
+    whatever `x` is called (a dict of the tokenizer's settings keyed "chat_template" is
+    not one), except config.BY_PATH, the keys' declarations (their defaults)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in NAMES
+                and not ast.unparse(node.value).endswith("BY_PATH")):
+            out.append((node.lineno, node.slice.value))
+    return out
+
+
+def test_the_scan_finds_a_lookup():
+    assert lookups('x = cfg["prewarm.max_batch"]\ny = f"{cfg[\'engine\']}"\nt["chat_template"] = 1\n'
+                   'd = BY_PATH["engine"].default\n') == [
+        (1, "prewarm.max_batch"), (2, "engine")]
+
+
+def test_no_string_lookup_outside_config():
+    found = []
+    for pkg in ("warmup_agent", "exporter"):
+        for path in glob.glob(os.path.join(ROOT, pkg, "**", "*.py"), recursive=True):
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            if rel == "warmup_agent/config.py" or rel in EXCEPTIONS:
+                continue
+            found += [f"{rel}:{line}: [{key!r}]" for line, key in lookups(open(path, encoding="utf-8").read())]
+    assert found == []
+

@@ -1,0 +1,159 @@
+"""The openai engine's server glue: the command and environment it starts the
+server with, the supervisor (supervisor.py) that keeps it running, its start-up
+log lines, the wait for health, interrupting and closing."""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Callable
+
+from warmup_agent.engines.base import EngineError
+from warmup_agent.engines.openai_discovery import Discovery
+from warmup_agent.engines.server_command import option, parse_adapters
+
+# vLLM's start-up log lines that say how long its own compile / graph capture took.
+_STARTUP_PATTERNS = {
+    "compile_seconds": re.compile(r"torch\.compile takes ([\d.]+) s in total"),
+    "graph_capture_seconds": re.compile(r"Graph capturing finished in ([\d.]+) sec"),
+    "engine_init_seconds": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) sec"),
+    "weights_load_seconds": re.compile(r"Loading weights took ([\d.]+) sec"),
+    "model_load_seconds": re.compile(r"Model loading took [\d.]+ [GM]i?B(?: memory)? and ([\d.]+) sec"),
+}
+
+
+class ServerGlue(Discovery):
+    """Starting and supervising the server (the top layer under OpenAIEngine)."""
+
+    def server_env(self) -> dict[str, str]:
+        """The server's environment: ours plus the caches pointed at the agent's
+        cache directories (solidify keeps them) and the vLLM CPU workarounds."""
+        data = self.cfg.data_dir
+        env = dict(os.environ if self.base_env is None else self.base_env)
+        for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                         ("TRITON_CACHE_DIR", "triton")):
+            env.setdefault(var, os.path.join(data, "cache", sub))
+            os.makedirs(env[var], exist_ok=True)
+        # The CPU build leaves socket files in TMPDIR: give it a scratch folder of its own.
+        env.setdefault("TMPDIR", os.path.join(data, "tmp", "server"))
+        os.makedirs(env["TMPDIR"], exist_ok=True)
+        if self.host.startswith("127.") or self.host == "localhost":
+            env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        if parse_adapters(self.cfg.lora.adapters):
+            env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        return env
+
+    def server_command(self) -> list[str]:
+        """The command as started: a vLLM command that sets no memory budget gets
+        --kv-cache-memory-bytes (without it the CPU build takes ~8 GiB)."""
+        assert self.command, "only a supervised server has a command"
+        cmd = list(self.command)
+        is_vllm = any("vllm" in w for w in cmd[:3])
+        if is_vllm and not option(cmd, "--kv-cache-memory-bytes") and not option(cmd, "--gpu-memory-utilization"):
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_budget_bytes())]
+        return cmd
+
+    def kv_budget_bytes(self) -> int:
+        configured = self.cfg.vllm.kv_cache_memory_bytes
+        if configured:
+            return configured
+        import psutil
+        return int(min(psutil.virtual_memory().available * 0.25, 4 << 30))
+
+    def set_server_callbacks(self, on_exit: Callable[[int], None] | None,
+                             on_ready: Callable[[], None] | None) -> None:
+        """Crash and recovery of the supervised server (Engine.set_server_callbacks);
+        set before load_weights starts it."""
+        self.on_server_exit = on_exit
+        self.on_server_ready = on_ready
+
+    @property
+    def server_start_seconds(self) -> float | None:
+        return self.supervisor.start_seconds if self.supervisor is not None else None
+
+    @property
+    def server_name(self) -> str | None:
+        words = [os.path.basename(w) for w in (self.command or [])[:4]]
+        text = " ".join(words)
+        if "transformers" in words and "serve" in words:
+            return "transformers serve"
+        for needle, name in (("llama-server", "llama.cpp"), ("llama_cpp", "llama.cpp"), ("vllm", "vllm"),
+                             ("sglang", "sglang"), ("text-generation-launcher", "tgi")):
+            if needle in text:
+                return name
+        return None
+
+    def _on_log_line(self, line: str) -> None:
+        for key, pattern in _STARTUP_PATTERNS.items():
+            m = pattern.search(line)
+            if m:
+                self.startup[key] = float(m.group(1))
+
+    # -- Engine -----------------------------------------------------------------------
+
+    def prestart(self) -> None:
+        """Spawn the supervised server now, without waiting for it: its own start-up
+        (1.2-1.5 s for llama.cpp on an H200) then overlaps the agent's set-up and the
+        tokenizer load.  start_server() waits for it.  Nothing to do without a command
+        or once started."""
+        if not self.command or self.supervisor is not None or self._interrupted.is_set():
+            return
+        from warmup_agent.supervisor import Supervisor
+        # The callbacks are looked up when called: the CLI connects them after this.
+        self.supervisor = Supervisor(
+            self.server_command(), self.url + self.health_path, env=self.server_env(),
+            host=self.host, port=self.port,
+            ready_timeout=self.cfg.openai.ready_timeout_seconds,
+            backoff_initial=self.cfg.openai.restart_backoff_initial_seconds,
+            backoff_max=self.cfg.openai.restart_backoff_max_seconds,
+            drain_seconds=self.cfg.openai.drain_seconds,
+            on_server_exit=lambda rc: self.on_server_exit(rc) if self.on_server_exit else None,
+            on_server_ready=lambda: self.on_server_ready() if self.on_server_ready else None,
+            on_log_line=self._on_log_line, log=self.log)
+        supervisor = self.supervisor
+
+        def start() -> None:
+            try:
+                supervisor.start()
+            except EngineError as e:
+                self._start_error = e
+        self._start_thread = threading.Thread(target=start, name="server-start", daemon=True)
+        self._start_thread.start()
+
+    def start_server(self) -> None:
+        """Start the server (or wait for the given one) until its health path
+        answers 200, and nothing more: no request reaches it.  The local tokenizer
+        loads while the server starts."""
+        if self._interrupted.is_set():
+            raise EngineError("stopped", "stopped before the server became healthy")
+        if self._start_thread is None and self.supervisor is not None:
+            # Called again after the supervisor restarted a crashed server (the
+            # pipeline re-runs prewarm): the server is ours already, just wait for it.
+            self._wait_remote_healthy()
+            return
+        if self.command:
+            self.prestart()
+            self.load_tokenizer()      # local files: overlaps the server's start-up
+            thread = self._start_thread
+            if thread is not None:
+                thread.join()
+                self._start_thread = None
+            if self._start_error is not None:
+                raise self._start_error
+        else:
+            self.load_tokenizer()
+            self._wait_remote_healthy()
+
+    def interrupt(self) -> None:
+        """SIGTERM during warmup: stop waiting for the server; a supervised one that
+        is still starting is stopped (its start() then raises 'stopped')."""
+        self._interrupted.set()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
+    def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- HTTP -------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class TorchEngine(Engine):
         self._skeleton: Future | None = None     # Future of (meta model, expected shapes, tied names)
         self.skeleton_wait_seconds: float | None = None
         self.skeleton_build_seconds: float | None = None   # the background import + skeleton, start to end
-        self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization.py)
+        self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization/)
         self.fp8_layers = 0
 
     @property
@@ -123,7 +123,7 @@ class TorchEngine(Engine):
         if device.type == "cuda":
             t0 = time.perf_counter()
 
-            def create():
+            def create() -> None:
                 torch.cuda.set_device(device)
                 torch.empty(1, device=device).fill_(0)
                 torch.cuda.synchronize(device)
@@ -139,7 +139,7 @@ class TorchEngine(Engine):
         return self.reserved_bytes
 
     # -- loading -----------------------------------------------------------------------
-    def _resolve_device(self):
+    def _resolve_device(self) -> Any:
         import torch
         if self._device_name == "auto":
             return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -150,7 +150,7 @@ class TorchEngine(Engine):
             dev = torch.device("cuda", 0)   # an explicit index: set_device and the stages need one
         return dev
 
-    def _resolve_dtype(self, device):
+    def _resolve_dtype(self, device: Any) -> Any:
         import torch
         if self._dtype_name == "auto":
             # bf16 on GPU; float32 on CPU, where bf16 matmuls are emulated and slow on AVX2.
@@ -227,7 +227,7 @@ class TorchEngine(Engine):
             return
         future: Future = Future()
 
-        def work():
+        def work() -> None:
             try:
                 t0 = time.perf_counter()
                 _quiet_transformers()
@@ -389,7 +389,7 @@ class TorchEngine(Engine):
         self.last_output = torch.cat(tokens, dim=1)   # [batch, produced]: greedy tokens (tests compare paths)
         return [RequestResult(ttft, total, len(p), produced) for p in prompts]
 
-    def _generate_static(self, decoder, prompts, max_new_tokens) -> list[RequestResult]:
+    def _generate_static(self, decoder: Any, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]:
         import torch
         n = len(prompts[0])
         t0 = time.perf_counter()
@@ -445,7 +445,7 @@ class TorchEngine(Engine):
             method = "torch.compile"
         sample = self.tokenize("warm " * 8) or [0]
 
-        def replay():
+        def replay() -> None:
             for length, batch in shapes:
                 prompt = (sample * (length // len(sample) + 1))[:length]
                 self.generate([prompt] * batch, max_new_tokens=2 if self._decoders else 1, warmup=True)

@@ -30,8 +30,6 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Callable
 
 from warmup_agent.errors import EngineError
@@ -126,6 +124,10 @@ class Supervisor:
         return self.proc.pid if self.proc else None
 
     def healthy(self) -> bool:
+        # Imported here, not at the top: the CLI spawns the server before this runs,
+        # so http.client's import (about 30 ms) overlaps the server's start-up.
+        import urllib.error
+        import urllib.request
         try:
             with urllib.request.urlopen(self.health_url, timeout=2) as r:
                 return r.status == 200

@@ -9,9 +9,6 @@ import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -166,6 +163,10 @@ class StreamingClient(Engine):
                 raise EngineError("request_failed", e2.message) from None
 
     def _stream(self, body: dict, api: str, warmup: bool, prompt_tokens: int | None) -> RequestResult:
+        # urllib.request (http.client, ssl, email: about 30 ms) is imported on the first
+        # request, not with the module: the CLI imports this before it spawns the server.
+        import urllib.error
+        import urllib.request
         path = _PATHS[api]
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers=self.headers(warmup), method="POST")
@@ -216,6 +217,8 @@ class StreamingClient(Engine):
                              output_tokens=usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks)
 
     def _get_json(self, path: str) -> dict:
+        import urllib.error  # see _stream
+        import urllib.request
         try:
             with urllib.request.urlopen(self.url + path, timeout=self.timeout) as r:
                 return json.loads(r.read())
@@ -223,6 +226,8 @@ class StreamingClient(Engine):
             raise EngineError("server_unreachable", f"GET {self.url}{path}: {getattr(e, 'reason', e)}") from None
 
     def _post_json(self, path: str, body: dict) -> dict:
+        import urllib.error  # see _stream
+        import urllib.request
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
         try:

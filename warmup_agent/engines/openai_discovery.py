@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import Any
 
 from warmup_agent.engines.base import EngineError, EngineFacts
@@ -113,6 +110,8 @@ class Discovery(StreamingClient):
             self._request({"prompt": "Hello", "max_tokens": 1}, api, True)
 
     def _wait_remote_healthy(self) -> None:
+        import urllib.error  # here, not at the top: see OpenAIClient (openai_client.py)
+        import urllib.request
         deadline = time.monotonic() + self.cfg.openai.ready_timeout_seconds
         last = ""
         while time.monotonic() < deadline:

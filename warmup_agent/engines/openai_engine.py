@@ -32,9 +32,7 @@ import json
 import logging
 import os
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import TYPE_CHECKING, Callable
 
 from warmup_agent.engines.base import EngineError, SolidifyReport

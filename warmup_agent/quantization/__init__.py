@@ -10,17 +10,8 @@ compressed-tensors float-quantized, fbgemm_fp8, modelopt FP8; other methods are
 named but not looked into), and a server's command line (`--quantization fp8`,
 `--kv-cache-dtype fp8`, TGI's `--quantize`).
 
-FP8 layers: `FP8BlockLinear` runs the transformers "fp8" layout (e4m3 weight
-[N, K], float32 `weight_scale_inv` per block, so weight ~= q * scale) without
-transformers' own FP8Linear, whose GEMM is a Triton kernel fetched from the
-Hugging Face Hub at first use (no network on a GPU host, and a download is no
-warmup).  On a GPU with blockwise-scaled FP8 GEMM (Hopper: compute capability 9.0
-and torch._scaled_mm with 1x128 / 128x128 scales) the layer quantizes its input
-per token and 128-wide group and calls torch._scaled_mm; elsewhere (CPU, older
-GPUs, odd shapes) it emulates: the same quantization, then dequantize and a
-matmul in the compute dtype.  Quantize, saturate and dequantize are one set of
-functions, used by the forward pass, by the checkpoint writer and by the range
-validation (readiness/fp8_ranges.py), so what is validated is what runs.
+FP8 layers: kernels.py's docstring says how `FP8BlockLinear` runs (blockwise-scaled
+torch._scaled_mm on Hopper, emulation elsewhere) and why it is not transformers' own.
 """
 from __future__ import annotations
 

@@ -57,6 +57,14 @@ class Call:
         return (self.total - self.ttft) / (self.output_tokens - 1)
 
 
+def call_of(results: Sequence) -> Call:
+    """One batch's engine results (engines.base.RequestResult) as one Call: the
+    slowest first token and the slowest request (the openai profile warmup and
+    the torch/vllm shape grid both judge a batch by it)."""
+    slow = max(results, key=lambda r: r.total_seconds)
+    return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens, slow.prompt_tokens)
+
+
 def within(value: float, ref: float, tol: float) -> bool:
     return value <= ref * (1 + tol) + SLACK_SECONDS
 

@@ -32,13 +32,6 @@ def path_of(shape: Shape) -> Path:
     return Path(ENDPOINT, FAMILY, shape.batch, shape.prompt_tokens)
 
 
-def call_of(results: Sequence) -> Call:
-    """One batch's engine results (engines.base.RequestResult) as a benefit.Call:
-    the slowest first token and the slowest request."""
-    slow = max(results, key=lambda r: r.total_seconds)
-    return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens, slow.prompt_tokens)
-
-
 def warm_grid(shapes: Sequence[Shape], send: Callable[[Shape], Call], tol: float, max_calls: int) -> list[Outcome]:
     """Warm every shape, in the given order, until it is warm; one Outcome per shape."""
     steady = benefit.SteadyLevels()

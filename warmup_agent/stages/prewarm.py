@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from warmup_agent import memory_budget, shape_warmup, traffic
+from warmup_agent import benefit, memory_budget, shape_warmup, traffic
 from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
@@ -29,7 +29,6 @@ from warmup_agent.states import State
 from warmup_agent.traffic import Shape, grid
 
 if TYPE_CHECKING:  # types only
-    from warmup_agent import benefit
     from warmup_agent.config import Config
     from warmup_agent.engines.base import EngineFacts
 
@@ -164,7 +163,6 @@ class _ProfileWarmup:
     and decoded, the outcome of every path, the families the server refuses."""
 
     def __init__(self, ctx: StageContext, profile: traffic.TrafficProfile, lengths: list[int], batches: list[int]):
-        from warmup_agent import benefit
         from warmup_agent.traffic import probe_endpoint, probe_family
         pc = ctx.cfg.prewarm
         self.ctx, self.pc = ctx, pc
@@ -187,7 +185,6 @@ class _ProfileWarmup:
         self.sent = 0
 
     def send(self, path: benefit.Path, tokens: int | None = None) -> benefit.Call:
-        from warmup_agent.benefit import Call
         from warmup_agent.traffic import WarmRequest, _frozen
         ctx, profile = self.ctx, self.profile
         tokens = self.answer if tokens is None else tokens
@@ -197,12 +194,9 @@ class _ProfileWarmup:
         self.decoded.append((path.prompt_tokens, path.prompt_tokens + tokens))
         self.sent += 1
         ctx.progress.step(self.sent, self.sent + 1, f"{path.label} out={tokens}")
-        slow = max(results, key=lambda r: r.total_seconds)
-        return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens,
-                    slow.prompt_tokens)
+        return benefit.call_of(results)
 
     def warm(self, path: benefit.Path, tokens: int | None = None) -> None:
-        from warmup_agent import benefit
         profile = self.profile
         if path.family in self.refused:
             self.outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
@@ -221,7 +215,6 @@ class _ProfileWarmup:
 
     def per_length_test(self) -> dict:
         """Two calls at fresh sequence lengths against the anchor's steady decode and prefill."""
-        from warmup_agent import benefit
         from warmup_agent.benefit import Path
         ctx, steady, b0 = self.ctx, self.steady, self.b0
         per_length: dict = {"tested": False}
@@ -258,7 +251,6 @@ class _ProfileWarmup:
 
     def other_paths(self, per_length: dict, batches: list[int]) -> None:
         """Every other family and endpoint, every profile length (prefill), every larger batch."""
-        from warmup_agent import benefit
         from warmup_agent.benefit import Path
         profile, ep0, fam0, b0, hi = self.profile, self.ep0, self.fam0, self.b0, self.hi
         for fam in profile.families:
@@ -391,7 +383,7 @@ def run(ctx: StageContext, detail: dict) -> None:
                 raise shape_warmup.Dropped(f"batch {shape.batch} dropped: out of memory")
             done += 1
             ctx.progress.step(done, max(len(shapes), done + 1), f"len={shape.prompt_tokens} batch={shape.batch}")
-            return shape_warmup.call_of(results)
+            return benefit.call_of(results)
         outcomes = shape_warmup.warm_grid(shapes, send_shape, cfg.prewarm.converge_tolerance, cap)
         warmed = [s for s, o in zip(shapes, outcomes, strict=True) if o.calls and backoff.allows(s.batch)]
         detail.update(warmup=shape_warmup.summary(outcomes), paths=[o.as_dict() for o in outcomes])

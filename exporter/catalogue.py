@@ -123,7 +123,7 @@ CORE: tuple[MetricSpec, ...] = (
                labels=("remedy",), unit="short", requires="decode_probes",
                doc="A gauge, not an info metric: an info metric without labels set would still expose a series "
                    "and read as a finding on every pod."),
-    MetricSpec("warmup_paths_total", "gauge",
+    MetricSpec("warmup_paths", "gauge",
                "Warmup paths (endpoint x sampling family x batch size x prompt length) by what the measured-benefit warmup did with them.",
                labels=("result",), unit="short", requires="decode_probes",
                doc="result: warm_on_first_call, converged, still_improving, skipped (budget or a refused family). "

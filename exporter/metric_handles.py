@@ -35,7 +35,7 @@ class MetricHandles:
     warmup_first_request_total_tax_ratio: Gauge
     warmup_per_length_decode_ratio: Gauge
     warmup_per_length_remedy_info: Gauge
-    warmup_paths_total: Gauge
+    warmup_paths: Gauge
     warmup_budget_seconds: Gauge
     warmup_memory_jitter_ratio: Gauge
     warmup_kernel_cache_requests_total: Counter
@@ -90,7 +90,7 @@ NAMES: tuple[str, ...] = (
     "warmup_first_request_total_tax_ratio",
     "warmup_per_length_decode_ratio",
     "warmup_per_length_remedy_info",
-    "warmup_paths_total",
+    "warmup_paths",
     "warmup_budget_seconds",
     "warmup_memory_jitter_ratio",
     "warmup_kernel_cache_requests_total",

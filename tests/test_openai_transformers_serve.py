@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import transformers_server as ts
-from tests.helpers.servers import free_port
+from tests.helpers.servers import free_port, require_binary
 from tests.http_relay import Relay
 from warmup_agent import config
 from warmup_agent.engines.openai_engine import OpenAIEngine
@@ -269,7 +269,21 @@ def test_startupz_and_metrics_say_what_was_warmed_and_the_per_length_finding(ser
     for p in detail["paths"]:
         counts[p["result"]] = counts.get(p["result"], 0) + 1
     for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
-        assert reg.get_sample_value("warmup_paths_total", {"result": result}) == counts.get(result, 0)
+        assert reg.get_sample_value("warmup_paths", {"result": result}) == counts.get(result, 0)
+
+
+def test_promtool_finds_nothing_to_fix_in_the_openai_scrape(served):
+    """The series only a served profile exports (paths, budget, per-length finding)
+    pass `promtool check metrics`: a gauge named `_total` (warmup_paths_total, flagged
+    on the H200 acceptance run) fails it."""
+    _, agent, _, _, _ = served
+    import subprocess
+
+    import prometheus_client
+    text = prometheus_client.generate_latest(agent.metrics.registry).decode()
+    assert "warmup_paths{" in text and "warmup_budget_seconds" in text
+    r = subprocess.run([require_binary("promtool"), "check", "metrics"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
 
 
 def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path, embedded_model, caplog):

@@ -304,7 +304,7 @@ class _ProfileWarmup:
         ctx.first_probe_tokens = profile.max_tokens
         counts = Counter(o.result for o in outcomes)
         for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
-            ctx.metrics.warmup_paths_total.labels(result=result).set(counts[result])
+            ctx.metrics.warmup_paths.labels(result=result).set(counts[result])
         skipped = [{"path": o.path.label, "reason": o.reason} for o in outcomes if o.result == "skipped"]
         ctx.warmup_summary = summary = {
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),

@@ -188,7 +188,8 @@ def test_first_request_tax_on_time_to_first_token_is_exported_exactly(served):
 def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refuses(tmp_path, embedded_model):
     """A gateway log with chat only: sampled, penalties, stop and top_k (which
     transformers serve refuses: 'Unexpected fields').  The agent warms chat only,
-    each family it accepts at each batch size, records top_k as refused, serves."""
+    each family it accepts at each batch size, records top_k as refused, serves.
+    Discovery asks only the API the file uses."""
     chat = lambda c, **kw: json.dumps({"model": "m", "messages": [{"role": "user", "content": c}], "max_tokens": 3, **kw})  # noqa: E731
     log = tmp_path / "requests.jsonl"
     log.write_text("\n".join([chat("bazo kite lumo", temperature=0.7, top_p=0.9),
@@ -226,8 +227,9 @@ def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refu
         paths = {p["path"]: p for p in agent.stages[1].detail["paths"]}
         assert any(name.startswith("chat/top_k/") and p["result"] == "skipped" and "refuses" in p["reason"]
                    for name, p in paths.items()) or "top_k" in profile["refused_families"]
-        assert not [p for p in relay.posts() if p["path"] == "/v1/completions" and p["body"] and
-                    json.loads(p["body"])["max_tokens"] != 1]     # completions only asked, never warmed
+        # the file's traffic is chat only: /v1/completions is neither warmed nor even asked
+        assert not [p for p in relay.posts() if p["path"] == "/v1/completions"]
+        assert agent.stages[1].detail["profile"]["capabilities"]["apis"] == ["chat"]
     finally:
         eng.close()
         relay.stop()

@@ -118,6 +118,9 @@ def test_good_and_bad_lines_with_their_numbers(tmp_path):
     assert c.skip_warning() == (f"key 'prewarm.requests_file': {path}: skipped 3 bad lines of 6 (lines 3, 4, 7); "
                                 f"first: {path}:3: field 'temperature': got 'hot'; expected a number from 0 to 2 (and 1 more problem)")
     assert requests_file.check_file(path, keep_good=False).good == []
+    # the APIs the good lines use (discovery asks only these); a bad line counts for none
+    assert c.endpoints == {"chat", "completions"}
+    assert requests_file.check_file(write(tmp_path, [CHAT, "{not json"])).endpoints == {"chat"}
 
 
 def test_the_warning_lists_the_first_five_line_numbers_only(tmp_path):

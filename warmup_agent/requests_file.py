@@ -219,6 +219,7 @@ class FileCheck:
     good_count: int = 0
     bad: list[tuple[int, str]] = field(default_factory=list)     # (line number, reason)
     bad_count: int = 0
+    endpoints: set[str] = field(default_factory=set)              # of the good lines: "chat", "completions"
 
     def bad_lines(self) -> dict:
         """For a record, a TrafficProfile and a metric: count and the first line numbers."""
@@ -268,6 +269,7 @@ def check_file(path: str, keep_good: bool = True) -> FileCheck:
     for i, body, problem in scan(path):
         if problem is None:
             out.good_count += 1
+            out.endpoints.add("chat" if "messages" in body else "completions")
             if keep_good:
                 out.good.append((i, body))
         else:

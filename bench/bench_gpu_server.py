@@ -283,6 +283,9 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
                warmup_requests=rec.get("warmup_requests"), probes=rec.get("probe_count"),
                agent_time_to_ready=rec.get("time_to_ready_seconds"),
                stage_seconds={s["name"]: s["duration_seconds"] for s in rec["stages"]},
+               startup_seconds=rec.get("startup_seconds"),
+               # early or not (warmup_agent/early_spawn.py), and the process age at the server's spawn
+               server_spawn=((rec.get("engine_facts") or {}).get("extra") or {}).get("server_spawn"),
                agent_first_request_tax=rec.get("first_request_tax_ratio"),
                agent_first_request_total_tax=rec.get("first_request_total_tax_ratio"),
                agent_tpot_window=rec.get("time_per_output_token_window_seconds"),

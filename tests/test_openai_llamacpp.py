@@ -108,6 +108,7 @@ def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_dra
     # llama-server takes token-id prompts and accepts ignore_eos and stream_options
     assert caps["token_id_prompts"] is True and caps["rejected_fields"] == []
     assert caps["model"] == gguf                     # /v1/models: the -m path as given
+    assert record["engine_facts"]["extra"]["server_spawn"]["early"] is True   # spawned before the agent's imports
     # the first request's figures exist (their size is not asserted: timings)
     assert record["first_request_seconds"] > 0 and record["first_request_tax_ratio"] > 0
     assert record["probe_total_seconds"] and record["first_request_total_tax_ratio"] > 0

@@ -13,6 +13,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 # The CLI's own steps up to the spawn (cli.cmd_run), in a fresh interpreter.
@@ -40,3 +42,110 @@ def test_nothing_heavy_is_imported_before_the_server_is_spawned(tmp_path):
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert "warmup_agent.engines.openai_engine" in loaded      # the scan sees the engine's modules
     assert not [m for m in NOT_BEFORE_SPAWN if m in loaded], [m for m in NOT_BEFORE_SPAWN if m in loaded]
+
+
+# --- the early spawn (warmup_agent/early_spawn.py) ------------------------------------
+EARLY = """
+import json, sys
+from warmup_agent import early_spawn
+early_spawn.start(sys.argv[2:])
+print(json.dumps({"spawned": early_spawn._early is not None, "modules": sorted(sys.modules)}))
+early_spawn.discard()
+"""
+NOT_BEFORE_EARLY_SPAWN = NOT_BEFORE_SPAWN + ("yaml", "warmup_agent.config", "warmup_agent.engines", "logging",
+                                             "warmup_agent.supervisor", "dataclasses")
+
+
+def test_the_early_spawn_happens_before_any_of_the_agents_imports(tmp_path):
+    """cli.main calls early_spawn.start first: it spawns the server having imported
+    neither the configuration (yaml), nor the engines, nor logging."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["run", "--no-progress", "--data-dir", str(tmp_path), "--", sys.executable, "-c", "import time; time.sleep(30)",
+            "--port", str(port)]
+    out = subprocess.run([sys.executable, "-c", EARLY, "x", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["spawned"], "a server command after -- is spawned early"
+    loaded = set(found["modules"])
+    assert not [m for m in NOT_BEFORE_EARLY_SPAWN if m in loaded], [m for m in NOT_BEFORE_EARLY_SPAWN if m in loaded]
+
+
+def _engine_would_start(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """What the openai engine starts for this command line: the CLI's own parse and
+    config load, then the engine's server_command and server_env."""
+    from warmup_agent import cli, config, server_process
+    from warmup_agent.engines.openai_engine import OpenAIEngine
+    args = cli.build_parser().parse_args(argv)
+    cfg = config.load(args.config, env={k: v for k, v in environ.items() if k.startswith("WARMUP_AGENT_")},
+                      flags={"data_dir": args.data_dir, "engine": "openai"})
+    command = [a for a in args.server_command if a != "--"]
+    engine = OpenAIEngine(cfg, server_command=command, base_env=dict(environ))
+    return engine.server_command(), server_process.final_env(engine.server_env())
+
+
+@pytest.mark.parametrize("case", ["flags", "env", "file", "file_and_flag", "lora"])
+def test_the_early_plan_is_what_the_engine_would_start(tmp_path, case):
+    """The early spawn's command and environment equal the engine's, worked out the
+    long way (config.load, OpenAIEngine), wherever data_dir and lora.adapters come from."""
+    from warmup_agent import early_spawn, server_process
+    environ = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")}
+    opts = ["--engine", "openai"]
+    if case == "flags":
+        opts += ["--data-dir", str(tmp_path / "flag")]
+    elif case == "env":
+        environ["WARMUP_AGENT_DATA_DIR"] = str(tmp_path / "env")
+    elif case in ("file", "file_and_flag", "lora"):
+        (tmp_path / "agent.yaml").write_text(f"data_dir: {tmp_path / 'file'}\n"
+                                             + ("lora:\n  adapters: a=/p\n" if case == "lora" else ""))
+        opts += ["--config", str(tmp_path / "agent.yaml")]
+        if case == "file_and_flag":
+            opts += [f"--data-dir={tmp_path / 'flag'}"]
+    argv = ["run", *opts, "--", "llama-server", "-m", "x.gguf", "--host", "0.0.0.0", "--port", "8012"]
+    planned = early_spawn.plan(argv, environ)
+    assert planned is not None
+    command, env = planned
+    assert (command, server_process.final_env(env)) == _engine_would_start(argv, environ)
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--engine", "openai", "--", "vllm", "serve", "m", "--port", "8000"],    # vLLM: budget from the config
+    ["run", "--help", "--", "llama-server"],                                          # not an option the plan knows
+    ["run", "--once"],                                                                # no server command
+    ["check-config", "a.yaml", "--", "llama-server"],
+])
+def test_nothing_is_spawned_early_where_the_plan_cannot_be_sure(argv):
+    from warmup_agent import early_spawn
+    assert early_spawn.plan(argv, {"PATH": "/usr/bin"}) is None
+
+
+def test_an_early_server_that_differs_is_killed_and_the_reason_given(tmp_path):
+    from warmup_agent import early_spawn
+    argv = ["run", "--data-dir", str(tmp_path), "--", sys.executable, "-c", "import time; time.sleep(30)", "--port", "1"]
+    early_spawn.start(argv)
+    early = early_spawn._early
+    assert early is not None
+    command, env = early_spawn.plan(argv, __import__("os").environ)
+    taken, why = early_spawn.take(command, {**env, "EXTRA": "1"})
+    assert taken is None and why == "the environment differs (EXTRA)"
+    assert early.proc.poll() is not None, "the early server is killed"
+    early_spawn.start(argv)
+    taken, why = early_spawn.take(command, env)
+    assert taken is not None and why is None and taken.proc.poll() is None
+    taken.proc.kill()
+    taken.proc.wait()
+
+
+@pytest.mark.slow   # an agent process
+def test_an_early_server_does_not_outlive_a_run_that_fails_before_adopting_it(tmp_path, data_dir):
+    """`--engine torch -- SERVER` is a config error (exit 2) after the early spawn:
+    the early server is killed with it."""
+    from tests.conftest import run_agent
+    marker = f"early-spawn-orphan-{tmp_path.name}"
+    r = run_agent("run", "--no-progress", "--engine", "torch", "--data-dir", data_dir, "--",
+                  sys.executable, "-c", f"import time; time.sleep(60)  # {marker}", "--port", "1", timeout=120)
+    assert r.returncode == 2 and "needs --engine openai" in r.stderr, r.stderr[-2000:]
+    import psutil
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]

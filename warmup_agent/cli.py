@@ -5,17 +5,17 @@ A user mistake gets one line on stderr, never a traceback.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 from warmup_agent import __version__
-from warmup_agent.config import ConfigError
 
+# argparse, json and logging are imported where used: main() spawns a supervised
+# server before anything else is imported (early_spawn.py).
 if TYPE_CHECKING:  # the CLI imports these lazily: `--help` stays fast and imports no engine
+    import argparse
+
     from exporter.server import ExporterServer
     from warmup_agent.config import Config
     from warmup_agent.engines.base import Engine
@@ -50,6 +50,7 @@ exit codes: 0 ok, 2 usage or configuration error, 3 model or validation failure
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
     p = argparse.ArgumentParser(prog="warmup-agent", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"warmup-agent {__version__}")
@@ -82,14 +83,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        from warmup_agent import reaper
+        reaper.init_if_pid1()  # PID 1 of a container: fork, stay behind as init (reaper.py)
+        # A supervised server starts before the agent's own imports (early_spawn.py).
+        from warmup_agent import early_spawn
+        early_spawn.start(argv)
+    try:
+        return _main(argv)
+    finally:
+        if argv[:1] == ["run"]:
+            from warmup_agent import early_spawn
+            early_spawn.discard()   # spawned early but never adopted: the run ended first
+
+
+def _main(argv: list[str]) -> int:
+    from warmup_agent.config import ConfigError
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    if args.command == "run":
-        from warmup_agent import reaper
-        reaper.init_if_pid1()  # PID 1 of a container: fork, stay behind as init (reaper.py)
     try:
         if args.command == "check-config":
             return cmd_check_config(args)
@@ -122,6 +137,8 @@ def cmd_check_config(args: Any) -> int:
 
 
 def _setup_logging(level: str, fmt: str, progress: Any) -> None:
+    import logging
+
     from warmup_agent.progress import JsonFormatter, ProgressAwareHandler
     handler = ProgressAwareHandler(progress, sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else
@@ -141,6 +158,7 @@ def _load(args: argparse.Namespace) -> tuple[Config, Progress]:
     from warmup_agent.progress import Progress
     progress = Progress(sys.stderr, enabled=not args.no_progress)
     _setup_logging(cfg.log.level, cfg.log.format, progress)
+    import logging
     for warning in cfg.warnings:   # of config.load's checks (prewarm.requests_file)
         logging.getLogger("warmup_agent").warning(warning)
     from warmup_agent.engines import check_installed
@@ -191,6 +209,8 @@ def _make_agent(cfg: Config, engine: Engine, progress: Progress) -> Agent:
 def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
                      model_path: str | None) -> tuple[ExporterServer, RoutingProxy | None]:
     """The exporter's server (started) and the proxy when proxy.listen asks for one."""
+    import logging
+
     from exporter.server import ExporterServer
     from warmup_agent import proxy as routing
     from warmup_agent import webconfig
@@ -204,6 +224,7 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
         if proxy is not None:
             proxy.stop()
         engine.close()     # a prestarted server must not outlive this error
+        from warmup_agent.config import ConfigError
         raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg.exporter.listen}: {e.strerror}",
                           "exporter.listen") from None
     if proxy is not None:
@@ -219,6 +240,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     server_command = [a for a in (args.server_command or []) if a != "--"] or None
     cfg, progress = _load(args)
     if server_command and cfg.engine != "openai":
+        from warmup_agent.config import ConfigError
         raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg.engine})", "engine")
     model_path = _model_path(cfg)
 
@@ -261,6 +283,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _write_record(args.record, record)
         print(_summary(record))
         if state == State.SERVING:
+            import logging
             if args.once:
                 return EXIT_OK
             logging.getLogger("warmup_agent").info("SERVING: /readyz is 200; probing every %gs; SIGTERM drains and "
@@ -311,6 +334,7 @@ def _record(agent: Agent, cfg: Config) -> dict:
 def _write_record(path: str | None, record: dict) -> None:
     if not path:
         return
+    import json
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2, default=str)

@@ -16,42 +16,25 @@ One job: keep one server process alive and tell the agent when it comes and goes
 
 Every Popen happens on the monitor thread: PR_SET_PDEATHSIG fires when the
 *thread* that forked the child ends, so forking from a short-lived stage thread
-would kill the server when that thread returns.
+would kill the server when that thread returns.  The one exception is a server the
+CLI spawned on its main thread before its own imports (early_spawn.py), which the
+first start adopts: the main thread lasts as long as the process.
 """
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
 from typing import Callable
 
+from warmup_agent import server_process
 from warmup_agent.errors import EngineError
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGKILL the child when its parent thread dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux/glibc: the process group kill in stop() still applies
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """True when something already accepts connections on host:port."""
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+from warmup_agent.server_process import port_in_use
 
 
 class Supervisor:
@@ -68,7 +51,9 @@ class Supervisor:
                  on_server_exit: Callable[[int], None] | None = None,
                  on_server_ready: Callable[[], None] | None = None,
                  on_log_line: Callable[[str], None] | None = None,
-                 log: logging.Logger | None = None):
+                 log: logging.Logger | None = None,
+                 adopt: subprocess.Popen | None = None, adopted_spawn_time: float | None = None,
+                 adopted_process_age: float | None = None):
         if not command:
             raise EngineError("server_command_missing", "no server command given (put it after --)")
         self.command = list(command)
@@ -97,6 +82,12 @@ class Supervisor:
         self._first_error: EngineError | None = None
         self._monitor: threading.Thread | None = None
         self._readers: list[threading.Thread] = []
+        # A server the CLI spawned before anything else was imported (early_spawn.py),
+        # with exactly this command and environment: the first start adopts it.
+        self._adopt, self._adopted_at = adopt, adopted_spawn_time
+        # Seconds from the agent's process start to the first spawn: what comes before
+        # the server's own start-up on the critical path.
+        self.first_spawn_process_age: float | None = adopted_process_age
 
     # -- public ---------------------------------------------------------------------
 
@@ -105,10 +96,12 @@ class Supervisor:
         named reason: server_command_not_found, port_in_use, server_exited,
         server_never_healthy.  On error nothing is left running."""
         exe = self.command[0]
-        if shutil.which(exe) is None:
+        if self._adopt is not None:
+            pass   # started already (its port is taken by itself): early_spawn made these checks
+        elif shutil.which(exe) is None:
             raise EngineError("server_command_not_found",
                               f"server command not found: {exe!r} (first word after --; not on PATH and not an executable file)")
-        if self.port is not None and port_in_use(self.host, self.port):
+        if self._adopt is None and self.port is not None and port_in_use(self.host, self.port):
             raise EngineError("port_in_use",
                               f"port {self.host}:{self.port} is already in use: another server listens there; "
                               f"stop it or give the server another --port")
@@ -153,6 +146,9 @@ class Supervisor:
         while not self._stopping.is_set():
             try:
                 proc = self._spawn()
+                spawned = time.monotonic()
+                if first and self._adopted_at is not None:
+                    spawned = self._adopted_at    # the server's start-up counts from its real spawn
             except OSError as e:
                 err = EngineError("server_command_failed", f"cannot start server {self.command[0]!r}: {e.strerror or e}")
                 if first:
@@ -161,7 +157,6 @@ class Supervisor:
                 self.log.error(err.message)
                 proc = None
             if proc is not None:
-                spawned = time.monotonic()
                 ok = self._wait_healthy(proc)
                 if ok:
                     if first:
@@ -198,14 +193,16 @@ class Supervisor:
             self.restarts += 1
 
     def _spawn(self) -> subprocess.Popen:
-        env = dict(os.environ if self.env is None else self.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        proc, how = self._adopt, "spawned before the agent's imports"
+        self._adopt = None
+        if proc is None:
+            proc, how = server_process.spawn(self.command, dict(os.environ if self.env is None else self.env)), "started"
+            if self.first_spawn_process_age is None:
+                from warmup_agent.procstart import process_age_seconds
+                self.first_spawn_process_age = process_age_seconds()
         with self._lock:
             self.proc = proc
-        self.log.info("server started (pid %d): %s", proc.pid, " ".join(self.command))
+        self.log.info("server %s (pid %d): %s", how, proc.pid, " ".join(self.command))
         reader = threading.Thread(target=self._pump, args=(proc,), name="server-log", daemon=True)
         reader.start()
         self._readers = [reader]

@@ -55,6 +55,7 @@ class StreamingClient(Engine):
     on_server_ready: Callable[[], None] | None
     supervisor: Supervisor | None
     startup: dict[str, float]
+    spawn: dict
     adapters: list[str]
     health_path: str
     api_setting: str

@@ -12,8 +12,8 @@ from typing import Any
 
 from warmup_agent.engines.base import EngineError, EngineFacts
 from warmup_agent.engines.openai_client import _PATHS, StreamingClient
-from warmup_agent.engines.server_command import parse_adapters
 from warmup_agent.gpu import sizing
+from warmup_agent.server_command import parse_adapters
 
 
 class Discovery(StreamingClient):
@@ -160,7 +160,9 @@ class Discovery(StreamingClient):
         extra: dict[str, Any] = {"url": self.url, "startup_seconds": dict(self.startup),
                                  "lora_adapters": list(self.adapters)}
         if self.supervisor is not None:
-            extra.update(server_pid=self.supervisor.pid, server_restarts=self.supervisor.restarts)
+            extra.update(server_pid=self.supervisor.pid, server_restarts=self.supervisor.restarts,
+                         server_spawn={**self.spawn, "after_process_start_seconds": self.supervisor.first_spawn_process_age,
+                                       "healthy_after_spawn_seconds": self.supervisor.start_seconds})
         try:
             from exporter.engine_metrics import fetch_engine_stats
             stats = fetch_engine_stats(self.metrics_url, timeout=2)

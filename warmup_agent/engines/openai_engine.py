@@ -39,15 +39,16 @@ from warmup_agent.engines.base import EngineError, SolidifyReport
 from warmup_agent.engines.openai_client import StreamingClient, _Rejected
 from warmup_agent.engines.openai_discovery import Discovery
 from warmup_agent.engines.openai_server import ServerGlue
-from warmup_agent.engines.server_command import (
+from warmup_agent.engines.text_prompts import TextPrompts
+from warmup_agent.server_command import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     describe_command,
     fix_vllm_command,
+    listen_address,
     option,
     parse_adapters,
 )
-from warmup_agent.engines.text_prompts import TextPrompts
 from warmup_agent.traffic import _SEED_TEXT
 
 if TYPE_CHECKING:
@@ -76,10 +77,7 @@ class OpenAIEngine(ServerGlue):
         self.log = log or logging.getLogger("warmup_agent.engines.openai")
         self.command = fix_vllm_command(server_command) if server_command else None
         if self.command:
-            host = option(self.command, "--host") or DEFAULT_HOST
-            if host in ("0.0.0.0", "::", ""):
-                host = "127.0.0.1"
-            port = int(option(self.command, "--port") or DEFAULT_PORT)
+            host, port = listen_address(self.command)
             self.host: str = host
             self.port: int | None = port
             self.url = (cfg.openai.url or f"http://{host}:{port}").rstrip("/")
@@ -102,6 +100,7 @@ class OpenAIEngine(ServerGlue):
         self._start_error: EngineError | None = None
         self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
         self.startup: dict[str, float] = {}
+        self.spawn: dict = {}                  # the supervised server's spawn: early (early_spawn.py) or not, and why
         self.adapters: list[str] = []      # registered LoRA adapter names
         self.health_path = "/" + cfg.openai.health_path.lstrip("/")
         self.api_setting = cfg.openai.api   # auto | chat | completions

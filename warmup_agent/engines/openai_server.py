@@ -10,7 +10,7 @@ from typing import Callable
 
 from warmup_agent.engines.base import EngineError
 from warmup_agent.engines.openai_discovery import Discovery
-from warmup_agent.engines.server_command import option, parse_adapters
+from warmup_agent.server_command import is_vllm, option, server_env
 
 # vLLM's start-up log lines that say how long its own compile / graph capture took.
 _STARTUP_PATTERNS = {
@@ -26,30 +26,17 @@ class ServerGlue(Discovery):
     """Starting and supervising the server (the top layer under OpenAIEngine)."""
 
     def server_env(self) -> dict[str, str]:
-        """The server's environment: ours plus the caches pointed at the agent's
-        cache directories (solidify keeps them) and the vLLM CPU workarounds."""
-        data = self.cfg.data_dir
-        env = dict(os.environ if self.base_env is None else self.base_env)
-        for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-                         ("TRITON_CACHE_DIR", "triton")):
-            env.setdefault(var, os.path.join(data, "cache", sub))
-            os.makedirs(env[var], exist_ok=True)
-        # The CPU build leaves socket files in TMPDIR: give it a scratch folder of its own.
-        env.setdefault("TMPDIR", os.path.join(data, "tmp", "server"))
-        os.makedirs(env["TMPDIR"], exist_ok=True)
-        if self.host.startswith("127.") or self.host == "localhost":
-            env.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        if parse_adapters(self.cfg.lora.adapters):
-            env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-        return env
+        """The server's environment: ours plus the agent's cache directories
+        (server_command.server_env)."""
+        return server_env(os.environ if self.base_env is None else self.base_env, self.cfg.data_dir, self.host,
+                          self.cfg.lora.adapters)
 
     def server_command(self) -> list[str]:
         """The command as started: a vLLM command that sets no memory budget gets
         --kv-cache-memory-bytes (without it the CPU build takes ~8 GiB)."""
         assert self.command, "only a supervised server has a command"
         cmd = list(self.command)
-        is_vllm = any("vllm" in w for w in cmd[:3])
-        if is_vllm and not option(cmd, "--kv-cache-memory-bytes") and not option(cmd, "--gpu-memory-utilization"):
+        if is_vllm(cmd) and not option(cmd, "--kv-cache-memory-bytes") and not option(cmd, "--gpu-memory-utilization"):
             cmd += ["--kv-cache-memory-bytes", str(self.kv_budget_bytes())]
         return cmd
 
@@ -98,10 +85,18 @@ class ServerGlue(Discovery):
         or once started."""
         if not self.command or self.supervisor is not None or self._interrupted.is_set():
             return
+        from warmup_agent import early_spawn
         from warmup_agent.supervisor import Supervisor
+        command, env = self.server_command(), self.server_env()
+        early, why_not = early_spawn.take(command, env)
+        if why_not:
+            self.log.info("the server spawned before the agent's imports is replaced: %s", why_not)
+        self.spawn = {"early": early is not None, "early_replaced_because": why_not}
         # The callbacks are looked up when called: the CLI connects them after this.
         self.supervisor = Supervisor(
-            self.server_command(), self.url + self.health_path, env=self.server_env(),
+            command, self.url + self.health_path, env=env,
+            adopt=early.proc if early else None, adopted_spawn_time=early.at if early else None,
+            adopted_process_age=early.process_age if early else None,
             host=self.host, port=self.port,
             ready_timeout=self.cfg.openai.ready_timeout_seconds,
             backoff_initial=self.cfg.openai.restart_backoff_initial_seconds,

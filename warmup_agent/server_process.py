@@ -1,0 +1,46 @@
+"""How a supervised server process is started: one Popen, shared by the supervisor
+(supervisor.py) and the early spawn (early_spawn.py), so that both start it the same
+way.  Standard library only: the early spawn runs before the agent imports anything.
+"""
+from __future__ import annotations
+
+import ctypes  # at the top: importing in preexec_fn (after the fork) can deadlock
+import signal
+import subprocess
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGKILL the child when its parent thread dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux/glibc: the process group kill in Supervisor.stop() still applies
+
+
+def final_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment the server gets: the given one, with unbuffered Python output
+    (its log lines reach the agent as they are written)."""
+    out = dict(env)
+    out.setdefault("PYTHONUNBUFFERED", "1")
+    return out
+
+
+def spawn(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start the server in a process group of its own (stop() signals the whole
+    group), stdout and stderr on one pipe, killed by the kernel when the thread that
+    spawned it ends (PR_SET_PDEATHSIG).  Raises OSError when it cannot start."""
+    return subprocess.Popen(command, env=final_env(env), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already accepts connections on host:port."""
+    import socket
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False

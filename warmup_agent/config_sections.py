@@ -16,6 +16,7 @@ class ModelSection:
     path: str | None
     dtype: str
     device: str
+    implementation: str
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ REASONS: dict[str, str] = {
     "no_model_name": "no model name in the config, on /v1/models or in the server command",
     "decode_not_converged": "probes never met the time-per-output-token gate",
     "quantization_unsupported": "the checkpoint's quantization is one the engine cannot load",
+    "native_unsupported": "model.implementation native, but the model is not a Llama/Qwen2 the native forward runs",
     "fp8_saturation": "an FP8 layer's scales saturate more of seed 003's test values than allowed",
     "fp8_roundtrip_error": "an FP8 layer's quantize/dequantize round trip errs more than allowed",
 }

@@ -38,7 +38,8 @@ def create(cfg: Config, model_path: str | None, server_command: list[str] | None
         from warmup_agent.engines.torch_engine import TorchEngine
         if model_path is None:
             raise ValueError("engine torch needs a model directory (the CLI makes the embedded one when none is given)")
-        return TorchEngine(model_path, dtype=cfg.model.dtype, device=cfg.model.device)
+        return TorchEngine(model_path, dtype=cfg.model.dtype, device=cfg.model.device,
+                           implementation=cfg.model.implementation)
     if name == "openai":
         from warmup_agent.engines.openai_engine import OpenAIEngine
         return OpenAIEngine(cfg, server_command=server_command, model_path=model_path)

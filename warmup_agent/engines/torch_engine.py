@@ -1,6 +1,11 @@
-"""The `torch` engine: an in-process transformers causal LM on CPU or CUDA.
+"""The `torch` engine: an in-process causal LM on CPU or CUDA.
 
-Loads any Hugging Face-layout model directory with safetensors weights.  Every
+Loads any Hugging Face-layout model directory with safetensors weights.  Two
+implementations of the forward (model.implementation): native, a plain-torch
+Llama/Qwen2 (engines/native_lm.py) that never imports transformers, for the
+models it runs exactly (engines/native_config.py); and transformers, for every
+other architecture and for FP8.  auto picks native where it can and records
+why it did not (engine_facts.extra).  Every
 integrity problem a model directory can have (empty or non-JSON config.json,
 missing or truncated shards: warmup_agent/model_dir.py; shapes that disagree
 with the config, a broken tokenizer: here) becomes an EngineError with a named reason and one line for the user.
@@ -8,6 +13,7 @@ with the config, a broken tokenizer: here) becomes an EngineError with a named r
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import time
@@ -64,15 +70,20 @@ class TorchEngine(Engine):
     name = "torch"
     sets_up_device = True   # reserve creates the CUDA context and reserves memory (Engine)
 
-    def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto"):
+    def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto", implementation: str = "auto"):
         self._model_path = model_path
+        self._requested_implementation = implementation   # auto | native | transformers (model.implementation)
+        # Decided once from config.json (_choose_implementation): native or transformers, and
+        # why transformers when auto could not take native.
+        self.implementation: str | None = None
+        self.implementation_reason = ""
         self._dtype_name = dtype
         self._device_name = device
         # torch and transformers objects are typed Any (mypy does not follow them);
         # None until loaded: the tokenizer by load_tokenizer, the rest by load_weights
         # (the device and dtype already by init_device on a GPU host).
         self.tokenizer: Any | None = None
-        self.model: Any | None = None            # the transformers model (torch.nn.Module)
+        self.model: Any | None = None            # the model (torch.nn.Module): native_lm.NativeCausalLM or transformers
         self.device: Any | None = None           # torch.device
         self.dtype: Any | None = None            # torch.dtype
         self._config: dict = {}
@@ -99,7 +110,7 @@ class TorchEngine(Engine):
         return self._model_path
 
     def torch_model(self) -> Any:
-        """The loaded transformers model (validation checks it: Engine.torch_model)."""
+        """The loaded model, native or transformers (validation checks it: Engine.torch_model)."""
         return self.model
 
     def configure(self, **options: Any) -> None:
@@ -169,14 +180,36 @@ class TorchEngine(Engine):
                               "(weights " + q.weight_dtype + "): the torch engine runs transformers' 'fp8' block layout only; "
                               "serve this model with engine openai (vLLM, SGLang)")
 
+    def _choose_implementation(self, config: dict) -> str:
+        """native or transformers, decided once from config.json: native when asked
+        for or auto and the model qualifies (engines/native_config.py), else
+        transformers with the reason; native asked for but impossible is an error."""
+        if self.implementation is None:
+            from warmup_agent.engines import native_config
+            requested = self._requested_implementation
+            why = ("model.implementation is transformers" if requested == "transformers"
+                   else native_config.ineligible_reason(config))
+            if why and requested == "native":
+                raise EngineError("native_unsupported",
+                                  f"{self.model_path}/config.json: model.implementation is native but {why}")
+            self.implementation, self.implementation_reason = ("transformers", why) if why else ("native", "")
+        return self.implementation
+
     def load_tokenizer(self) -> None:
         self._read_config()
-        _quiet_transformers()
-        from transformers import AutoTokenizer
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        except Exception as e:  # noqa: BLE001 - any library error here means broken tokenizer files
-            raise EngineError("tokenizer_invalid", f"{self.model_path}: cannot load the tokenizer: {_one_line(e)}") from None
+        native = self._choose_implementation(self._config) == "native"
+        if native and os.path.exists(os.path.join(self.model_path, "tokenizer.json")):
+            # tokenizers alone (no transformers import); a model with only a
+            # sentencepiece tokenizer.model still needs AutoTokenizer.
+            from warmup_agent.engines.native_tokenizer import NativeTokenizer
+            self.tokenizer = NativeTokenizer.from_model_dir(self.model_path)
+        else:
+            _quiet_transformers()
+            from transformers import AutoTokenizer
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            except Exception as e:  # noqa: BLE001 - any library error here means broken tokenizer files
+                raise EngineError("tokenizer_invalid", f"{self.model_path}: cannot load the tokenizer: {_one_line(e)}") from None
         # Warm the tokenizer: the first encode/decode builds its BPE caches.
         sample = "The quick brown fox jumps over the lazy dog. " * 8
         ids = self.tokenizer.encode(sample, add_special_tokens=False)
@@ -191,8 +224,9 @@ class TorchEngine(Engine):
         if self.options["manifest"]:
             from warmup_agent.gpu.loader import check_manifest
             check_manifest(self.model_path, self.options["manifest"])
-        if self.options["progressive"] or self.quantization.fp8_weights:
-            # FP8 always takes our loader: transformers' FP8Linear fetches its GEMM kernel
+        native = self._choose_implementation(self._config) == "native"
+        if native or self.options["progressive"] or self.quantization.fp8_weights:
+            # The native model has no other loader.  FP8 always takes our loader: transformers' FP8Linear fetches its GEMM kernel
             # from the Hugging Face Hub at the first forward (no network on a GPU host).
             self._load_progressive()      # imports transformers in the background
         else:
@@ -208,13 +242,21 @@ class TorchEngine(Engine):
             self._load_from_pretrained()
 
     def prestart(self) -> None:
-        """Start importing torch and the model's modelling module, and build the
-        skeleton, in a background thread as soon as the CLI has the engine
-        (Engine.prestart).  The import is the largest part of a cold start (3.5-4.5 s
+        """Start importing torch and the model's modelling module (torch alone on
+        the native path), and build the skeleton, in a background thread as soon
+        as the CLI has the engine (Engine.prestart).  The import is the largest part of a cold start (3.5-4.5 s
         on a 2-core CPU, 10.7 s on the H200, torch excluded; bench/import_costs.py)
         and needs nothing from the agent: it now runs beside the agent's own set-up,
         reserve (CUDA context, memory reservation) and the weight read, instead of
         starting after them."""
+        try:
+            with open(os.path.join(self.model_path, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+            if not isinstance(config, dict):
+                return
+            self._choose_implementation(config)
+        except (OSError, ValueError, EngineError):
+            return      # load_weights reports a broken model directory with its reason
         self._start_skeleton()
 
     def _start_skeleton(self) -> None:
@@ -223,24 +265,31 @@ class TorchEngine(Engine):
         the model skeleton on the meta device in a background thread; the weights
         are read meanwhile and load_weights waits for the result.  Started by
         prestart(), else by load_weights."""
-        if self._skeleton is not None or not (self.options["progressive"] or self.quantization.fp8_weights):
+        native = self.implementation == "native"
+        if self._skeleton is not None or not (native or self.options["progressive"] or self.quantization.fp8_weights):
             return
         future: Future = Future()
+        model_path = self.model_path
 
         def work() -> None:
             try:
                 t0 = time.perf_counter()
-                _quiet_transformers()
                 # The dtype the engine will use, resolved here without touching
                 # self.device (the main thread sets it up; no CUDA context is made here).
                 dtype = self.dtype if self.dtype is not None else self._resolve_dtype(self._resolve_device())
-                from warmup_agent.engines import model_classes
-                skeleton = model_classes.build_skeleton(self.model_path, dtype)
+                if native:
+                    from warmup_agent.engines import native_config, native_lm
+                    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+                        skeleton = native_lm.build_skeleton(native_config.parse(json.load(f)), dtype)
+                else:
+                    _quiet_transformers()
+                    from warmup_agent.engines import model_classes
+                    skeleton = model_classes.build_skeleton(model_path, dtype)
                 self.skeleton_build_seconds = time.perf_counter() - t0
                 future.set_result(skeleton)
             except BaseException as e:  # noqa: BLE001 - re-raised in the loading thread
                 future.set_exception(e)
-        threading.Thread(target=work, name="transformers-import", daemon=True).start()
+        threading.Thread(target=work, name="native-skeleton" if native else "transformers-import", daemon=True).start()
         self._skeleton = future
 
     def _load_progressive(self) -> None:
@@ -267,7 +316,7 @@ class TorchEngine(Engine):
                              self.options["buffers"], self.options["workers"])
         self._warm_blas()
         skeleton = self._skeleton
-        assert skeleton is not None   # started: this loader runs only when progressive or FP8
+        assert skeleton is not None   # started: this loader runs only when native, progressive or FP8
         t0 = time.perf_counter()
         try:
             model, expected, tied = skeleton.result()
@@ -336,7 +385,9 @@ class TorchEngine(Engine):
         kv = sizing.kv_bytes_per_token_if_known(c, dtype_name)
         return EngineFacts(engine=self.name, model=self.model_path, device=str(self.device), dtype=dtype_name,
                            parameter_count=params, weight_bytes=weight_bytes, kv_bytes_per_token=kv,
-                           max_context=c.get("max_position_embeddings"), vocab_size=c.get("vocab_size"))
+                           max_context=c.get("max_position_embeddings"), vocab_size=c.get("vocab_size"),
+                           extra={"implementation": self.implementation,
+                                  "implementation_reason": self.implementation_reason})
 
     def tokenize(self, text: str) -> list[int]:
         assert self.tokenizer is not None, "load_tokenizer() first"

@@ -5,6 +5,9 @@ per warmed batch size; a request of that batch then pays one graph launch per
 generated token instead of hundreds of kernel launches.  Prefill stays eager:
 its shapes vary with the prompt, and the warmup grid has already run them.
 
+The native model (engines/native_lm.py) brings its own static cache and the same
+call signature, so the same decoder captures it without importing transformers.
+
 The static-cache decode also runs without graphs (`capture=False`), which is
 how the CPU tests check it against the dynamic-cache path token for token.
 When capture is impossible (no CUDA device, a model whose step synchronises
@@ -24,9 +27,8 @@ class StaticDecoder:
 
     def __init__(self, model: Any, batch: int, max_len: int, device: Any, capture: bool, pool: Any = None) -> None:
         import torch
-        from transformers import StaticCache
         self.model, self.batch, self.max_len, self.device = model, batch, max_len, device
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache = _static_cache(model, batch, max_len)
         self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((1,), dtype=torch.long, device=device)
         self.graph = None
@@ -76,13 +78,28 @@ class StaticDecoder:
             return self._step()[:, -1, :]
 
 
+def _is_native(model: Any) -> bool:
+    from warmup_agent.engines.native_lm import NativeCausalLM  # torch only, no transformers
+    return isinstance(model, NativeCausalLM)
+
+
+def _static_cache(model: Any, batch: int, max_len: int) -> Any:
+    """The native model's own preallocated cache, else transformers' StaticCache
+    (allocated lazily at the first prefill)."""
+    if _is_native(model):
+        return model.make_static_cache(batch, max_len)
+    from transformers import StaticCache
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
 def build(model: Any, batches: list[int], max_len: int, device: Any, capture: bool) -> tuple[dict, str | None]:
     """StaticDecoders by batch size; (decoders, None) or ({}, reason) where it failed."""
     import torch
     if capture and device.type != "cuda":
         return {}, "no_cuda_device"
     try:
-        from transformers import StaticCache  # noqa: F401
+        if not _is_native(model):
+            from transformers import StaticCache  # noqa: F401
     except ImportError:
         return {}, "static_cache_unavailable"
     out = {}

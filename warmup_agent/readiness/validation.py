@@ -45,14 +45,25 @@ def _torch_model(engine: Any) -> Any:
     return engine.torch_model()   # None unless the engine exposes it (Engine.torch_model)
 
 
+def _reference(model: Any) -> Any:
+    """The model config.json describes, on the meta device, built by the same
+    implementation as the loaded one: the native Llama/Qwen2 (engines/native_lm.py,
+    no transformers import) or transformers' from_config."""
+    import torch
+
+    from warmup_agent.engines import native_lm
+    if isinstance(model, native_lm.NativeCausalLM):
+        return native_lm.build_skeleton(model.config, model.lm_head.weight.dtype)[0]
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model.config)
+
+
 def check_structure(engine: Any) -> Check:
     model = _torch_model(engine)
     if model is None:
         return Check("structure", "skipped", f"engine {engine.name} does not expose its model")
-    import torch
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(model.config)
+    reference = _reference(model)
     from warmup_agent import quantization
     fp8 = quantization.fp8_layers(model)
     if fp8:   # the reference gets the same FP8 layers: weight and scale shapes follow from config.json

@@ -324,10 +324,12 @@ def test_forward_order_puts_embeddings_first_and_layers_numerically():
 @pytest.fixture(scope="module")
 def loaded(embedded_model):
     from warmup_agent.engines.torch_engine import TorchEngine
-    prog = TorchEngine(embedded_model, device="cpu")
+    # Both transformers: these tests are about the loader and transformers' StaticCache
+    # path (the native forward has its own: tests/test_native_lm.py).
+    prog = TorchEngine(embedded_model, device="cpu", implementation="transformers")
     prog.load_tokenizer()
     prog.load_weights()
-    ref = TorchEngine(embedded_model, device="cpu")
+    ref = TorchEngine(embedded_model, device="cpu", implementation="transformers")
     ref.configure(progressive=False)
     ref.load_tokenizer()
     ref.load_weights()

@@ -14,11 +14,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def engines(embedded_model):
     from warmup_agent.engines.torch_engine import TorchEngine
-    prog = TorchEngine(embedded_model, device="cuda")
+    # Both transformers: the loader and transformers' StaticCache graphs against from_pretrained
+    # (the native forward: test_native_* below).
+    prog = TorchEngine(embedded_model, device="cuda", implementation="transformers")
     prog.load_tokenizer()
     prog.init_device()
     prog.load_weights()
-    ref = TorchEngine(embedded_model, device="cuda")
+    ref = TorchEngine(embedded_model, device="cuda", implementation="transformers")
     ref.configure(progressive=False)
     ref.load_tokenizer()
     ref.load_weights()
@@ -42,7 +44,7 @@ def test_small_chunks_still_load_every_byte(embedded_model):
     e.configure(chunk_bytes=4096 + 3, buffers=2, workers=2)   # odd size: tensors split across many chunks
     e.load_tokenizer()
     e.load_weights()
-    ref = TorchEngine(embedded_model, device="cuda")
+    ref = TorchEngine(embedded_model, device="cuda", implementation="transformers")
     ref.configure(progressive=False)
     ref.load_tokenizer()
     ref.load_weights()
@@ -62,6 +64,61 @@ def test_cuda_graph_decode_matches_eager(engines):
     prog.generate(prompts, max_new_tokens=8)
     prog._decoders = decoders
     assert torch.equal(graphed, prog.last_output)
+
+
+@pytest.fixture(scope="module")
+def native_qwen2(embedded_model, tmp_path_factory):
+    """A tiny Qwen2 (q/k/v biases, tied embeddings, varied greedy tokens) in bf16,
+    loaded natively and through transformers (tests/test_native_lm.py builds it)."""
+    from tests.test_native_lm import _tiny
+    from warmup_agent.engines.torch_engine import TorchEngine
+    d = _tiny(embedded_model, str(tmp_path_factory.mktemp("native") / "qwen2"), "qwen2")
+    out = []
+    for implementation in ("native", "transformers"):
+        e = TorchEngine(d, device="cuda", dtype="bfloat16", implementation=implementation)
+        e.init_device()
+        e.load_weights()
+        e.load_tokenizer()
+        out.append(e)
+    return out
+
+
+def test_native_logits_match_transformers_in_bf16(native_qwen2):
+    native, ref = native_qwen2
+    assert type(native.model).__name__ == "NativeCausalLM" and native.load_report.path == "plain"   # float32 on disk: cast
+    torch.manual_seed(0)
+    ids = torch.randint(3, 2048, (3, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :11] = 0
+    with torch.inference_mode():
+        for kwargs in ({"input_ids": ids[1:2]}, {"input_ids": ids, "attention_mask": mask}):
+            a, b = native.model(**kwargs).logits.float(), ref.model(**kwargs).logits.float()
+            real = kwargs.get("attention_mask", torch.ones_like(ids[1:2])).bool()
+            assert torch.isfinite(a).all()
+            # bf16: a few ulps of the largest logit, never a different model.
+            assert (a - b)[real].abs().max().item() <= 0.05 * b[real].abs().max().item(), kwargs.keys()
+            assert (a[real].argmax(-1) == b[real].argmax(-1)).float().mean().item() >= 0.95
+
+
+def test_native_cuda_graph_decode_equals_native_eager_decode(native_qwen2):
+    from warmup_agent.gpu import graphs
+    native, _ = native_qwen2
+    report = native.solidify([(10, 1), (10, 2)], mode="cuda_graphs")
+    assert report.method == "cuda_graphs", report.detail
+    assert report.detail["graphs"] == [1, 2]
+    t = native.tokenize("warm up the decode step of every batch size we serve today please " * 2)
+    prompts = [t[:10], t[4:14]]
+    native.generate(prompts, max_new_tokens=16)
+    graphed = native.last_output.clone()
+    captured = native._decoders
+    native._decoders, reason = graphs.build(native.model, [2], report.detail["graph_max_len"], native.device, capture=False)
+    assert reason is None
+    try:
+        native.generate(prompts, max_new_tokens=16)     # the same static-cache step, eager
+    finally:
+        native._decoders = captured
+    assert graphed.tolist() == native.last_output.tolist()
+    assert len(set(graphed[0].tolist())) > 1            # varied tokens: the comparison means something
 
 
 def test_reservation_maps_and_keeps_memory():

@@ -30,7 +30,7 @@ def test_prestart_imports_the_model_and_builds_the_skeleton_before_load_weights(
     out = _run(f"""
         import json, sys, time
         from warmup_agent.engines.torch_engine import TorchEngine
-        e = TorchEngine({embedded_model!r}, device="cpu")
+        e = TorchEngine({embedded_model!r}, device="cpu", implementation="transformers")
         before = "transformers" in sys.modules or "torch" in sys.modules
         e.prestart()
         t0 = time.time()

@@ -139,6 +139,7 @@ def run_agent(args, model: str, label: str) -> dict:
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     if args.device == "cpu":
         env["WARMUP_AGENT_MODEL_DEVICE"] = "cpu"
+    env["WARMUP_AGENT_MODEL_IMPLEMENTATION"] = args.implementation
     t0 = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -180,6 +181,9 @@ def run_agent(args, model: str, label: str) -> dict:
         warmup_requests=pre.get("requests"), warmup=pre.get("warmup"), warmup_paths=pre.get("paths"),
         solidify={k: v for k, v in stages.get("solidify", {}).items() if k in ("duration_seconds", "method", "graphs", "shapes")},
         reserve_context_seconds=stages.get("reserve", {}).get("cuda_context_seconds"),
+        # native (no transformers import) or transformers, and why not native (engine_facts.extra)
+        engine_implementation=(rec.get("engine_facts") or {}).get("extra", {}).get("implementation"),
+        engine_implementation_reason=(rec.get("engine_facts") or {}).get("extra", {}).get("implementation_reason"),
     )
     return out
 
@@ -197,6 +201,8 @@ def main() -> int:
     ap.add_argument("--pairs", default="1.5b=3,7b=2,tiny=1", help="pairs per size, SIZE=N,...")
     ap.add_argument("--extra-starts", default="1.5b=2", help="agent-only starts per size for the tax, SIZE=N,...")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--implementation", default="auto", choices=("auto", "native", "transformers"),
+                    help="the agent's model.implementation (auto: native for these Qwen2 models)")
     ap.add_argument("--model-root", default="/tmp", help="models are made (once) under here")
     ap.add_argument("--data-dir", default="/tmp/warmup-inproc")
     ap.add_argument("--logs", default=None, help="agent logs and run records (default: beside --out)")
@@ -213,7 +219,7 @@ def main() -> int:
     naive_file = os.path.join(naive_dir, "naive_start.py")
     with open(naive_file, "w") as f:
         f.write(NAIVE)
-    result: dict = {**provenance(), "device": args.device, "sizes": {}, "figures": {},
+    result: dict = {**provenance(), "device": args.device, "implementation": args.implementation, "sizes": {}, "figures": {},
                     "targets": {"ready_over_naive": 1.0, "ready_over_naive_7b": 1.0, "first_request_tax_p99": 1.10,
                                 "first_request_tax_p99_7b": 1.10, "weights_gb_per_second_7b": 7.0}}
     if args.device == "cuda":   # not through torch: this process holds no CUDA context beside the starts
@@ -284,7 +290,7 @@ def run_pairs(args, size: str, model: str, n: int, naive_file: str, result: dict
         print(f"{size} pair {i}: agent ready {a['spawn_to_ready_seconds']:.2f} s (tax {a['first_request_tax']}), "
               f"naive first response {nv['spawn_to_first_response_seconds']:.2f} s (tax {nv['first_request_tax']:.1f}), "
               f"ratio {pair['ready_over_naive']:.3f}", flush=True)
-        print(f"  agent: startup {a['startup_seconds']}, stages {a['stage_seconds']}, prewarm {a['prewarm_split']}, "
+        print(f"  agent ({a['engine_implementation']}): startup {a['startup_seconds']}, stages {a['stage_seconds']}, prewarm {a['prewarm_split']}, "
               f"waited for the import {a['waited_for_transformers_import_seconds']}, warmup {a['warmup']}", flush=True)
         print("  naive: " + ", ".join(f"{k} {v:.3f}" for k, v in nv.items() if isinstance(v, float)), flush=True)
         figures(result)

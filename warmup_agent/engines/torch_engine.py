@@ -99,6 +99,7 @@ class TorchEngine(Engine):
         self.last_output: Any | None = None      # the last generate()'s tokens, a tensor
         self.graph_fallback_reason: str | None = None
         self._skeleton: Future | None = None     # Future of (meta model, expected shapes, tied names)
+        self._skeleton_thread: threading.Thread | None = None
         self.skeleton_wait_seconds: float | None = None
         self.skeleton_build_seconds: float | None = None   # the background import + skeleton, start to end
         self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization/)
@@ -289,7 +290,9 @@ class TorchEngine(Engine):
                 future.set_result(skeleton)
             except BaseException as e:  # noqa: BLE001 - re-raised in the loading thread
                 future.set_exception(e)
-        threading.Thread(target=work, name="native-skeleton" if native else "transformers-import", daemon=True).start()
+        self._skeleton_thread = threading.Thread(target=work, name="native-skeleton" if native else "transformers-import",
+                                                 daemon=True)
+        self._skeleton_thread.start()
         self._skeleton = future
 
     def _load_progressive(self) -> None:
@@ -535,6 +538,11 @@ class TorchEngine(Engine):
         return h.hexdigest()
 
     def close(self) -> None:
+        # A run that failed early (a manifest mismatch in 1.6 s) must not let the
+        # interpreter exit while the skeleton thread is inside torch's import: the
+        # process then aborts ("terminate called without an active exception", exit -6).
+        if self._skeleton_thread is not None:
+            self._skeleton_thread.join(timeout=120)
         self._decoders = {}
         self.model = None
         self._compiled = None

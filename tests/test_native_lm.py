@@ -265,3 +265,28 @@ def test_the_native_path_never_imports_transformers(embedded_model, data_dir, tm
     else:
         assert "transformers" in out["transformers"], out
         assert facts["extra"]["implementation"] == "transformers"
+
+
+def test_the_skeleton_is_built_without_initialising_weights_or_importing_dynamo():
+    """The meta-device skeleton of a Qwen2-1.5B-shaped config: nothing is initialised
+    (every weight comes from the checkpoint), and so torch._dynamo is never imported.
+    nn.Embedding's normal_ on meta goes through torch._refs, which imported it: 3 s of
+    GIL-bound imports beside the weight load, measured on the H200 (issue 25)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    script = """
+import json, sys, torch
+from bench.bench_gpu_cold_start import QWEN2_1_5B
+from warmup_agent.engines import native_config, native_lm
+cfg = dict(QWEN2_1_5B, model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
+           rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16")
+model, expected, tied = native_lm.build_skeleton(native_config.parse(cfg), torch.bfloat16)
+print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "tensors": len(expected),
+                  "meta": all(p.is_meta for p in model.parameters())}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found == {"dynamo": False, "tensors": 339, "meta": True}, found

@@ -105,6 +105,23 @@ def _repeat_kv(x: Any, groups: int) -> Any:
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
+class Linear(nn.Linear):
+    """nn.Linear without its random initialisation: the skeleton is built on the
+    meta device and every weight comes from the checkpoint.  (Initialising on meta
+    is not free: Embedding's normal_ there goes through torch._refs, which imports
+    torch._dynamo, 2.5-3 s on a CPU; bench/import_costs.py.)"""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random initialisation (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -124,10 +141,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.head_dim = layer, cfg.head_dim
         self.groups = cfg.num_heads // cfg.num_kv_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: Any, cos: Any, sin: Any, mask: Any, cache: Any, positions: Any) -> Any:
         b, t, _ = x.shape
@@ -149,9 +166,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: NativeConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Any) -> Any:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -175,7 +192,7 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: NativeConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -199,7 +216,7 @@ class NativeCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._inv_freq: dict[str, Any] = {}   # by device; not a buffer: nothing to rebuild after a meta build
         self.tie_weights()
 

@@ -79,8 +79,9 @@ class StaticDecoder:
 
 
 def _is_native(model: Any) -> bool:
-    from warmup_agent.engines.native_lm import NativeCausalLM  # torch only, no transformers
-    return isinstance(model, NativeCausalLM)
+    """A model that brings its own static cache (engines/native_lm.NativeCausalLM);
+    asked by capability, not by class: gpu/ sits below engines/ and imports none of it."""
+    return callable(getattr(model, "make_static_cache", None))
 
 
 def _static_cache(model: Any, batch: int, max_len: int) -> Any:

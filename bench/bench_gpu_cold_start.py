@@ -249,7 +249,7 @@ def child_agent(model_dir: str, data_dir: str) -> dict:
                 load_weights_stage=stages["prewarm"].get("weight_load"),
                 stage_seconds={k: v["duration_seconds"] for k, v in stages.items()},
                 prewarm_split=stages["prewarm"].get("seconds"),
-                waited_for_transformers_import=stages["prewarm"].get("waited_for_transformers_import_seconds"),
+                waited_for_skeleton=stages["prewarm"].get("waited_for_skeleton_seconds"),
                 solidify=stages["solidify"], reserve=stages["reserve"], prewarm_shapes=stages["prewarm"].get("shapes"),
                 sampling_on_median=statistics.median(on), sampling_off_median=statistics.median(off),
                 ramp_slope=stages["solidify"].get("ramp_slope_per_second"),

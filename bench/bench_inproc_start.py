@@ -176,7 +176,7 @@ def run_agent(args, model: str, label: str) -> dict:
         startup_seconds=rec.get("startup_seconds"),   # process start -> the pipeline (the CLI's imports, set-up)
         stage_seconds={k: v.get("duration_seconds") for k, v in stages.items()},
         prewarm_split=pre.get("seconds"),
-        waited_for_transformers_import_seconds=pre.get("waited_for_transformers_import_seconds"),
+        waited_for_skeleton_seconds=pre.get("waited_for_skeleton_seconds"),
         weight_load_seconds=load.get("seconds"), weight_load_bytes=load.get("bytes"),
         warmup_requests=pre.get("requests"), warmup=pre.get("warmup"), warmup_paths=pre.get("paths"),
         solidify={k: v for k, v in stages.get("solidify", {}).items() if k in ("duration_seconds", "method", "graphs", "shapes")},
@@ -291,7 +291,7 @@ def run_pairs(args, size: str, model: str, n: int, naive_file: str, result: dict
               f"naive first response {nv['spawn_to_first_response_seconds']:.2f} s (tax {nv['first_request_tax']:.1f}), "
               f"ratio {pair['ready_over_naive']:.3f}", flush=True)
         print(f"  agent ({a['engine_implementation']}): startup {a['startup_seconds']}, stages {a['stage_seconds']}, prewarm {a['prewarm_split']}, "
-              f"waited for the import {a['waited_for_transformers_import_seconds']}, warmup {a['warmup']}", flush=True)
+              f"waited for the skeleton (its imports) {a['waited_for_skeleton_seconds']}, warmup {a['warmup']}", flush=True)
         print("  naive: " + ", ".join(f"{k} {v:.3f}" for k, v in nv.items() if isinstance(v, float)), flush=True)
         figures(result)
         write_result(args.out, result)

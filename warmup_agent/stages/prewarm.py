@@ -353,7 +353,8 @@ def run(ctx: StageContext, detail: dict) -> None:
         if report.seconds > 0:
             ctx.metrics.warmup_weight_load_bytes_per_second.set(report.bytes / report.seconds)
     if engine.skeleton_wait_seconds is not None:
-        detail["waited_for_transformers_import_seconds"] = engine.skeleton_wait_seconds
+        # the wait for the background import + skeleton: transformers' on that path, torch alone on the native one
+        detail["waited_for_skeleton_seconds"] = engine.skeleton_wait_seconds
     ctx.sm.record_fingerprint(engine.weight_fingerprint())
     t3 = clock()
 

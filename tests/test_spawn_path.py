@@ -52,19 +52,19 @@ early_spawn.start(sys.argv[2:])
 print(json.dumps({"spawned": early_spawn._early is not None, "modules": sorted(sys.modules)}))
 early_spawn.discard()
 """
-NOT_BEFORE_EARLY_SPAWN = NOT_BEFORE_SPAWN + ("yaml", "warmup_agent.config", "warmup_agent.engines", "logging",
-                                             "warmup_agent.supervisor", "dataclasses")
+NOT_BEFORE_EARLY_SPAWN = NOT_BEFORE_SPAWN + ("warmup_agent.engines", "warmup_agent.supervisor", "warmup_agent.progress",
+                                             "warmup_agent.tracing", "exporter.server")
 
 
 def test_the_early_spawn_happens_before_any_of_the_agents_imports(tmp_path):
-    """cli.main calls early_spawn.start first: it spawns the server having imported
-    neither the configuration (yaml), nor the engines, nor logging."""
+    """cli.main calls early_spawn.start first: it spawns the server having loaded the
+    configuration and nothing else of the agent (no engine, supervisor, exporter)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = ["run", "--no-progress", "--data-dir", str(tmp_path), "--", sys.executable, "-c", "import time; time.sleep(30)",
-            "--port", str(port)]
+    argv = ["run", "--no-progress", "--engine", "openai", "--data-dir", str(tmp_path), "--", sys.executable, "-c",
+            "import time; time.sleep(30)", "--port", str(port)]
     out = subprocess.run([sys.executable, "-c", EARLY, "x", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
@@ -106,7 +106,7 @@ def test_the_early_plan_is_what_the_engine_would_start(tmp_path, case):
     argv = ["run", *opts, "--", "llama-server", "-m", "x.gguf", "--host", "0.0.0.0", "--port", "8012"]
     planned = early_spawn.plan(argv, environ)
     assert planned is not None
-    command, env = planned
+    command, env, _ = planned
     assert (command, server_process.final_env(env)) == _engine_would_start(argv, environ)
 
 
@@ -115,19 +115,34 @@ def test_the_early_plan_is_what_the_engine_would_start(tmp_path, case):
     ["run", "--help", "--", "llama-server"],                                          # not an option the plan knows
     ["run", "--once"],                                                                # no server command
     ["check-config", "a.yaml", "--", "llama-server"],
+    ["run", "--engine", "torch", "--", "llama-server", "--port", "8012"],            # a config error: not openai
+    ["run", "--config", "/nonexistent/agent.yaml", "--", "llama-server"],            # a config error: no file
 ])
 def test_nothing_is_spawned_early_where_the_plan_cannot_be_sure(argv):
     from warmup_agent import early_spawn
     assert early_spawn.plan(argv, {"PATH": "/usr/bin"}) is None
 
 
+def test_a_bad_configuration_spawns_nothing(tmp_path):
+    """The configuration is loaded and checked before the spawn, requests file
+    included: a bad one starts no server (tests/test_requests_file.py checks the CLI)."""
+    from warmup_agent import early_spawn
+    (tmp_path / "requests.jsonl").write_text("{not json\n")
+    environ = {"PATH": "/usr/bin:/bin", "WARMUP_AGENT_PREWARM_REQUESTS_FILE": str(tmp_path / "requests.jsonl")}
+    argv = ["run", "--engine", "openai", "--data-dir", str(tmp_path), "--", "llama-server", "--port", "8012"]
+    assert early_spawn.plan(argv, environ) is None
+    environ.pop("WARMUP_AGENT_PREWARM_REQUESTS_FILE")
+    assert early_spawn.plan(argv, environ) is not None      # the control: the same line, a good configuration
+
+
 def test_an_early_server_that_differs_is_killed_and_the_reason_given(tmp_path):
     from warmup_agent import early_spawn
-    argv = ["run", "--data-dir", str(tmp_path), "--", sys.executable, "-c", "import time; time.sleep(30)", "--port", "1"]
+    argv = ["run", "--engine", "openai", "--data-dir", str(tmp_path), "--", sys.executable, "-c",
+            "import time; time.sleep(30)", "--port", "1"]
     early_spawn.start(argv)
     early = early_spawn._early
     assert early is not None
-    command, env = early_spawn.plan(argv, __import__("os").environ)
+    command, env, _ = early_spawn.plan(argv, dict(__import__("os").environ))
     taken, why = early_spawn.take(command, {**env, "EXTRA": "1"})
     assert taken is None and why == "the environment differs (EXTRA)"
     assert early.proc.poll() is not None, "the early server is killed"
@@ -139,13 +154,20 @@ def test_an_early_server_that_differs_is_killed_and_the_reason_given(tmp_path):
 
 
 @pytest.mark.slow   # an agent process
-def test_an_early_server_does_not_outlive_a_run_that_fails_before_adopting_it(tmp_path, data_dir):
-    """`--engine torch -- SERVER` is a config error (exit 2) after the early spawn:
-    the early server is killed with it."""
+def test_an_early_server_does_not_outlive_a_run_that_fails_after_the_spawn(tmp_path, data_dir):
+    """The exporter's address is taken (exit 2, after the early spawn): the server
+    spawned early is killed with the run."""
+    import socket
+
+    import psutil
+
     from tests.conftest import run_agent
     marker = f"early-spawn-orphan-{tmp_path.name}"
-    r = run_agent("run", "--no-progress", "--engine", "torch", "--data-dir", data_dir, "--",
-                  sys.executable, "-c", f"import time; time.sleep(60)  # {marker}", "--port", "1", timeout=120)
-    assert r.returncode == 2 and "needs --engine openai" in r.stderr, r.stderr[-2000:]
-    import psutil
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = run_agent("run", "--no-progress", "--engine", "openai", "--data-dir", data_dir,
+                      "--listen", f"127.0.0.1:{taken.getsockname()[1]}", "--",
+                      sys.executable, "-c", f"import time; time.sleep(60)  # {marker}", "--port", "1", timeout=120)
+    assert r.returncode == 2 and "cannot listen" in r.stderr, r.stderr[-2000:]
     assert not [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]

@@ -151,10 +151,10 @@ def _setup_logging(level: str, fmt: str, progress: Any) -> None:
 def _load(args: argparse.Namespace) -> tuple[Config, Progress]:
     """The configuration from the file, the environment and the flags; logging set
     up; the engine's extra checked."""
-    from warmup_agent import config
-    cfg = config.load(args.config, flags={"model.path": args.model, "engine": args.engine,
-                                          "exporter.listen": args.listen, "data_dir": args.data_dir,
-                                          "proxy.listen": args.proxy_listen})
+    from warmup_agent import config, early_spawn
+    flags = early_spawn.config_flags(args.model, args.engine, args.listen, args.data_dir, args.proxy_listen)
+    # Loaded and checked already when a supervised server was spawned early.
+    cfg = early_spawn.loaded_config(args.config, flags) or config.load(args.config, flags=flags)
     from warmup_agent.progress import Progress
     progress = Progress(sys.stderr, enabled=not args.no_progress)
     _setup_logging(cfg.log.level, cfg.log.format, progress)

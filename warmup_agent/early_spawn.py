@@ -1,35 +1,40 @@
-"""Start a supervised server before the agent imports anything (issue 30).
+"""Start a supervised server before the agent's own imports (issue 30).
 
 `warmup-agent run ... -- llama-server ...`: everything the agent does before the
 server's spawn is on the critical path of every start, and the server's own start-up
-(1.3-1.7 s for llama.cpp on an H200) overlaps everything after it.  The CLI's imports
-(configuration, engines, logging: 0.2-0.3 s) used to come first.  Now `cli.main`
-calls `start(argv)` first thing: from the command line, the environment and the
-config file it works out the command and environment the server will get, exactly as
-the openai engine would (server_command.py), and spawns it.
+(1.2-1.9 s for llama.cpp on an H200) overlaps everything after it.  The CLI's imports
+(engines, supervisor, exporter, logging) used to come first.  Now `cli.main` calls
+`start(argv)` first thing: it loads and checks the configuration exactly as the run
+will (config.load: the file, the environment, the flags, the requests file), works
+out from it the command and environment the openai engine would start
+(server_command.py), and spawns it.  The CLI then reuses that configuration
+(`loaded_config`).
 
-That is a guess made before the configuration is validated, so it is checked: when
-the engine starts the server (`take`), the early one is adopted only if its command
-and environment are exactly what the engine would start; otherwise it is killed and
-the engine spawns its own, with one log line saying why.  A run that fails before
-that (a config error) kills it (`discard`).  Nothing is spawned early for vLLM (its
-command gets a memory budget from the validated config, and it takes a minute to
-start anyway), for a command that is not on PATH, or for a port already taken: the
-supervisor reports those as before.  WARMUP_NO_EARLY_SPAWN=1 turns it off (to measure
-what it saves; not a WARMUP_AGENT_* name, which the config would reject).
+A bad configuration starts nothing: config.load raises, nothing is spawned, and the
+run reports the error as before (tests/test_requests_file.py).  The engine adopts the
+early server (`take`) only if its command and environment are exactly what it would
+start; otherwise it kills it and spawns its own, with one log line saying why.  A run
+that ends before (a missing extra, a port the exporter cannot take) kills it
+(`discard`).  Nothing is spawned early for vLLM (its command gets a memory budget the
+engine works out, and it takes a minute to start anyway), for a command that is not on
+PATH, or for a port already taken: the supervisor reports those as before.
+WARMUP_NO_EARLY_SPAWN=1 turns it off (to measure what it saves; not a WARMUP_AGENT_*
+name, which the config would reject).
 
-Standard library only, and as little of it as possible: this runs before any of the
-agent's imports.
+Only the configuration and the standard library are imported before the spawn.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
 from warmup_agent import server_process
-from warmup_agent.data_dir import default_data_dir
 from warmup_agent.server_command import is_vllm, listen_address, server_env
+
+if TYPE_CHECKING:
+    from warmup_agent.config import Config
 
 # `warmup-agent run` options that take a value (cli.build_parser); any other option
 # before `--` (e.g. --help) means: no early spawn.
@@ -46,6 +51,7 @@ class Early:
 
 
 _early: Early | None = None
+_loaded: tuple[str | None, dict, Config] | None = None   # (config file, flags, the configuration start() loaded)
 
 
 def _options(words: list[str]) -> dict[str, str] | None:
@@ -65,41 +71,44 @@ def _options(words: list[str]) -> dict[str, str] | None:
     return out
 
 
-def _from_file(path: str) -> dict | None:
-    """The config file's mapping (only data_dir and lora.adapters are read), None when
-    it cannot be read: config.load reports that."""
+def config_flags(model: str | None, engine: str | None, listen: str | None, data_dir: str | None,
+                 proxy_listen: str | None) -> dict[str, str | None]:
+    """The config keys `run`'s flags set (cli._load passes the same to config.load)."""
+    return {"model.path": model, "engine": engine, "exporter.listen": listen, "data_dir": data_dir,
+            "proxy.listen": proxy_listen}
+
+
+def _validated(options: dict[str, str], environ: dict[str, str]) -> Config | None:
+    """The configuration, loaded and checked exactly as the run will (config.load:
+    the file, the environment, the flags, the requests file); None when it is bad:
+    then no server starts, and the run reports the error as before."""
+    from warmup_agent import config
+    flags = config_flags(options.get("--model"), options.get("--engine"), options.get("--listen"),
+                         options.get("--data-dir"), options.get("--proxy-listen"))
+    global _loaded
     try:
-        import yaml
-        with open(path, encoding="utf-8") as f:
-            tree = yaml.safe_load(f)
-    except Exception:  # noqa: BLE001 - any problem: no early spawn, config.load says what it is
+        cfg = config.load(options.get("--config"), env=environ, flags=flags)
+    except config.ConfigError:
         return None
-    return tree if isinstance(tree, dict) else ({} if tree is None else None)
+    _loaded = (options.get("--config"), flags, cfg)
+    return cfg
 
 
-def plan(argv: list[str], environ: dict[str, str] | os._Environ) -> tuple[list[str], dict[str, str]] | None:
-    """(command, environment) the openai engine would start for this command line,
-    or None when nothing should start early."""
+def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str], Config] | None:
+    """(command, environment, configuration): what the openai engine would start for
+    this command line, from its validated configuration; None when nothing should
+    start early."""
     if not argv or argv[0] != "run" or "--" not in argv:
         return None
     cut = argv.index("--")
     options, command = _options(argv[1:cut]), list(argv[cut + 1:])
     if options is None or not command or is_vllm(command):
         return None
-    tree: dict = {}
-    if "--config" in options:
-        found = _from_file(options["--config"])
-        if found is None:
-            return None
-        tree = found
-    data_dir = (options.get("--data-dir") or environ.get("WARMUP_AGENT_DATA_DIR") or tree.get("data_dir")
-                or default_data_dir())
-    lora = tree.get("lora")
-    adapters = environ.get("WARMUP_AGENT_LORA_ADAPTERS") or (lora.get("adapters") if isinstance(lora, dict) else None)
-    if not isinstance(data_dir, str) or not (adapters is None or isinstance(adapters, str)):
+    cfg = _validated(options, environ)
+    if cfg is None or cfg.engine != "openai":
         return None
     host, _ = listen_address(command)
-    return command, server_env(environ, data_dir, host, adapters)
+    return command, server_env(environ, cfg.data_dir, host, cfg.lora.adapters), cfg
 
 
 def _can_start(command: list[str]) -> bool:
@@ -118,15 +127,27 @@ def start(argv: list[str]) -> None:
     if _early is not None or os.environ.get("WARMUP_NO_EARLY_SPAWN"):
         return
     try:
-        planned = plan(argv, os.environ)
-        if planned is None or not _can_start(planned[0]):
+        planned = plan(argv, dict(os.environ))
+        if planned is None:
             return
-        command, env = planned
+        command, env, _ = planned
+        if not _can_start(command):
+            return
         from warmup_agent.procstart import process_age_seconds
         proc = server_process.spawn(command, env)
     except (OSError, ValueError):
         return   # the engine's own spawn reports it
     _early = Early(proc, command, server_process.final_env(env), time.monotonic(), process_age_seconds())
+
+
+def loaded_config(path: str | None, flags: dict[str, str | None]) -> Config | None:
+    """The configuration start() validated, when the CLI asks for the same file and
+    flags (once): the requests file is not checked twice."""
+    global _loaded
+    found, _loaded = _loaded, None
+    if found is not None and found[0] == path and found[1] == flags:
+        return found[2]
+    return None
 
 
 def take(command: list[str], env: dict[str, str]) -> tuple[Early | None, str | None]:

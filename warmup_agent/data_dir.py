@@ -1,5 +1,5 @@
-"""Where the agent keeps its data when `data_dir` is not set.  Its own module: the
-early spawn (early_spawn.py) needs it before the configuration is imported."""
+"""Where the agent keeps its data when `data_dir` is not set (config.py's default;
+tools/build_llama_server.py follows the same rule, tested)."""
 from __future__ import annotations
 
 import os

@@ -74,7 +74,7 @@ def _default_data_dir() -> str:
 
 
 KEYS: tuple[Key, ...] = (
-    Key("engine", "str", "torch", "Engine adapter: torch (in-process transformers), vllm (in-process vLLM) or openai (an OpenAI-compatible server).",
+    Key("engine", "str", "torch", "Engine adapter: torch (in-process PyTorch: its own Llama/Qwen2 forward, transformers for other models), vllm (in-process vLLM) or openai (an OpenAI-compatible server).",
         choices=("torch", "vllm", "openai")),
     Key("data_dir", "str", None, "Directory for the embedded model, caches and records. Default: $XDG_CACHE_HOME/warmup-agent or ~/.cache/warmup-agent."),
     Key("model.path", "str_or_null", None, "Hugging Face-layout model directory (config.json, tokenizer, *.safetensors). Empty: the embedded default, a small Llama with random weights created once under data_dir."),

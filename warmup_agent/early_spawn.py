@@ -112,13 +112,10 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
 
 
 def _can_start(command: list[str]) -> bool:
-    """What Supervisor.start checks before its own spawn: the executable exists and
-    the port is free.  Either failing: leave it to the supervisor's named error."""
-    import shutil
-    if shutil.which(command[0]) is None:
-        return False
+    """Supervisor.start's own check (server_process.start_problem): the executable
+    exists and the port is free.  Either failing: leave it to the supervisor's named error."""
     host, port = listen_address(command)
-    return not server_process.port_in_use(host, port)
+    return server_process.start_problem(command, host, port) is None
 
 
 def start(argv: list[str]) -> None:
@@ -157,9 +154,10 @@ def take(command: list[str], env: dict[str, str]) -> tuple[Early | None, str | N
     early, _early = _early, None
     if early is None:
         return None, None
-    if early.command == command and early.env == server_process.final_env(env):
+    wanted = server_process.final_env(env)
+    if early.command == command and early.env == wanted:
         return early, None
-    changed = sorted(k for k in set(early.env) | set(env) if early.env.get(k) != server_process.final_env(env).get(k))
+    changed = sorted(k for k in set(early.env) | set(wanted) if early.env.get(k) != wanted.get(k))
     why = ("the command differs" if early.command != command
            else f"the environment differs ({', '.join(changed[:4])})")
     _kill(early.proc)
@@ -176,11 +174,7 @@ def discard() -> None:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    import signal
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    server_process.kill_group(proc)
     proc.wait()
     if proc.stdout is not None:
         proc.stdout.close()

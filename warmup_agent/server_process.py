@@ -1,10 +1,11 @@
 """How a supervised server process is started: one Popen, shared by the supervisor
 (supervisor.py) and the early spawn (early_spawn.py), so that both start it the same
-way.  Standard library only: the early spawn runs before the agent imports anything.
+way.  Standard library only: the early spawn imports it before the rest of the agent.
 """
 from __future__ import annotations
 
 import ctypes  # at the top: importing in preexec_fn (after the fork) can deadlock
+import os
 import signal
 import subprocess
 
@@ -44,3 +45,24 @@ def port_in_use(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def start_problem(command: list[str], host: str, port: int | None) -> tuple[str, str] | None:
+    """(reason, message) when the server cannot be started: its executable is not
+    found, or something already listens on its port; None when it can."""
+    import shutil
+    if shutil.which(command[0]) is None:
+        return ("server_command_not_found",
+                f"server command not found: {command[0]!r} (first word after --; not on PATH and not an executable file)")
+    if port is not None and port_in_use(host, port):
+        return ("port_in_use", f"port {host}:{port} is already in use: another server listens there; "
+                               f"stop it or give the server another --port")
+    return None
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the server's whole process group (what it spawned must not outlive it)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -34,7 +33,6 @@ from typing import Callable
 
 from warmup_agent import server_process
 from warmup_agent.errors import EngineError
-from warmup_agent.server_process import port_in_use
 
 
 class Supervisor:
@@ -95,16 +93,11 @@ class Supervisor:
         """Start the server and block until it is healthy.  Raises EngineError with a
         named reason: server_command_not_found, port_in_use, server_exited,
         server_never_healthy.  On error nothing is left running."""
-        exe = self.command[0]
-        if self._adopt is not None:
-            pass   # started already (its port is taken by itself): early_spawn made these checks
-        elif shutil.which(exe) is None:
-            raise EngineError("server_command_not_found",
-                              f"server command not found: {exe!r} (first word after --; not on PATH and not an executable file)")
-        if self._adopt is None and self.port is not None and port_in_use(self.host, self.port):
-            raise EngineError("port_in_use",
-                              f"port {self.host}:{self.port} is already in use: another server listens there; "
-                              f"stop it or give the server another --port")
+        # An adopted server is started already (its port is taken by itself): early_spawn
+        # made the same check before spawning it.
+        problem = None if self._adopt is not None else server_process.start_problem(self.command, self.host, self.port)
+        if problem is not None:
+            raise EngineError(*problem)
         self._monitor = threading.Thread(target=self._run, name="server-supervisor", daemon=True)
         self._monitor.start()
         self._first_ready.wait()
@@ -169,7 +162,7 @@ class Supervisor:
                     if self.on_server_ready:
                         self.on_server_ready()
                     rc = proc.wait()
-                    self._kill_group(proc)   # what the dead server spawned must not outlive it
+                    server_process.kill_group(proc)   # what the dead server spawned must not outlive it
                     self._join_readers()
                     if self._stopping.is_set():
                         return
@@ -239,7 +232,7 @@ class Supervisor:
                 return False
             rc = proc.poll()
             if rc is not None:
-                self._kill_group(proc)
+                server_process.kill_group(proc)
                 self._join_readers()
                 reason, why = self._exit_reason()
                 err = EngineError(reason, f"server exited with code {rc} before it became healthy: {why}")
@@ -291,13 +284,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
         # Children may outlive the leader: kill the group regardless.
-        self._kill_group(proc)
+        server_process.kill_group(proc)
         if proc.poll() is None:
             proc.wait()
 
-    @staticmethod
-    def _kill_group(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass

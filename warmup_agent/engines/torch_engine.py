@@ -26,6 +26,7 @@ from warmup_agent.gpu import sizing
 from warmup_agent.model_dir import check_model_dir, read_safetensors_header, safetensors_files
 
 if TYPE_CHECKING:
+    from warmup_agent.engines.native_config import NativeConfig
     from warmup_agent.gpu.loader import LoadReport
 
 
@@ -77,6 +78,7 @@ class TorchEngine(Engine):
         # why transformers when auto could not take native.
         self.implementation: str | None = None
         self.implementation_reason = ""
+        self._native_config: NativeConfig | None = None   # parsed from config.json when native was chosen
         self._dtype_name = dtype
         self._device_name = device
         # torch and transformers objects are typed Any (mypy does not follow them);
@@ -188,8 +190,12 @@ class TorchEngine(Engine):
         if self.implementation is None:
             from warmup_agent.engines import native_config
             requested = self._requested_implementation
-            why = ("model.implementation is transformers" if requested == "transformers"
-                   else native_config.ineligible_reason(config))
+            why = "model.implementation is transformers" if requested == "transformers" else ""
+            if not why:
+                try:
+                    self._native_config = native_config.parse(config)   # the skeleton is built from it
+                except native_config.Ineligible as e:
+                    why = str(e)
             if why and requested == "native":
                 raise EngineError("native_unsupported",
                                   f"{self.model_path}/config.json: model.implementation is native but {why}")
@@ -270,7 +276,7 @@ class TorchEngine(Engine):
         if self._skeleton is not None or not (native or self.options["progressive"] or self.quantization.fp8_weights):
             return
         future: Future = Future()
-        model_path = self.model_path
+        model_path, native_cfg = self.model_path, self._native_config
 
         def work() -> None:
             try:
@@ -279,9 +285,9 @@ class TorchEngine(Engine):
                 # self.device (the main thread sets it up; no CUDA context is made here).
                 dtype = self.dtype if self.dtype is not None else self._resolve_dtype(self._resolve_device())
                 if native:
-                    from warmup_agent.engines import native_config, native_lm
-                    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-                        skeleton = native_lm.build_skeleton(native_config.parse(json.load(f)), dtype)
+                    from warmup_agent.engines import native_lm
+                    assert native_cfg is not None   # _choose_implementation parsed it when it chose native
+                    skeleton = native_lm.build_skeleton(native_cfg, dtype)
                 else:
                     _quiet_transformers()
                     from warmup_agent.engines import model_classes

@@ -10,9 +10,10 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from warmup_agent import __version__
+from warmup_agent.config import ConfigError  # early_spawn loads the configuration before a spawn anyway
 
 # argparse, json and logging are imported where used: main() spawns a supervised
-# server before anything else is imported (early_spawn.py).
+# server before they are imported (early_spawn.py).
 if TYPE_CHECKING:  # the CLI imports these lazily: `--help` stays fast and imports no engine
     import argparse
 
@@ -99,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from warmup_agent.config import ConfigError
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -224,7 +224,6 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
         if proxy is not None:
             proxy.stop()
         engine.close()     # a prestarted server must not outlive this error
-        from warmup_agent.config import ConfigError
         raise ConfigError(f"key 'exporter.listen': cannot listen on {cfg.exporter.listen}: {e.strerror}",
                           "exporter.listen") from None
     if proxy is not None:
@@ -240,7 +239,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     server_command = [a for a in (args.server_command or []) if a != "--"] or None
     cfg, progress = _load(args)
     if server_command and cfg.engine != "openai":
-        from warmup_agent.config import ConfigError
         raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg.engine})", "engine")
     model_path = _model_path(cfg)
 

@@ -21,7 +21,6 @@ import yaml
 
 from warmup_agent import config_sections
 from warmup_agent.config_sections import Sections
-from warmup_agent.data_dir import default_data_dir
 
 if TYPE_CHECKING:
     from warmup_agent.requests_file import FileCheck
@@ -70,7 +69,8 @@ def _listen(v: Any) -> bool:
 
 
 def _default_data_dir() -> str:
-    return default_data_dir()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "warmup-agent")
 
 
 KEYS: tuple[Key, ...] = (

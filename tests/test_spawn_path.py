@@ -171,3 +171,18 @@ def test_an_early_server_does_not_outlive_a_run_that_fails_after_the_spawn(tmp_p
                       sys.executable, "-c", f"import time; time.sleep(60)  # {marker}", "--port", "1", timeout=120)
     assert r.returncode == 2 and "cannot listen" in r.stderr, r.stderr[-2000:]
     assert not [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+
+
+def test_the_early_spawn_knows_every_option_of_run():
+    """early_spawn reads `run`'s options by hand (argparse and the parser's imports
+    would come before the spawn): its lists must be the parser's, or a new option would
+    turn the early spawn off without anyone noticing."""
+    import argparse
+
+    from warmup_agent import cli, early_spawn
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    run = sub.choices["run"]
+    valued = {s for a in run._actions if a.option_strings and a.nargs is None and a.const is None
+              for s in a.option_strings}
+    flags = {s for a in run._actions if a.option_strings and a.nargs == 0 for s in a.option_strings} - {"-h", "--help"}
+    assert early_spawn._VALUED == valued and early_spawn._FLAGS == flags

@@ -18,7 +18,7 @@ SPECS = (
                "Weight bytes loaded onto the device divided by the seconds the load took, in the latest warmup.",
                unit="bytes", doc="Compare with the pinned host-to-device bandwidth and the read bandwidth of the model's storage."),
     MetricSpec("warmup_cuda_graphs", "gauge",
-               "Decode-step CUDA graphs captured by solidify (one per warmed batch size); 0 when it fell back to eager.",
+               "CUDA graphs captured by solidify: one decode step per warmed batch size, plus one padded prefill per warmed (length, batch) with the native model; 0 when it fell back to eager.",
                labels=("gpu", "uuid"), unit="short", requires="gpu"),
     MetricSpec("warmup_solidify_fallbacks_total", "counter",
                "Times solidify fell back to eager execution, by named reason (no_cuda_device, capture_failed, ...).",

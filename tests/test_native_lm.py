@@ -147,6 +147,77 @@ def test_static_cache_decode_equals_transformers(pairs, name):
     assert static.tolist() == ref.last_output.tolist()
 
 
+# --- padded prefill (what gpu/graphs.py captures per warmed prompt length) -----------------------
+def _padded(native, lengths_by_batch, max_len=64):
+    from warmup_agent.gpu import graphs
+    decoders, reason = graphs.build(native.model, sorted(lengths_by_batch), max_len, native.device,
+                                    capture=False, prefill_lengths=lengths_by_batch)
+    assert reason is None
+    return decoders
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_padded_prefill_logits_equal_the_exact_prompt(pairs, name):
+    """A prompt right-padded to a longer prefill length gives its last real token's
+    logits as transformers computes them on the exact prompt: the padding is never seen."""
+    native, ref = pairs[name]
+    decoder = _padded(native, {1: [8, 16, 32]})[1]
+    for n, bucket in ((5, 8), (16, 16), (20, 32)):
+        ids = torch.tensor(_prompts(native, [n]))
+        before = decoder.prefill_for(n).served
+        got = decoder.prefill(ids)
+        assert decoder.prefill_for(n).length == bucket and decoder.prefill_for(n).served == before + 1
+        with torch.inference_mode():
+            want = ref.model(input_ids=ids).logits[:, -1, :]
+        assert (got - want).abs().max().item() < ATOL, n
+    assert decoder.prefill_for(33) is None       # longer than every length: eager
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_after_a_padded_prefill_equal_transformers(pairs, name):
+    """Decode continues over the padding's cache slots (overwriting them), after a
+    longer request left its keys in the cache: the tokens are transformers' own."""
+    native, ref = pairs[name]
+    native._decoders = _padded(native, {1: [16, 32], 2: [16]})
+    try:
+        outputs = []
+        for prompts in (_prompts(native, [30]), _prompts(native, [6]), _prompts(native, [11, 11])):
+            native.generate(prompts, max_new_tokens=12)
+            outputs.append(native.last_output.clone())
+        served = {b: {n: p.served for n, p in d.prefills.items()} for b, d in native._decoders.items()}
+    finally:
+        native._decoders = {}
+    assert served == {1: {16: 1, 32: 1}, 2: {16: 1}}
+    for prompts, got in zip((_prompts(native, [30]), _prompts(native, [6]), _prompts(native, [11, 11])), outputs):
+        ref.generate(prompts, max_new_tokens=12)
+        assert got.tolist() == ref.last_output.tolist(), [len(p) for p in prompts]
+
+
+def test_a_one_token_request_uses_the_padded_prefill_where_one_fits(pairs):
+    """The readiness probe (one output token) is served by the padded prefill;
+    a prompt longer than every prefill length, or with no decoder for its batch
+    size, still runs eagerly through the growing cache."""
+    native, ref = pairs["embedded_llama"]
+    native._decoders = _padded(native, {1: [16]})
+    try:
+        [r] = native.generate(_prompts(native, [12]), max_new_tokens=1)
+        short = native.last_output.clone()
+        native.generate(_prompts(native, [20]), max_new_tokens=1)
+        native.generate(_prompts(native, [12, 12]), max_new_tokens=1)
+        served = native._decoders[1].prefills[16].served
+    finally:
+        native._decoders = {}
+    assert served == 1 and r.output_tokens == 1 and r.first_token_seconds > 0
+    ref.generate(_prompts(native, [12]), max_new_tokens=1)
+    assert short.tolist() == ref.last_output.tolist()
+
+
+def test_transformers_models_get_no_padded_prefill(pairs):
+    _, ref = pairs["qwen2_bias_tied"]
+    decoders = _padded(ref, {1: [16]})
+    assert decoders[1].prefills == {} and decoders[1].prefill_for(4) is None
+
+
 def test_structure_validation_uses_the_native_reference(pairs):
     from warmup_agent.readiness import validation
     native, _ = pairs["qwen2_bias_tied"]

@@ -250,7 +250,7 @@ KEYS: tuple[Key, ...] = (
     Key("prewarm.batch_sizes_from_memory", "bool", False, "Derive the warmup batch sizes from free GPU memory and the real KV bytes per token (seed 000 §4.2: 0.7 x free / (max length x KV bytes per token)), powers of two up to prewarm.max_batch; else prewarm.batch_sizes."),
     Key("prewarm.max_batch", "int", 8, "Largest batch size derived from memory (the engine's concurrency).",
         check=_positive, expected="an integer > 0"),
-    Key("solidify.graph_max_length", "int", 512, "Static KV-cache length (tokens) of the captured CUDA-graph decode step; longer requests decode eagerly.",
+    Key("solidify.graph_max_length", "int", 512, "Static KV-cache length (tokens) of the captured CUDA graphs (the decode step; with the native model also the prefill of each warmed prompt length); longer requests run eagerly.",
         check=_positive, expected="an integer > 0"),
     Key("gpu.cuda_context_timeout_seconds", "float", 60.0, "Deadline of CUDA context creation; past it the warmup fails with reason cuda_context_timeout. 0 disables.",
         check=_non_negative, expected="a number >= 0"),

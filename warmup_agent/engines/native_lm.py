@@ -240,7 +240,11 @@ class NativeCausalLM(nn.Module):
         return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
 
     def forward(self, input_ids: Any, attention_mask: Any = None, past_key_values: Any = None,
-                cache_position: Any = None, use_cache: bool = False, **_: Any) -> NativeOutput:
+                cache_position: Any = None, use_cache: bool = False, logits_at: Any = None,
+                **_: Any) -> NativeOutput:
+        """`logits_at`: a device tensor of positions whose logits to compute (a padded
+        prefill wants only its last real token's; the others would cost a
+        [tokens x vocab] projection), else every position's."""
         x = self.model.embed_tokens(input_ids)
         t = input_ids.shape[1]
         cache = past_key_values
@@ -260,6 +264,8 @@ class NativeCausalLM(nn.Module):
         cos, sin = self._rope(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, cache, positions)
+        if logits_at is not None:
+            x = x.index_select(1, logits_at)
         logits = self.lm_head(self.model.norm(x))
         return NativeOutput(logits=logits, past_key_values=cache)
 

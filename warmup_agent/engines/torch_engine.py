@@ -412,11 +412,14 @@ class TorchEngine(Engine):
                  warmup: bool = False) -> list[RequestResult]:
         """Greedy decode of a batch.  Prompts of unequal length are left-padded.
         Time to first token = prefill + first sampled token, synchronised with the device.
-        Equal-length prompts of a batch size solidify captured decode with the static
-        cache and its CUDA graph."""
+        Equal-length prompts of a batch size that solidify captured go through the static
+        cache: its captured decode step, and its captured padded prefill where one
+        fits the prompt (gpu/graphs.py)."""
         import torch
-        decoder = self._decoders.get(len(prompts)) if max_new_tokens > 1 else None
-        if decoder and len({len(p) for p in prompts}) == 1 and len(prompts[0]) + max_new_tokens <= decoder.max_len:
+        decoder = self._decoders.get(len(prompts))
+        n = len(prompts[0])
+        if (decoder and len({len(p) for p in prompts}) == 1 and n + max_new_tokens <= decoder.max_len
+                and (max_new_tokens > 1 or decoder.prefill_for(n) is not None)):
             return self._generate_static(decoder, prompts, max_new_tokens)
         model = self._compiled or self.model
         assert model is not None and self.tokenizer is not None, "load_weights() and load_tokenizer() first"
@@ -471,7 +474,8 @@ class TorchEngine(Engine):
         """Freeze the warmed shapes.  replay: run each shape once more so every
         allocator bucket and oneDNN/cuBLAS plan is in place; cuda_graphs (the GPU
         default): capture one decode step per warmed batch size over a static KV
-        cache (warmup_agent/gpu/graphs.py), falling back to replay with a named
+        cache, and with the native model one padded prefill per warmed shape
+        (warmup_agent/gpu/graphs.py), falling back to replay with a named
         reason; compile: torch.compile the model and run each shape (kernels land
         in the Inductor cache).  Capture and compilation run under the deadline
         gpu.kernel_compile_timeout_seconds (reason kernel_compile_timeout)."""
@@ -490,14 +494,20 @@ class TorchEngine(Engine):
             from warmup_agent.gpu import graphs
             longest = max((length for length, _ in shapes), default=16)
             max_len = max(self.options["graph_max_len"], longest + 64)
+            prefill_lengths: dict[int, list[int]] = {}
+            for length, batch in shapes:
+                prefill_lengths.setdefault(batch, []).append(length)
             self._decoders, reason = run_with_deadline(
-                lambda: graphs.build(self.model, [b for _, b in shapes] or [1], max_len, self.device, capture=True),
+                lambda: graphs.build(self.model, [b for _, b in shapes] or [1], max_len, self.device, capture=True,
+                                     prefill_lengths=prefill_lengths),
                 self.options["kernel_compile_timeout"], "kernel_compile_timeout", "CUDA graph capture")
             self.graph_fallback_reason = reason
             if reason:
                 method, detail["fallback_reason"] = "replay", reason
             else:
                 detail["graphs"] = sorted(self._decoders)
+                detail["prefill_graphs"] = [[b, length] for b, d in sorted(self._decoders.items())
+                                            for length in sorted(d.prefills)]
                 detail["graph_max_len"] = max_len
         elif mode == "compile":
             import torch

@@ -2,11 +2,20 @@
 
 One decode step (one token per sequence against a static KV cache) is captured
 per warmed batch size; a request of that batch then pays one graph launch per
-generated token instead of hundreds of kernel launches.  Prefill stays eager:
-its shapes vary with the prompt, and the warmup grid has already run them.
+generated token instead of hundreds of kernel launches.
 
-The native model (engines/native_lm.py) brings its own static cache and the same
-call signature, so the same decoder captures it without importing transformers.
+With the native model (engines/native_lm.py), which brings its own static cache
+and the same call signature, the prefill is captured too: one graph per warmed
+(prompt length, batch size).  A prompt of n tokens is right-padded to the
+smallest captured length >= n and its logits are taken at position n - 1.  This
+is exact: the static cache masks every key past a query's own position, so no
+real token sees the padding, and the padding's keys (positions n..) are
+overwritten by the decode steps before any query reaches them.  Why: an eager
+16-token prefill on the H200 is bound by the host launching ~400 kernels, and
+drifted 17-40 ms from one request to the next (bench/diag_first_probe.py); the
+readiness probes and the first user request are exactly such prefills.
+Prompts longer than every captured length, and transformers' models, prefill
+eagerly.
 
 The static-cache decode also runs without graphs (`capture=False`), which is
 how the CPU tests check it against the dynamic-cache path token for token.
@@ -25,7 +34,8 @@ log = logging.getLogger("warmup_agent.gpu.graphs")
 class StaticDecoder:
     """Static KV cache + (optionally) a captured decode step for one batch size."""
 
-    def __init__(self, model: Any, batch: int, max_len: int, device: Any, capture: bool, pool: Any = None) -> None:
+    def __init__(self, model: Any, batch: int, max_len: int, device: Any, capture: bool, pool: Any = None,
+                 prefill_lengths: list[int] | tuple[int, ...] = ()) -> None:
         import torch
         self.model, self.batch, self.max_len, self.device = model, batch, max_len, device
         self.cache = _static_cache(model, batch, max_len)
@@ -33,10 +43,15 @@ class StaticDecoder:
         self.pos = torch.zeros((1,), dtype=torch.long, device=device)
         self.graph = None
         self.logits = None
+        #: Padded prefills by length (native model only; see the module docstring).
+        self.prefills: dict[int, PaddedPrefill] = {}
         # Prefill once so the cache's tensors exist (lazily allocated), then warm the step.
         self.prefill(torch.zeros((batch, 4), dtype=torch.long, device=device))
         if capture:
             self._capture(pool)
+        if _is_native(model):
+            for length in sorted({n for n in prefill_lengths if 0 < n <= max_len}):
+                self.prefills[length] = PaddedPrefill(self, length, capture, pool)
 
     def _step(self) -> Any:
         return self.model(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos,
@@ -55,12 +70,23 @@ class StaticDecoder:
             self.logits = self._step()
         torch.cuda.synchronize(self.device)
 
+    def prefill_for(self, n: int) -> PaddedPrefill | None:
+        """The padded prefill that serves an n-token prompt: the shortest captured length >= n."""
+        fits = [length for length in self.prefills if length >= n]
+        return self.prefills[min(fits)] if fits else None
+
     def prefill(self, ids: Any) -> Any:
-        """Eager prefill of equal-length prompts into the (reset) static cache; logits of the last position."""
+        """Prefill of equal-length prompts into the static cache; logits of the last
+        position.  Through a padded prefill where one fits, else eager."""
         import torch
+        padded = self.prefill_for(ids.shape[1])
+        if padded is not None:
+            return padded(ids)
         n = ids.shape[1]
         with torch.inference_mode():
-            self.cache.reset()
+            if not _is_native(self.model):
+                # transformers' StaticCache; the native one masks stale keys by position instead.
+                self.cache.reset()
             out = self.model(input_ids=ids, past_key_values=self.cache,
                              cache_position=torch.arange(n, device=self.device), use_cache=True)
         return out.logits[:, -1, :]
@@ -78,6 +104,59 @@ class StaticDecoder:
             return self._step()[:, -1, :]
 
 
+class PaddedPrefill:
+    """The prefill of prompts of up to `length` tokens for one StaticDecoder,
+    right-padded to `length` (native model only): static input buffers, the
+    logits of one position, and (capture=True) a CUDA graph of it all."""
+
+    def __init__(self, decoder: StaticDecoder, length: int, capture: bool, pool: Any) -> None:
+        import torch
+        self.decoder, self.length = decoder, length
+        device = decoder.device
+        self.ids = torch.zeros((decoder.batch, length), dtype=torch.long, device=device)
+        self.positions = torch.arange(length, device=device)
+        self.last = torch.zeros((1,), dtype=torch.long, device=device)
+        self.graph = None
+        self.logits = None
+        self.served = 0           # prefills it served, graph or eager (tests check the path taken)
+        if capture:
+            self._capture(pool)
+
+    def _run(self) -> Any:
+        d = self.decoder
+        return d.model(input_ids=self.ids, past_key_values=d.cache, cache_position=self.positions,
+                       use_cache=True, logits_at=self.last).logits
+
+    def _capture(self, pool: Any) -> None:
+        import torch
+        device = self.decoder.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            self._run()                  # this exact shape once outside the graph (workspaces, plans)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
+            self.logits = self._run()
+        # The first launch of a graph also uploads it: pay that here, not in the first request.
+        self.graph.replay()
+        torch.cuda.synchronize(device)
+
+    def __call__(self, ids: Any) -> Any:
+        """Logits [batch, vocab] of the last of `ids`' n <= length tokens."""
+        import torch
+        n = ids.shape[1]
+        with torch.inference_mode():
+            self.ids[:, :n].copy_(ids)
+            self.last.fill_(n - 1)
+        self.served += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits[:, -1, :]
+        with torch.inference_mode():
+            return self._run()[:, -1, :]
+
+
 def _is_native(model: Any) -> bool:
     """A model that brings its own static cache (engines/native_lm.NativeCausalLM);
     asked by capability, not by class: gpu/ sits below engines/ and imports none of it."""
@@ -93,8 +172,11 @@ def _static_cache(model: Any, batch: int, max_len: int) -> Any:
     return StaticCache(config=model.config, max_cache_len=max_len)
 
 
-def build(model: Any, batches: list[int], max_len: int, device: Any, capture: bool) -> tuple[dict, str | None]:
-    """StaticDecoders by batch size; (decoders, None) or ({}, reason) where it failed."""
+def build(model: Any, batches: list[int], max_len: int, device: Any, capture: bool,
+          prefill_lengths: dict[int, list[int]] | None = None) -> tuple[dict, str | None]:
+    """StaticDecoders by batch size, each with padded prefills for its
+    `prefill_lengths[batch]` (native model only); (decoders, None) or ({}, reason)
+    where it failed."""
     import torch
     if capture and device.type != "cuda":
         return {}, "no_cuda_device"
@@ -107,7 +189,7 @@ def build(model: Any, batches: list[int], max_len: int, device: Any, capture: bo
     pool = torch.cuda.graph_pool_handle() if capture else None
     for b in sorted(set(batches)):
         try:
-            out[b] = StaticDecoder(model, b, max_len, device, capture, pool)
+            out[b] = StaticDecoder(model, b, max_len, device, capture, pool, (prefill_lengths or {}).get(b, ()))
         except Exception as e:  # noqa: BLE001 - any capture failure means: stay eager, say why
             log.warning("CUDA graph capture for batch %d failed: %s", b, e)
             return {}, f"capture_failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

@@ -72,7 +72,8 @@ def run(ctx: StageContext, detail: dict) -> None:
         ctx.metrics.warmup_solidify_fallbacks_total.labels(reason=reason.split(":")[0]).inc()
     gpu = ctx.gpu
     if gpu is not None:
-        ctx.metrics.warmup_cuda_graphs.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(len(report.detail.get("graphs", [])))
+        ctx.metrics.warmup_cuda_graphs.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(
+            len(report.detail.get("graphs", [])) + len(report.detail.get("prefill_graphs", [])))
     ramp = ctx.ramp
     if ramp is not None:
         slope = ramp.stop()

@@ -121,6 +121,38 @@ def test_native_cuda_graph_decode_equals_native_eager_decode(native_qwen2):
     assert len(set(graphed[0].tolist())) > 1            # varied tokens: the comparison means something
 
 
+def test_native_captured_prefill_equals_eager_and_serves_the_probe(native_qwen2):
+    """One captured padded prefill per warmed (length, batch): a request whose prompt
+    fits replays it (the readiness probe's one-token request too), and its tokens
+    equal the same padded prefill run eagerly."""
+    from warmup_agent.gpu import graphs
+    native, _ = native_qwen2
+    report = native.solidify([(16, 1), (32, 1), (16, 2)], mode="cuda_graphs")
+    assert report.method == "cuda_graphs", report.detail
+    assert report.detail["prefill_graphs"] == [[1, 16], [1, 32], [2, 16]]
+    t = native.tokenize("warm up the prefill of every prompt length we serve today please, and more " * 3)
+    requests = ([t[:12]], [t[1:31]], [t[2:14], t[5:17]])
+    graphed = []
+    for prompts in requests:
+        native.generate(prompts, max_new_tokens=8)
+        graphed.append(native.last_output.clone())
+    native.generate([t[3:19]], max_new_tokens=1)      # the probe's shape: prefill only
+    captured = native._decoders
+    assert all(p.graph is not None for d in captured.values() for p in d.prefills.values())
+    assert {b: {n: p.served for n, p in d.prefills.items()} for b, d in captured.items()} == \
+        {1: {16: 2, 32: 1}, 2: {16: 1}}
+    native._decoders, reason = graphs.build(native.model, [1, 2], report.detail["graph_max_len"], native.device,
+                                            capture=False, prefill_lengths={1: [16, 32], 2: [16]})
+    assert reason is None
+    try:
+        for prompts, want in zip(requests, graphed, strict=True):
+            native.generate(prompts, max_new_tokens=8)
+            assert native.last_output.tolist() == want.tolist(), [len(p) for p in prompts]
+    finally:
+        native._decoders = captured
+    assert len(set(graphed[0][0].tolist())) > 1
+
+
 def test_reservation_maps_and_keeps_memory():
     from warmup_agent.gpu import memory
     dev = torch.device("cuda")

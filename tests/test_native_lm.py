@@ -188,7 +188,7 @@ def test_greedy_tokens_after_a_padded_prefill_equal_transformers(pairs, name):
     finally:
         native._decoders = {}
     assert served == {1: {16: 1, 32: 1}, 2: {16: 1}}
-    for prompts, got in zip((_prompts(native, [30]), _prompts(native, [6]), _prompts(native, [11, 11])), outputs):
+    for prompts, got in zip((_prompts(native, [30]), _prompts(native, [6]), _prompts(native, [11, 11])), outputs, strict=True):
         ref.generate(prompts, max_new_tokens=12)
         assert got.tolist() == ref.last_output.tolist(), [len(p) for p in prompts]
 

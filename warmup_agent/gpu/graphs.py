@@ -116,7 +116,7 @@ class PaddedPrefill:
         self.ids = torch.zeros((decoder.batch, length), dtype=torch.long, device=device)
         self.positions = torch.arange(length, device=device)
         self.last = torch.zeros((1,), dtype=torch.long, device=device)
-        self.graph = None
+        self.graph: Any = None
         self.logits = None
         self.served = 0           # prefills it served, graph or eager (tests check the path taken)
         if capture:
@@ -135,12 +135,13 @@ class PaddedPrefill:
         with torch.cuda.stream(side), torch.inference_mode():
             self._run()                  # this exact shape once outside the graph (workspaces, plans)
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
             self.logits = self._run()
         # The first launch of a graph also uploads it: pay that here, not in the first request.
-        self.graph.replay()
+        graph.replay()
         torch.cuda.synchronize(device)
+        self.graph = graph
 
     def __call__(self, ids: Any) -> Any:
         """Logits [batch, vocab] of the last of `ids`' n <= length tokens."""

@@ -117,7 +117,7 @@ class PaddedPrefill:
         self.positions = torch.arange(length, device=device)
         self.last = torch.zeros((1,), dtype=torch.long, device=device)
         self.graph: Any = None
-        self.logits = None
+        self.logits: Any = None
         self.served = 0           # prefills it served, graph or eager (tests check the path taken)
         if capture:
             self._capture(pool)

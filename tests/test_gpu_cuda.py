@@ -149,7 +149,14 @@ def test_native_captured_prefill_equals_eager_and_serves_the_probe(native_qwen2)
             native.generate(prompts, max_new_tokens=8)
             assert native.last_output.tolist() == want.tolist(), [len(p) for p in prompts]
     finally:
-        native._decoders = captured
+        # Release the graphs and their private pool: the allocator tests below compare
+        # the snapshot with the allocator's own counters, which read 0.06 % apart on the
+        # H200 while these twelve-odd graphs' pool was held.
+        native._decoders = {}
+        del captured
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
     assert len(set(graphed[0][0].tolist())) > 1
 
 

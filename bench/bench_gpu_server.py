@@ -118,7 +118,7 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
-    first, usage, chunks, stamps, first_text = None, None, 0, [], None
+    first, usage, chunks, stamps, first_text, timings = None, None, 0, [], None, {}
     try:
         r = urllib.request.urlopen(req, timeout=300)
     except urllib.error.HTTPError as e:
@@ -139,6 +139,7 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
                     first = first or stamps[-1]
                     first_text = c["delta"]["content"] if first_text is None else first_text
             usage = msg.get("usage") or usage
+            timings = msg.get("timings") or timings   # llama-server's own: prompt_ms, predicted_ms, ...
     end = time.perf_counter()
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     return {"ttft": (first or end) - t0, "total": end - t0, "end_unix": time.time(),
@@ -147,7 +148,10 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
             "gaps_ms": [round(g * 1e3, 1) for g in gaps],
             # what "the first token" is on this server: a token, or a chunk sent before decoding
             "first_text": None if first_text is None else first_text[:60], "chunks": chunks,
-            "output_tokens": (usage or {}).get("completion_tokens", chunks), "prompt_tokens": (usage or {}).get("prompt_tokens")}
+            "output_tokens": (usage or {}).get("completion_tokens", chunks), "prompt_tokens": (usage or {}).get("prompt_tokens"),
+            # the server's own prefill time (llama-server sends it; None elsewhere): tells the
+            # server's first prefill apart from the noise of HTTP, threads and this client
+            "server_prompt_ms": timings.get("prompt_ms"), "server_prompt_n": timings.get("prompt_n")}
 
 
 # Two controls after the steady requests, so a small first-request tax can be told
@@ -175,8 +179,11 @@ def measure(port: int, model: str, msgs: dict, max_tokens: int) -> dict:
     time.sleep(IDLE_SECONDS)
     idle = request(port, model, msgs["after_idle"][0], max_tokens)
     new_length = request(port, model, msgs["new_length"][0], max_tokens)
+    server_ms = [s["server_prompt_ms"] for s in steady if s.get("server_prompt_ms")]
     return {"first": first, "steady_ttft_median": st_ttft, "steady_total_median": st_total,
             "ttft_tax": first["ttft"] / st_ttft, "total_tax": first["total"] / st_total,
+            "server_prompt_tax": (first["server_prompt_ms"] / statistics.median(server_ms)
+                                  if server_ms and first.get("server_prompt_ms") else None),
             "prompt_tokens_local": msgs["first"][1], "steady": steady,
             "controls": {"after_idle_ttft_ratio": idle["ttft"] / st_ttft,
                          "new_length_ttft_ratio": new_length["ttft"] / st_ttft,
@@ -354,6 +361,11 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         f"{P}_first_ttft_tax_p99_alone": p99([r["ttft_tax"] for r in alone]),
         f"{P}_first_total_tax_p99_alone": p99([r["total_tax"] for r in alone]),
     }
+    server_taxes = [r["server_prompt_tax"] for r in agent if r.get("server_prompt_tax")]
+    if server_taxes:   # llama-server reports its own prefill time
+        figures[f"{P}_first_server_prompt_tax_p99"] = p99(server_taxes)
+        figures[f"{P}_first_server_prompt_tax_p99_alone"] = p99(
+            [r["server_prompt_tax"] for r in alone if r.get("server_prompt_tax")])
     prompt_in_grid = [args.prompt_tokens in (r.get("warmed_lengths") or []) for r in agent]
     short = [r["first"]["output_tokens"] for r in agent + alone if r["first"]["output_tokens"] != args.max_tokens]
     result = {
@@ -369,6 +381,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
             f"{P}_exported_over_outside_ttft_tax": "median over agent starts of: the agent's exported warmup_first_request_tax_ratio / the outside client's first TTFT tax in that start",
             f"{P}_control_after_idle_ttft_ratio_median": f"median over every start (alone and agent) of: TTFT of a fresh same-length request sent {IDLE_SECONDS} s after the steady ones / steady median TTFT",
             f"{P}_control_new_length_ttft_ratio_median": f"median over every start of: TTFT of a fresh request {NEW_LENGTH_DELTA} tokens longer than any before it (sent after the idle control) / steady median TTFT",
+            f"{P}_first_server_prompt_tax_p99": "where the server reports its own prefill time (llama-server's timings.prompt_ms): p99 over agent starts of the first request's prompt_ms / median of the steady requests' (a diagnostic: the server's own first prefill, without HTTP and client noise)",
             f"{P}_healthy_pod_alerts_firing": "alerts fired over a 40-minute promtool replay of every agent start's /metrics scrape (alerts/replay.py)",
         },
         "agent_exported_ttft_tax": [r.get("exported_ttft_tax") for r in agent],

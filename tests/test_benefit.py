@@ -147,6 +147,31 @@ def test_prefill_is_warm_only_when_every_fresh_length_matches_the_anchor():
     assert not benefit.prefill_warm(warm, steady, 2, 0.2)                   # no steady level at batch 2
 
 
+def test_the_servers_own_prefill_clock_decides_where_it_reports_one():
+    """H200 llama.cpp run 7, start 0: fresh lengths' first tokens 30.1 and 31.9 ms against
+    the anchor's 27.7 ms are inside tol / 2 + 2 ms, but the server's own prefill says a
+    new length costs (the user's first request then prefilled in 16.1 ms against 8.7 ms)."""
+    steady = SteadyLevels()
+    steady.add(Path("chat", "sampled", 1, 310), Call(0.0277, 0.0277 + 47 * 0.003, 48, 310, server_prefill=0.0087))
+    assert steady.prefill_ref(1, 223) == pytest.approx(0.0087) and steady.prefill_ref(2, 223) is None
+    client_only = [(223, Call(0.03013, 0.18, 48, 223)), (266, Call(0.03189, 0.18, 48, 266))]
+    assert benefit.prefill_warm(client_only, steady, 1, 0.2)                # the client's clock alone: "warm"
+    cold = [(223, Call(0.03013, 0.18, 48, 223, server_prefill=0.0161)), (266, Call(0.03189, 0.18, 48, 266, server_prefill=0.0158))]
+    assert not benefit.prefill_warm(cold, steady, 1, 0.2)
+    # and the other way: a noisy client first token, while the server prefilled at its steady speed
+    warm = [(223, Call(0.045, 0.2, 48, 223, server_prefill=0.0080)), (266, Call(0.050, 0.2, 48, 266, server_prefill=0.0091))]
+    assert benefit.prefill_warm(warm, steady, 1, 0.2)
+    # 8.7 ms x 1.1 + 0.5 ms = 10.07 ms: just over it pays
+    assert not benefit.prefill_warm([(266, Call(0.028, 0.2, 48, 266, server_prefill=0.0102))], steady, 1, 0.2)
+
+
+def test_a_batch_reports_a_server_prefill_only_when_every_request_has_one():
+    from warmup_agent.engines.base import RequestResult
+    both = [RequestResult(0.03, 0.1, 20, 4, 0.008), RequestResult(0.031, 0.12, 20, 4, 0.009)]
+    assert benefit.call_of(both).server_prefill == pytest.approx(0.009)
+    assert benefit.call_of([both[0], RequestResult(0.03, 0.1, 20, 4)]).server_prefill is None
+
+
 # --- the probe log ---------------------------------------------------------------------
 def test_first_request_figures_against_later_probes_of_the_same_length():
     probes = [Probe(0.060, 0.060 + 47 * 0.004, 48, 262),        # first: the profile's longest answer

@@ -148,6 +148,9 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_at_steady_spee
     prewarm = next(s for s in json.loads(rec.read_text())["stages"] if s["name"] == "prewarm")
     per_length = prewarm["warmup"]["per_length"]
     assert per_length["tested"] and per_length["prefill_pays"] is False and len(per_length["ttft_ms"]) == 2
+    # llama-server times its own prefill (timings.prompt_ms): that clock decided
+    assert len(per_length["server_prefill_ms"]) == 2 and min(per_length["server_prefill_ms"]) > 0
+    assert per_length["steady_server_prefill_ms"] > 0
     paths = {p["path"]: p for p in prewarm["paths"]}
     assert paths["chat/sampled/batch1/len40"]["calls"] >= 1            # the anchor: the steady level
     for n in (16, 24):

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 SLACK_SECONDS = 0.002
+#: The slack on the server's own clock (a prefill it times itself: no HTTP, no client).
+SERVER_SLACK_SECONDS = 0.0005
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Call:
     total: float
     output_tokens: int
     prompt_tokens: int = 0
+    server_prefill: float | None = None    # the server's own prefill time, where it reports one
 
     @property
     def tpot(self) -> float | None:
@@ -62,7 +65,9 @@ def call_of(results: Sequence) -> Call:
     slowest first token and the slowest request (the openai profile warmup and
     the torch/vllm shape grid both judge a batch by it)."""
     slow = max(results, key=lambda r: r.total_seconds)
-    return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens, slow.prompt_tokens)
+    prefills = [getattr(r, "server_prefill_seconds", None) for r in results]
+    return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens, slow.prompt_tokens,
+                max(prefills) if prefills and None not in prefills else None)  # type: ignore[type-var]
 
 
 def within(value: float, ref: float, tol: float) -> bool:
@@ -83,11 +88,15 @@ class SteadyLevels:
 
     def __init__(self) -> None:
         self._ttft: dict[int, dict[int, float]] = {}
+        self._prefill: dict[int, dict[int, float]] = {}   # the server's own prefill times, where reported
         self._tpot: dict[int, list[float]] = {}
 
     def add(self, path: Path, call: Call) -> None:
         by_len = self._ttft.setdefault(path.batch, {})
         by_len[path.prompt_tokens] = min(by_len.get(path.prompt_tokens, call.ttft), call.ttft)
+        if call.server_prefill is not None:
+            pre = self._prefill.setdefault(path.batch, {})
+            pre[path.prompt_tokens] = min(pre.get(path.prompt_tokens, call.server_prefill), call.server_prefill)
         if call.tpot is not None:
             self._tpot.setdefault(path.batch, []).append(call.tpot)
 
@@ -95,14 +104,11 @@ class SteadyLevels:
         """Steady TTFT of the nearest warm length >= `length` (prefill grows with
         length, so that is an upper bound); above every warm length, the longest
         one scaled by the length ratio (an upper bound again)."""
-        known = self._ttft.get(batch)
-        if not known:
-            return None
-        above = [n for n in known if n >= length]
-        if above:
-            return known[min(above)]
-        longest = max(known)
-        return known[longest] * length / longest
+        return _nearest_above(self._ttft.get(batch), length)
+
+    def prefill_ref(self, batch: int, length: int) -> float | None:
+        """The same over the server's own prefill times; None where it reported none."""
+        return _nearest_above(self._prefill.get(batch), length)
 
     def tpot_ref(self, batch: int) -> float | None:
         values = self._tpot.get(batch)
@@ -116,6 +122,17 @@ class SteadyLevels:
         if call.tpot is not None:
             return tpot_ref is not None and within(call.tpot, tpot_ref, tol)
         return True
+
+
+def _nearest_above(known: dict[int, float] | None, length: int) -> float | None:
+    """The level of the nearest length >= `length`; above all, the longest scaled by the length ratio."""
+    if not known:
+        return None
+    above = [n for n in known if n >= length]
+    if above:
+        return known[min(above)]
+    longest = max(known)
+    return known[longest] * length / longest
 
 
 class Budget:
@@ -233,10 +250,21 @@ def prefill_warm(tested: Sequence[tuple[int, Call]], steady: SteadyLevels, batch
     first token is mostly fixed cost.  On llama.cpp (H200, 1.5B) a new length's
     prefill took 13-23 ms on the server against 8-10 ms warm, so fresh lengths came
     1.14-1.56x the anchor's 30 ms first token; one start judged 1.20x warm under the
-    full 20 % + 2 ms, skipped the lengths, and the user's first request paid 1.32x."""
+    full 20 % + 2 ms, skipped the lengths, and the user's first request paid 1.32x.
+
+    Where the server times its own prefill (llama-server's timings.prompt_ms), that
+    clock decides: a later H200 run read fresh lengths at 1.09x and 1.15x the
+    anchor's first token (inside tol / 2 + 2 ms), skipped the lengths, and the user's
+    first request then prefilled in 16.1 ms on the server against 8.7 ms steady
+    (1.33x on the client): the client's 30 ms first token hides an 8 ms prefill."""
     if not tested:
         return False
     for length, call in tested:
+        server_ref = steady.prefill_ref(batch, length)
+        if call.server_prefill is not None and server_ref is not None:
+            if call.server_prefill > server_ref * (1 + tol / 2) + SERVER_SLACK_SECONDS:
+                return False
+            continue
         ref = steady.ttft_ref(batch, length)
         if ref is None or not within(call.ttft, ref, tol / 2):
             return False

@@ -50,6 +50,9 @@ class RequestResult:
     total_seconds: float             # until the last token
     prompt_tokens: int
     output_tokens: int
+    #: The server's own prefill time, where it reports one (llama-server's
+    #: timings.prompt_ms): free of the HTTP and client noise in first_token_seconds.
+    server_prefill_seconds: float | None = None
 
 
 @dataclass

@@ -174,6 +174,7 @@ class StreamingClient(Engine):
         t0 = time.perf_counter()
         first = first_chunk = None
         usage = None
+        timings: dict = {}
         chunks = 0
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
@@ -199,6 +200,8 @@ class StreamingClient(Engine):
                                 first = time.perf_counter()
                     if msg.get("usage"):
                         usage = msg["usage"]
+                    if isinstance(msg.get("timings"), dict):   # llama-server: its own prefill and decode times
+                        timings = msg["timings"]
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")[:300]
             message = f"POST {self.url}{path}: HTTP {e.code}: {detail}"
@@ -213,9 +216,11 @@ class StreamingClient(Engine):
         first = first or first_chunk
         if first is None:
             raise EngineError("request_failed", f"POST {self.url}{path}: stream ended without a token")
+        prompt_ms = timings.get("prompt_ms")
         return RequestResult(first_token_seconds=first - t0, total_seconds=end - t0,
                              prompt_tokens=usage["prompt_tokens"] if usage and usage.get("prompt_tokens") else (prompt_tokens or 0),
-                             output_tokens=usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks)
+                             output_tokens=usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks,
+                             server_prefill_seconds=prompt_ms / 1e3 if isinstance(prompt_ms, (int, float)) and prompt_ms > 0 else None)
 
     def _get_json(self, path: str) -> dict:
         import urllib.error  # see _stream

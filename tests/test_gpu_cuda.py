@@ -130,6 +130,9 @@ def test_native_captured_prefill_equals_eager_and_serves_the_probe(native_qwen2)
     report = native.solidify([(16, 1), (32, 1), (16, 2)], mode="cuda_graphs")
     assert report.method == "cuda_graphs", report.detail
     assert report.detail["prefill_graphs"] == [[1, 16], [1, 32], [2, 16]]
+    # solidify sent each shape once through generate(), so through its padded prefill graph
+    served = {b: {n: p.served for n, p in d.prefills.items()} for b, d in native._decoders.items()}
+    assert served == {1: {16: 1, 32: 1}, 2: {16: 1}}
     t = native.tokenize("warm up the prefill of every prompt length we serve today please, and more " * 3)
     requests = ([t[:12]], [t[1:31]], [t[2:14], t[5:17]])
     graphed = []
@@ -140,7 +143,7 @@ def test_native_captured_prefill_equals_eager_and_serves_the_probe(native_qwen2)
     captured = native._decoders
     assert all(p.graph is not None for d in captured.values() for p in d.prefills.values())
     assert {b: {n: p.served for n, p in d.prefills.items()} for b, d in captured.items()} == \
-        {1: {16: 2, 32: 1}, 2: {16: 1}}
+        {1: {16: 3, 32: 2}, 2: {16: 2}}
     native._decoders, reason = graphs.build(native.model, [1, 2], report.detail["graph_max_len"], native.device,
                                             capture=False, prefill_lengths={1: [16, 32], 2: [16]})
     assert reason is None

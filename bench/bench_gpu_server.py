@@ -118,7 +118,8 @@ def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dic
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
-    first, usage, chunks, stamps, first_text, timings = None, None, 0, [], None, {}
+    first, usage, chunks, stamps, first_text = None, None, 0, [], None
+    timings: dict = {}
     try:
         r = urllib.request.urlopen(req, timeout=300)
     except urllib.error.HTTPError as e:

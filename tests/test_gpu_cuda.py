@@ -154,7 +154,7 @@ def test_native_captured_prefill_equals_eager_and_serves_the_probe(native_qwen2)
     finally:
         # Release the graphs and their private pool: the allocator tests below compare
         # the snapshot with the allocator's own counters, which read 0.06 % apart on the
-        # H200 while these twelve-odd graphs' pool was held.
+        # H200 while this test's graphs and their pool were still held.
         native._decoders = {}
         del captured
         import gc

@@ -26,6 +26,7 @@ reason and keeps the eager path: never a crash.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("warmup_agent.gpu.graphs")
@@ -58,17 +59,7 @@ class StaticDecoder:
                           use_cache=True).logits
 
     def _capture(self, pool: Any) -> None:
-        import torch
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(2):          # warm the step outside the graph (cuBLAS handles, workspaces)
-                self._step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
-            self.logits = self._step()
-        torch.cuda.synchronize(self.device)
+        self.graph, self.logits = _capture_graph(self._step, self.device, pool, warmups=2)
 
     def prefill_for(self, n: int) -> PaddedPrefill | None:
         """The padded prefill that serves an n-token prompt: the shortest captured length >= n."""
@@ -129,18 +120,10 @@ class PaddedPrefill:
 
     def _capture(self, pool: Any) -> None:
         import torch
-        device = self.decoder.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.inference_mode():
-            self._run()                  # this exact shape once outside the graph (workspaces, plans)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-            self.logits = self._run()
+        graph, self.logits = _capture_graph(self._run, self.decoder.device, pool, warmups=1)
         # The first launch of a graph also uploads it: pay that here, not in the first request.
         graph.replay()
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(self.decoder.device)
         self.graph = graph
 
     def __call__(self, ids: Any) -> Any:
@@ -156,6 +139,24 @@ class PaddedPrefill:
             return self.logits[:, -1, :]
         with torch.inference_mode():
             return self._run()[:, -1, :]
+
+
+def _capture_graph(run: Callable[[], Any], device: Any, pool: Any, warmups: int) -> tuple[Any, Any]:
+    """(graph, its output): `run` warmed `warmups` times on a side stream (cuBLAS
+    handles, workspaces, plans: nothing lazy may happen inside a capture), then
+    captured into `pool`."""
+    import torch
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        out = run()
+    torch.cuda.synchronize(device)
+    return graph, out
 
 
 def _is_native(model: Any) -> bool:

@@ -178,17 +178,18 @@ def test_greedy_tokens_after_a_padded_prefill_equal_transformers(pairs, name):
     """Decode continues over the padding's cache slots (overwriting them), after a
     longer request left its keys in the cache: the tokens are transformers' own."""
     native, ref = pairs[name]
+    requests = (_prompts(native, [30]), _prompts(native, [6]), _prompts(native, [11, 11]))
     native._decoders = _padded(native, {1: [16, 32], 2: [16]})
     try:
         outputs = []
-        for prompts in (_prompts(native, [30]), _prompts(native, [6]), _prompts(native, [11, 11])):
+        for prompts in requests:
             native.generate(prompts, max_new_tokens=12)
             outputs.append(native.last_output.clone())
         served = {b: {n: p.served for n, p in d.prefills.items()} for b, d in native._decoders.items()}
     finally:
         native._decoders = {}
     assert served == {1: {16: 1, 32: 1}, 2: {16: 1}}
-    for prompts, got in zip((_prompts(native, [30]), _prompts(native, [6]), _prompts(native, [11, 11])), outputs, strict=True):
+    for prompts, got in zip(requests, outputs, strict=True):
         ref.generate(prompts, max_new_tokens=12)
         assert got.tolist() == ref.last_output.tolist(), [len(p) for p in prompts]
 

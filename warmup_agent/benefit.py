@@ -65,13 +65,13 @@ def call_of(results: Sequence) -> Call:
     slowest first token and the slowest request (the openai profile warmup and
     the torch/vllm shape grid both judge a batch by it)."""
     slow = max(results, key=lambda r: r.total_seconds)
-    prefills = [getattr(r, "server_prefill_seconds", None) for r in results]
+    prefills = [r.server_prefill_seconds for r in results if r.server_prefill_seconds is not None]
     return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens, slow.prompt_tokens,
-                max(prefills) if prefills and None not in prefills else None)  # type: ignore[type-var]
+                max(prefills) if len(prefills) == len(results) else None)   # only when every request has one
 
 
-def within(value: float, ref: float, tol: float) -> bool:
-    return value <= ref * (1 + tol) + SLACK_SECONDS
+def within(value: float, ref: float, tol: float, slack: float = SLACK_SECONDS) -> bool:
+    return value <= ref * (1 + tol) + slack
 
 
 def stopped_improving(prev: Call, cur: Call, tol: float) -> bool:
@@ -262,7 +262,7 @@ def prefill_warm(tested: Sequence[tuple[int, Call]], steady: SteadyLevels, batch
     for length, call in tested:
         server_ref = steady.prefill_ref(batch, length)
         if call.server_prefill is not None and server_ref is not None:
-            if call.server_prefill > server_ref * (1 + tol / 2) + SERVER_SLACK_SECONDS:
+            if not within(call.server_prefill, server_ref, tol / 2, SERVER_SLACK_SECONDS):
                 return False
             continue
         ref = steady.ttft_ref(batch, length)

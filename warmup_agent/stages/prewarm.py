@@ -239,10 +239,12 @@ class _ProfileWarmup:
                           "steady_tpot_ms": round(steady_tpot * 1e3, 3), "prefill_pays": prefill_pays,
                           "ttft_ms": [round(c.ttft * 1e3, 2) for c in calls],
                           "steady_ttft_ms": round((steady.ttft_ref(b0, self.hi) or 0) * 1e3, 2)}
-            if all(c.server_prefill is not None for c in calls) and steady.prefill_ref(b0, self.hi) is not None:
+            server = [c.server_prefill for c in calls if c.server_prefill is not None]
+            server_ref = steady.prefill_ref(b0, self.hi)
+            if len(server) == len(calls) and server_ref is not None:
                 # the server's own prefill clock decided prefill_pays (benefit.prefill_warm)
-                per_length["server_prefill_ms"] = [round(c.server_prefill * 1e3, 3) for c in calls]  # type: ignore[operator]
-                per_length["steady_server_prefill_ms"] = round(steady.prefill_ref(b0, self.hi) * 1e3, 3)  # type: ignore[operator]
+                per_length["server_prefill_ms"] = [round(v * 1e3, 3) for v in server]
+                per_length["steady_server_prefill_ms"] = round(server_ref * 1e3, 3)
         if ratios:
             ctx.metrics.warmup_per_length_decode_ratio.set(min(ratios))
         if pays:

@@ -46,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -53,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -313,19 +315,61 @@ def env_for(scratch: str, server_env: dict[str, str]) -> dict:
     return env
 
 
+# The server's start-up milestones in its own log, to tell where a start under the agent
+# differs from one alone: the model load begins, the server listens.
+PHASE_LINES = {"loading": re.compile(r"\[transformers\] Loading |llama_model_loader: loaded meta data|Loading weights took"),
+               "listening": re.compile(r"Uvicorn running on|server is listening on|main: server is listening")}
+
+
+def server_phases(lines: list[tuple[float, str]]) -> dict[str, float]:
+    """Seconds after spawn of each milestone's first line, from (seconds, line) pairs."""
+    found: dict[str, float] = {}
+    for t, line in lines:
+        for name, pattern in PHASE_LINES.items():
+            if name not in found and pattern.search(line):
+                found[name] = round(t, 3)
+    return found
+
+
+def agent_log_lines(path: str, t0: float) -> list[tuple[float, str]]:
+    """The agent's log (its lines carry wall-clock stamps; the server's lines come through
+    it), as (seconds after t0, line)."""
+    out = []
+    stamp = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = stamp.match(line)
+            if m:
+                t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+                out.append((t - t0, line))
+    return out
+
+
 def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
     port = free_port()
     log = open(os.path.join(scratch, f"alone-{i}.log"), "w")
     t0 = time.time()
-    proc = subprocess.Popen(server_cmd(args, model_dir, port), env=env_for(scratch, args.server_env), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
+    proc = subprocess.Popen(server_cmd(args, model_dir, port), env=env_for(scratch, args.server_env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
+    stamped: list[tuple[float, str]] = []
+
+    def pump() -> None:     # each line stamped with its seconds after spawn, as the agent's log is
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace")
+            stamped.append((time.time() - t0, line))
+            log.write(f"{stamped[-1][0]:9.3f} {line}")
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
         t_health = wait_http(f"http://127.0.0.1:{port}/health", t0 + 300, proc)
         out = measure(port, args.client_model or model_dir, args.messages, args.max_tokens)
     finally:
         stop(proc)
+        reader.join(10)
         log.close()
-    out.update(spawn_to_health=t_health - t0, spawn_to_first_answer=out["first"]["end_unix"] - t0)
+    out.update(spawn_to_health=t_health - t0, spawn_to_first_answer=out["first"]["end_unix"] - t0,
+               server_phases=server_phases(stamped))
     return out
 
 
@@ -359,7 +403,9 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     with open(record) as f:
         rec = json.load(f)
     prewarm = next(s for s in rec["stages"] if s["name"] == "prewarm")
-    out.update(spawn_to_ready=t_ready - t0, warmed_lengths=prewarm.get("lengths"), profile=prewarm.get("profile"),
+    out.update(spawn_to_ready=t_ready - t0, server_phases=server_phases(agent_log_lines(log.name, t0)),
+               watch_probes_skipped=rec.get("watch_probes_skipped"),
+               warmed_lengths=prewarm.get("lengths"), profile=prewarm.get("profile"),
                warmup_requests=rec.get("warmup_requests"), probes=rec.get("probe_count"),
                agent_time_to_ready=rec.get("time_to_ready_seconds"),
                stage_seconds={s["name"]: s["duration_seconds"] for s in rec["stages"]},
@@ -469,6 +515,10 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "spawn_to_ready_agent": [r["spawn_to_ready"] for r in agent],
         "spawn_to_first_answer_alone": [r["spawn_to_first_answer"] for r in alone],
         "spawn_to_health_alone": [r["spawn_to_health"] for r in alone],
+        # the server's own start-up milestones (seconds after spawn), alone and under the agent
+        "server_phases_alone": [r.get("server_phases") for r in alone],
+        "server_phases_agent": [r.get("server_phases") for r in agent],
+        "watch_probes_skipped": [r.get("watch_probes_skipped") for r in agent],
         "runs": runs,
         "starts_done": len(agent), "stopped_early_for_time": stopped_early, "starts": args.starts, "steady": args.steady, "device": args.device,
         "server": {"llamacpp": "llama.cpp llama-server (llama-cpp-python 0.3.36 sdist tree)",

@@ -26,6 +26,7 @@ from warmup_agent.memory import MemorySampler
 from warmup_agent.periodic import Periodic
 from warmup_agent.probes import ProbeLog
 from warmup_agent.progress import Progress, coldstart
+from warmup_agent.readiness.breaker import BreakerState
 from warmup_agent.readiness.runtime import Readiness
 from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.run_record import RunRecord, StageTiming
@@ -78,6 +79,8 @@ class Agent:
         # passes it so that a first run's imports and model creation are counted.
         self.process_started = process_started
         self._watch: Periodic | None = None   # watch() starts it after SERVING
+        self._watch_interval = 0.0
+        self._watch_skipping = False
         self._engine_crashed = False
         self._init_metrics()
 
@@ -276,16 +279,38 @@ class Agent:
         The breaker runs here: while it is open the main engine is not probed
         (frozen); once the freeze is over, probes are its half-open probes."""
         if interval > 0:
+            self._watch_interval = interval
             self._watch = Periodic(interval, self._watch_probe, "readiness-watch")
             self._watch.start()
 
     def _watch_probe(self) -> None:
-        if not self.readiness.due_probe():
+        if not self.readiness.due_probe() or self._server_busy_with_others():
             return
         try:
             self.probe(decode=False)
         except Exception:  # noqa: BLE001 - a failed probe must not end the agent
             log.exception("probe after SERVING failed")
+
+    def _server_busy_with_others(self) -> bool:
+        """Whether the supervised server took another client's request in the last two
+        intervals (engines/server_traffic.py). A probe then may wait behind a user's whole
+        answer on a server that answers one at a time, and its figure would be that wait,
+        which no user met. The breaker's half-open probes are always sent."""
+        if self.readiness.breaker.state == BreakerState.HALF_OPEN:
+            return False
+        age = self.engine.others_served_within(2 * self._watch_interval)
+        if age is None:
+            if self._watch_skipping:
+                log.info("probes after SERVING resume: no other client's request in the server's log for %gs",
+                         2 * self._watch_interval)
+                self._watch_skipping = False
+            return False
+        if not self._watch_skipping:
+            log.info("probes after SERVING pause while the server serves other clients (a request %.1fs ago in "
+                     "its log): a probe would time the wait behind their answers", age)
+            self._watch_skipping = True
+        self.context.watch_skipped += 1
+        return True
 
     def stop(self) -> None:
         # Wait for a probe in flight: a daemon thread still inside a forward pass when

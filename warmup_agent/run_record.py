@@ -86,6 +86,8 @@ class RunRecord:
             "warmup_requests": ctx.driver.warmup_requests,
             "probes_seconds": log.ttfts,
             "probe_count": len(log.probes),
+            # after SERVING, watch probes not sent while the server served other clients
+            "watch_probes_skipped": ctx.watch_skipped,
             # The first-request figures, frozen when the gate opened (probes.py)
             "first_request_seconds": None if fr is None else fr.ttft_seconds,
             "steady_first_token_seconds": None if fr is None else fr.steady_ttft_seconds,

@@ -183,6 +183,12 @@ class Engine(abc.ABC):
         "llama.cpp", "vllm", "sglang"), for remedies in log lines.  None: unknown."""
         return None
 
+    def others_served_within(self, seconds: float) -> float | None:
+        """Seconds since the server last took a request from another client, when that
+        is at most `seconds` ago, else None (engines/server_traffic.py). Default None:
+        the engine cannot tell."""
+        return None
+
     def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
         """One batch of traffic-profile requests (traffic.WarmRequest), sent at once;
         only called when `speaks_profile`.  Default: not supported."""

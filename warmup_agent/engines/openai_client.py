@@ -17,6 +17,7 @@ from warmup_agent.traffic import _SEED_TEXT, WarmRequest
 
 if TYPE_CHECKING:
     from warmup_agent.config import Config
+    from warmup_agent.engines.server_traffic import ServerTraffic
     from warmup_agent.engines.text_prompts import TextPrompts
     from warmup_agent.supervisor import Supervisor
 
@@ -72,6 +73,7 @@ class StreamingClient(Engine):
     _start_error: EngineError | None
     _interrupted: threading.Event
     _tokenizer: Any
+    traffic: ServerTraffic
 
     def headers(self, warmup: bool) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -176,6 +178,7 @@ class StreamingClient(Engine):
         usage = None
         timings: dict = {}
         chunks = 0
+        credit = self.traffic.own_started()    # its line in the server's log is ours, not a user's
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 for raw in r:
@@ -212,6 +215,8 @@ class StreamingClient(Engine):
             raise EngineError("server_unreachable", f"POST {self.url}{path}: {getattr(e, 'reason', e)}") from None
         except ValueError as e:
             raise EngineError("request_failed", f"POST {self.url}{path}: not an event stream ({e})") from None
+        finally:
+            self.traffic.own_ended(credit)
         end = time.perf_counter()
         first = first or first_chunk
         if first is None:

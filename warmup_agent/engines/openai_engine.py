@@ -39,6 +39,7 @@ from warmup_agent.engines.base import EngineError, SolidifyReport
 from warmup_agent.engines.openai_client import StreamingClient, _Rejected
 from warmup_agent.engines.openai_discovery import Discovery
 from warmup_agent.engines.openai_server import ServerGlue
+from warmup_agent.engines.server_traffic import ServerTraffic
 from warmup_agent.engines.text_prompts import TextPrompts
 from warmup_agent.server_command import (
     DEFAULT_HOST,
@@ -114,6 +115,7 @@ class OpenAIEngine(ServerGlue):
         self._models_info: dict = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="openai-req")
         self._lock = threading.Lock()
+        self.traffic = ServerTraffic()         # other clients' requests, from the supervised server's log
 
     def has_compile_artifacts(self) -> bool:
         """Whether the supervised server wrote anything into the compile-cache
@@ -126,6 +128,9 @@ class OpenAIEngine(ServerGlue):
                 if files:
                     return True
         return False
+
+    def others_served_within(self, seconds: float) -> float | None:
+        return self.traffic.others_within(seconds)
 
     def load_tokenizer(self) -> None:
         """Local tokenizer of the model directory when we know it, else the server's

@@ -71,6 +71,7 @@ class ServerGlue(Discovery):
         return None
 
     def _on_log_line(self, line: str) -> None:
+        self.traffic.log_line(line)
         for key, pattern in _STARTUP_PATTERNS.items():
             m = pattern.search(line)
             if m:

@@ -94,6 +94,9 @@ class StageContext:
     #: prewarm: output tokens of the first readiness probe (the profile's longest
     #: answer).  None: readiness.probe_max_tokens like the others.
     first_probe_tokens: int | None = None
+    #: after SERVING: watch probes not sent because the supervised server was serving
+    #: other clients (Agent._server_busy_with_others); the run record's `watch_probes_skipped`.
+    watch_skipped: int = 0
 
     # -- the run services the stages call ----------------------------------------------
     def checkpoint(self) -> None:

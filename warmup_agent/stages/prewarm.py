@@ -334,7 +334,12 @@ class _ProfileWarmup:
 def run(ctx: StageContext, detail: dict) -> None:
     cfg, engine = ctx.cfg, ctx.engine
     ctx.move(State.PRELOAD)
-    _start_ramp(ctx)
+    # A server engine's load_weights is the server's own start-up, not warmup: its
+    # ramp starts once the server is healthy. Also, NVML read every 50 ms from here
+    # would run beside the server creating its CUDA context, for nothing the ramp uses.
+    server = engine.name == "openai"
+    if not server:
+        _start_ramp(ctx)
 
     clock = time.perf_counter
     # Weights before the tokenizer: the engine reads them while transformers is
@@ -343,6 +348,8 @@ def run(ctx: StageContext, detail: dict) -> None:
     t0 = clock()
     engine.load_weights()
     ctx.checkpoint()
+    if server:
+        _start_ramp(ctx)
     t1 = clock()
     engine.load_tokenizer()
     ctx.checkpoint()

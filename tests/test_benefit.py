@@ -159,10 +159,25 @@ def test_the_servers_own_prefill_clock_decides_where_it_reports_one():
     cold = [(223, Call(0.03013, 0.18, 48, 223, server_prefill=0.0161)), (266, Call(0.03189, 0.18, 48, 266, server_prefill=0.0158))]
     assert not benefit.prefill_warm(cold, steady, 1, 0.2)
     # and the other way: a noisy client first token, while the server prefilled at its steady speed
-    warm = [(223, Call(0.045, 0.2, 48, 223, server_prefill=0.0080)), (266, Call(0.050, 0.2, 48, 266, server_prefill=0.0091))]
+    # (the reference is the anchor's 8.7 ms scaled to each length: 6.26 ms at 223, 7.47 ms at 266)
+    warm = [(223, Call(0.045, 0.2, 48, 223, server_prefill=0.0066)), (266, Call(0.050, 0.2, 48, 266, server_prefill=0.0079))]
     assert benefit.prefill_warm(warm, steady, 1, 0.2)
-    # 8.7 ms x 1.1 + 0.5 ms = 10.07 ms: just over it pays
-    assert not benefit.prefill_warm([(266, Call(0.028, 0.2, 48, 266, server_prefill=0.0102))], steady, 1, 0.2)
+    # 7.47 ms x 1.1 + 0.5 ms = 8.71 ms at 266: just over it pays
+    assert benefit.prefill_warm([(266, Call(0.028, 0.2, 48, 266, server_prefill=0.0086))], steady, 1, 0.2)
+    assert not benefit.prefill_warm([(266, Call(0.028, 0.2, 48, 266, server_prefill=0.0088))], steady, 1, 0.2)
+
+
+def test_the_servers_prefill_reference_scales_down_to_a_shorter_fresh_length():
+    """H200 llama.cpp run 9, start 2: the anchor at 310 tokens read 17.69 ms steady on the
+    server; fresh lengths 223 and 266 read 14.88 and 16.25 ms, under the anchor's time but
+    over its time scaled to their length (12.7 and 15.2 ms). The old upper-bound reference
+    called them warm, the lengths were skipped, and the user's first request paid 1.95x."""
+    steady = SteadyLevels()
+    steady.add(Path("chat", "sampled", 1, 310), Call(0.03, 0.03 + 47 * 0.003, 48, 310, server_prefill=0.01769))
+    assert steady.prefill_ref_at(1, 223) == pytest.approx(0.01769 * 223 / 310)
+    assert steady.prefill_ref_at(1, 400) == pytest.approx(0.01769 * 400 / 310)
+    tested = [(223, Call(0.033, 0.18, 48, 223, server_prefill=0.014878)), (266, Call(0.034, 0.18, 48, 266, server_prefill=0.016252))]
+    assert not benefit.prefill_warm(tested, steady, 1, 0.2)
 
 
 def test_a_batch_reports_a_server_prefill_only_when_every_request_has_one():

@@ -242,9 +242,12 @@ class _ProfileWarmup:
             server = [c.server_prefill for c in calls if c.server_prefill is not None]
             server_ref = steady.prefill_ref(b0, self.hi)
             if len(server) == len(calls) and server_ref is not None:
-                # the server's own prefill clock decided prefill_pays (benefit.prefill_warm)
+                # the server's own prefill clock decided prefill_pays (benefit.prefill_warm),
+                # against the anchor's steady prefill scaled to each length
                 per_length["server_prefill_ms"] = [round(v * 1e3, 3) for v in server]
                 per_length["steady_server_prefill_ms"] = round(server_ref * 1e3, 3)
+                per_length["server_prefill_ref_ms"] = [round((steady.prefill_ref_at(b0, n) or 0) * 1e3, 3)
+                                                       for n in fresh]
         if ratios:
             ctx.metrics.warmup_per_length_decode_ratio.set(min(ratios))
         if pays:

@@ -111,27 +111,16 @@ def test_supervised_transformers_serve_reaches_serving_and_answers_an_outside_ch
     """`warmup-agent run --engine openai --model DIR -- transformers serve DIR`: the
     command the issue saw fail with no_model_served now warms and serves."""
     import signal
-    import subprocess
 
     import pytest
 
-    from tests.conftest import ROOT, agent_cmd
     from tests.helpers import transformers_server as ts
     from tests.helpers.servers import http_get, wait_until
     if not ts.available():
         pytest.skip("needs transformers[serving] (make test-setup)")
     port, listen = free_port(), free_port()
     rec = tmp_path / "run.json"
-    env = ts.server_env(str(tmp_path))
-    env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[24]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1]",
-               WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS="4", WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS="4",
-               WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH="20", WARMUP_AGENT_READINESS_MIN_PROBES="5",
-               WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO="4")
-    log = open(tmp_path / "agent.log", "w")
-    agent = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", embedded_model,
-                                       "--data-dir", data_dir, "--listen", f"127.0.0.1:{listen}", "--record", str(rec),
-                                       "--", *ts.server_command(embedded_model, port)),
-                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    agent = ts.start_agent(str(tmp_path), embedded_model, data_dir, port, listen, str(rec))
     url = f"http://127.0.0.1:{listen}"
     try:
         wait_until(lambda: http_get(url + "/readyz")[0] == 200 or agent.poll() is not None, 300, what="SERVING")

@@ -39,3 +39,26 @@ def available() -> bool:
         return True
     except ImportError:
         return False
+
+
+# A small warmup of the embedded model: one prompt length, batch 1, 4-token answers.
+SMALL_WARMUP = {"WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[24]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
+                "WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS": "4", "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "4",
+                "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": "20", "WARMUP_AGENT_READINESS_MIN_PROBES": "5",
+                "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4"}
+
+
+def start_agent(scratch: str, model_dir: str, data_dir: str, port: int, listen: int, record: str,
+                **env_overrides: str):
+    """`warmup-agent run --engine openai --model DIR -- transformers serve DIR` with
+    SMALL_WARMUP (and `env_overrides`), its output in scratch/agent.log; the Popen."""
+    import subprocess
+
+    from tests.conftest import ROOT, agent_cmd
+    env = server_env(scratch)
+    env.update(SMALL_WARMUP, **env_overrides)
+    log = open(os.path.join(scratch, "agent.log"), "w")
+    return subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", model_dir,
+                                      "--data-dir", data_dir, "--listen", f"127.0.0.1:{listen}", "--record", record,
+                                      "--", *server_command(model_dir, port)),
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

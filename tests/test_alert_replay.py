@@ -34,7 +34,10 @@ def test_recordings_are_there():
     names = {os.path.basename(p) for p in RECORDED}
     assert {"cpu_torch_healthy.prom", "cpu_vllm_openai_healthy.prom", "h200_torch_healthy.prom",
             "h200_torch_fp8_healthy.prom", "h200_llamacpp_healthy.prom", "h200_transformers_serve_cudnn_healthy.prom",
-            "h200_transformers_serve_per_length_healthy.prom"} <= names, names
+            "h200_transformers_serve_per_length_healthy.prom",
+            # H200 tfserve + switch run 5 (01aec2d): a model that streams token by token, and
+            # watch probes paused while the bench's client was served (run 4 fired here)
+            "h200_transformers_serve_streaming_healthy.prom"} <= names, names
 
 
 def test_the_fp8_recording_is_a_pod_serving_fp8():

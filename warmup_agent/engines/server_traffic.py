@@ -9,8 +9,11 @@ and the engine-busy seconds then described the agent's own wait, which no user m
 and a healthy pod fired WarmupAgentFirstTokenSLOBreach (all 5 starts) and
 WarmupAgentCostRatioHigh (1 start).
 
-The servers log each request: uvicorn's access line (`transformers serve`, vLLM,
-SGLang) and llama.cpp's `request: POST /v1/...` line both carry the method and path.
+uvicorn's access line (`transformers serve`, vLLM, SGLang) carries each request's
+method and path, and so does llama.cpp's `request: POST /v1/...` line where it is
+logged: older builds log it by default, the vendored 0.3.36 tree only at its trace
+level. llama.cpp serves a probe in a slot of its own beside users anyway (H200 runs:
+no alert), so its probes go on.
 Each request the agent sends leaves a credit that its own line takes; a request line
 that finds no credit is another client's. A credit lapses `slack` seconds after its
 request ended (llama.cpp writes its line then), so a server that logs none of them

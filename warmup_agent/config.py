@@ -116,7 +116,7 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="an integer > 0"),
     Key("readiness.probe_interval_seconds", "float", 0.0, "Pause between probes while gating readiness.",
         check=_non_negative, expected="a number >= 0"),
-    Key("readiness.watch_interval_seconds", "float", 5.0, "After SERVING, one probe every this many seconds keeps the window fresh (0: no probes after SERVING); paused while a supervised server's log shows other clients' requests in the last two intervals.",
+    Key("readiness.watch_interval_seconds", "float", 5.0, "After SERVING, one probe every this many seconds keeps the window fresh (0: no probes after SERVING); paused while a supervised server's log shows other clients' requests in the last two intervals (or two of the longest answers a probe timed).",
         check=_non_negative, expected="a number >= 0"),
     Key("deadlines.init_seconds", "float", 60.0, "Deadline of INIT (reserve). 0 disables.",
         check=_non_negative, expected="a number >= 0"),

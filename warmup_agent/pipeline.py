@@ -293,16 +293,19 @@ class Agent:
 
     def _server_busy_with_others(self) -> bool:
         """Whether the supervised server took another client's request in the last two
-        intervals (engines/server_traffic.py). A probe then may wait behind a user's whole
-        answer on a server that answers one at a time, and its figure would be that wait,
-        which no user met. The breaker's half-open probes are always sent."""
+        intervals, or twice the longest whole answer a probe measured if that is longer
+        (engines/server_traffic.py): the server logs a request when it starts, and a user's
+        answer lasts about as long as the answers the agent timed. A probe then may wait
+        behind a user's whole answer on a server that answers one at a time, and its
+        figure would be that wait, which no user met. The breaker's half-open probes are
+        always sent."""
         if self.readiness.breaker.state == BreakerState.HALF_OPEN:
             return False
-        age = self.engine.others_served_within(2 * self._watch_interval)
+        pause = 2 * max([self._watch_interval, *self.probe_log.totals])
+        age = self.engine.others_served_within(pause)
         if age is None:
             if self._watch_skipping:
-                log.info("probes after SERVING resume: no other client's request in the server's log for %gs",
-                         2 * self._watch_interval)
+                log.info("probes after SERVING resume: no other client's request in the server's log for %.1fs", pause)
                 self._watch_skipping = False
             return False
         if not self._watch_skipping:

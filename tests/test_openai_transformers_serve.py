@@ -321,3 +321,33 @@ def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path
         assert agent.probe_log.figures is not None and agent.probe_log.figures.ttft_tax is not None
     finally:
         eng.close()
+
+
+def test_a_server_engines_gpu_ramp_starts_once_the_server_is_healthy(tmp_path, embedded_model, monkeypatch):
+    """The ramp measures warmup traffic; a server's own start-up is not warmup, and NVML
+    read every 50 ms beside its CUDA start buys nothing (stages/prewarm.py). The sampler
+    itself needs a GPU: here the call is checked for when it happens."""
+    port = free_port()
+    cfg = config.load(env={"WARMUP_AGENT_DATA_DIR": str(tmp_path / "data"), "WARMUP_AGENT_ENGINE": "openai",
+                           "WARMUP_AGENT_MODEL_PATH": embedded_model,
+                           "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
+                           "WARMUP_AGENT_PREWARM_BUDGET_SECONDS": "0.000001",
+                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[24]",
+                           "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
+                           "WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS": "4",
+                           "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "4",
+                           "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
+                           "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
+    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
+                       base_env=ts.server_env(str(tmp_path)), model_path=embedded_model)
+    seen: list[float | None] = []
+    real = prewarm._start_ramp
+    monkeypatch.setattr(prewarm, "_start_ramp", lambda ctx: (seen.append(eng.server_start_seconds), real(ctx))[1])
+    try:
+        agent = Agent(cfg, eng)
+        state = agent.run()
+        agent.stop()
+        assert state == State.SERVING, (agent.sm.failure_reason, agent.sm.failure_message)
+        assert len(seen) == 1 and seen[0] is not None and seen[0] > 0, seen   # after the server's first 200
+    finally:
+        eng.close()

@@ -56,6 +56,15 @@ def test_a_request_line_is_another_clients_when_no_request_of_ours_is_owed_a_lin
     assert traffic.others_within(10) is None         # older than asked: probes may resume
 
 
+def test_credits_of_a_server_that_logs_nothing_do_not_pile_up():
+    clock = Clock()
+    traffic = ServerTraffic(clock, slack=0.5)
+    for _ in range(1000):
+        traffic.own_ended(traffic.own_started())
+        clock.t += 1.0
+    assert len(traffic._credits) <= 1
+
+
 def test_a_users_line_taking_a_probes_credit_still_counts_one_line_as_another_clients():
     clock = Clock()
     traffic = ServerTraffic(clock)

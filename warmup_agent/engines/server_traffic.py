@@ -46,6 +46,7 @@ class ServerTraffic:
     def own_started(self) -> list[float]:
         credit = [float("inf")]
         with self._lock:
+            self._drop_lapsed(self._clock())    # a server with no log never takes them
             self._credits.append(credit)
         return credit
 
@@ -57,13 +58,15 @@ class ServerTraffic:
         if not REQUEST_LINE.search(line):
             return
         with self._lock:
-            now = self._clock()
-            self._credits = [c for c in self._credits if now - c[0] <= self.slack]
+            self._drop_lapsed(self._clock())
             if self._credits:
                 self._credits.pop(0)          # the oldest of our requests: this line is ours
                 return
-            self._last_other = now
+            self._last_other = self._clock()
             self.others_seen += 1
+
+    def _drop_lapsed(self, now: float) -> None:
+        self._credits = [c for c in self._credits if now - c[0] <= self.slack]
 
     def others_within(self, seconds: float) -> float | None:
         """Seconds since the last request line of another client, if it is at most

@@ -71,12 +71,9 @@ def run_case(torch, model, length: int, new_tokens: int) -> dict:
             "step_sum": sum(steps), "steps": steps}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="/tmp/qwen2-1.5b-random")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke check on the embedded model")
-    args = ap.parse_args()
+def load_model(args):
+    """The bf16 1.5B-shaped bench model on args.device (made if missing); on the CPU the
+    embedded model instead (args.model is set to it)."""
     import torch
     from transformers import AutoModelForCausalLM
     if args.device == "cpu":
@@ -85,7 +82,17 @@ def main() -> int:
     else:
         from bench.bench_gpu_cold_start import make_model
         make_model(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(args.device).eval()
+    return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(args.device).eval()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="/tmp/qwen2-1.5b-random")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke check on the embedded model")
+    args = ap.parse_args()
+    import torch
+    model = load_model(args)
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "attn_implementation": model.config._attn_implementation,
             "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(), "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
             "mem_efficient_sdp": torch.backends.cuda.mem_efficient_sdp_enabled(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

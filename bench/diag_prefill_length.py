@@ -20,7 +20,6 @@ Writes JSON: per fresh length new/again milliseconds, and the top ops by added t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -66,14 +65,9 @@ def main() -> int:
     ap.add_argument("--fresh", default="243,251,277", help="comma-separated fresh prompt lengths")
     args = ap.parse_args()
     import torch
-    from transformers import AutoModelForCausalLM
-    if args.device == "cpu":
-        from warmup_agent.embedded_model import ensure_embedded_model
-        args.model = ensure_embedded_model("/tmp/diag-embedded")
-    else:
-        from bench.bench_gpu_cold_start import make_model
-        make_model(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(args.device).eval()
+
+    from bench.diag_decode_shapes import load_model
+    model = load_model(args)
     info = {"torch": torch.__version__, "device": args.device,
             "attn_implementation": model.config._attn_implementation,
             **{k: os.environ.get(k) for k in ("TORCH_CUDNN_SDPA_DEPRIORITIZED", "CUDA_MODULE_LOADING")}}
@@ -96,11 +90,9 @@ def main() -> int:
             cases.append(case)
             print(f"length {n}: new {new_ms:.1f} ms, again {again_ms:.1f} ms (unprofiled {plain_new:.1f} / "
                   f"{plain_again:.1f} ms); grew most: " + ", ".join(f"{k} +{v:.2f}" for k, v in grew[:5]), flush=True)
-    out = {"benchmark": "diag_prefill_length", "info": info, "cases": cases,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": os.environ.get("BENCH_COMMIT", "unknown")}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        from bench.provenance import provenance, write_result
+        write_result(args.out, {"benchmark": "diag_prefill_length", "info": info, "cases": cases, **provenance()})
     return 0
 
 

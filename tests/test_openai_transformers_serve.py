@@ -288,23 +288,29 @@ def test_promtool_finds_nothing_to_fix_in_the_openai_scrape(served):
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
 
 
-def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path, embedded_model, caplog):
-    """prewarm.budget_seconds smaller than one request: every path is skipped with
-    reason budget, one warning says so, and the readiness probes still gate SERVING
-    (the first-request figures then show what was left cold)."""
-    port = free_port()
+def no_budget_agent(tmp_path, model: str, lengths: list[int]):
+    """(config, engine) of an agent over `transformers serve` whose warmup budget is
+    smaller than one request: nothing is warmed, the probes still gate SERVING."""
     cfg = config.load(env={"WARMUP_AGENT_DATA_DIR": str(tmp_path / "data"), "WARMUP_AGENT_ENGINE": "openai",
-                           "WARMUP_AGENT_MODEL_PATH": embedded_model,
+                           "WARMUP_AGENT_MODEL_PATH": model,
                            "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
                            "WARMUP_AGENT_PREWARM_BUDGET_SECONDS": "0.000001",
-                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": json.dumps(LENGTHS),
+                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": json.dumps(lengths),
                            "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
                            "WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS": "4",
                            "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "4",
                            "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
                            "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
-    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
-                       base_env=ts.server_env(str(tmp_path)), model_path=embedded_model)
+    eng = OpenAIEngine(cfg, server_command=ts.server_command(model, free_port()),
+                       base_env=ts.server_env(str(tmp_path)), model_path=model)
+    return cfg, eng
+
+
+def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path, embedded_model, caplog):
+    """prewarm.budget_seconds smaller than one request: every path is skipped with
+    reason budget, one warning says so, and the readiness probes still gate SERVING
+    (the first-request figures then show what was left cold)."""
+    cfg, eng = no_budget_agent(tmp_path, embedded_model, LENGTHS)
     try:
         agent = Agent(cfg, eng)
         with caplog.at_level("WARNING", logger="warmup_agent.stages.prewarm"):
@@ -327,19 +333,7 @@ def test_a_server_engines_gpu_ramp_starts_once_the_server_is_healthy(tmp_path, e
     """The ramp measures warmup traffic; a server's own start-up is not warmup, and NVML
     read every 50 ms beside its CUDA start buys nothing (stages/prewarm.py). The sampler
     itself needs a GPU: here the call is checked for when it happens."""
-    port = free_port()
-    cfg = config.load(env={"WARMUP_AGENT_DATA_DIR": str(tmp_path / "data"), "WARMUP_AGENT_ENGINE": "openai",
-                           "WARMUP_AGENT_MODEL_PATH": embedded_model,
-                           "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
-                           "WARMUP_AGENT_PREWARM_BUDGET_SECONDS": "0.000001",
-                           "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[24]",
-                           "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
-                           "WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS": "4",
-                           "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "4",
-                           "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
-                           "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
-    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
-                       base_env=ts.server_env(str(tmp_path)), model_path=embedded_model)
+    cfg, eng = no_budget_agent(tmp_path, embedded_model, [24])
     seen: list[float | None] = []
     real = prewarm._start_ramp
     monkeypatch.setattr(prewarm, "_start_ramp", lambda ctx: (seen.append(eng.server_start_seconds), real(ctx))[1])

@@ -27,10 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
-def sync(torch) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from bench.diag_decode_shapes import load_model, sync  # noqa: E402
 
 
 def forward_ms(torch, model, length: int, profile: bool) -> tuple[float, dict[str, float]]:
@@ -65,8 +62,6 @@ def main() -> int:
     ap.add_argument("--fresh", default="243,251,277", help="comma-separated fresh prompt lengths")
     args = ap.parse_args()
     import torch
-
-    from bench.diag_decode_shapes import load_model
     model = load_model(args)
     info = {"torch": torch.__version__, "device": args.device,
             "attn_implementation": model.config._attn_implementation,

@@ -121,8 +121,7 @@ class SteadyLevels:
         known = self._prefill.get(batch)
         if not known:
             return None
-        above = [n for n in known if n >= length]
-        nearest = min(above) if above else max(known)
+        nearest = _nearest_length(known, length)
         return known[nearest] * length / nearest
 
     def tpot_ref(self, batch: int) -> float | None:
@@ -139,15 +138,18 @@ class SteadyLevels:
         return True
 
 
+def _nearest_length(known: dict[int, float], length: int) -> int:
+    """The shortest known length >= `length`; above all of them, the longest."""
+    above = [n for n in known if n >= length]
+    return min(above) if above else max(known)
+
+
 def _nearest_above(known: dict[int, float] | None, length: int) -> float | None:
     """The level of the nearest length >= `length`; above all, the longest scaled by the length ratio."""
     if not known:
         return None
-    above = [n for n in known if n >= length]
-    if above:
-        return known[min(above)]
-    longest = max(known)
-    return known[longest] * length / longest
+    nearest = _nearest_length(known, length)
+    return known[nearest] * max(1.0, length / nearest)
 
 
 class Budget:

@@ -260,6 +260,11 @@ def measure(port: int, model: str, msgs: dict, max_tokens: int) -> dict:
             "server_prompt_tax": (first["server_prompt_ms"] / statistics.median(server_ms)
                                   if server_ms and first.get("server_prompt_ms") else None),
             "prompt_tokens_local": msgs["first"][1], "steady": steady,
+            # a diagnostic: the first answer's decode speed over steady's (median chunk gaps).  On
+            # a server that does not pay per decode length, far from 1 means the shared host changed
+            # speed within the start (H200 tfserve run 6, start 1: 35 ms against 21 ms)
+            "first_gap_over_steady_gap": (first["gap_median"] / statistics.median(s["gap_median"] for s in steady)
+                                          if first.get("gap_median") and all(s.get("gap_median") for s in steady) else None),
             "controls": {"after_idle_ttft_ratio": idle["ttft"] / st_ttft,
                          "new_length_ttft_ratio": new_length["ttft"] / st_ttft,
                          "new_length_prompt_tokens": msgs["new_length"][1], "idle_seconds": IDLE_SECONDS}}
@@ -414,6 +419,11 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
                server_spawn=((rec.get("engine_facts") or {}).get("extra") or {}).get("server_spawn"),
                agent_first_request_tax=rec.get("first_request_tax_ratio"),
                agent_first_request_total_tax=rec.get("first_request_total_tax_ratio"),
+               # where decode pays per length: the first probe's own whole-answer tax, and the
+               # prediction exported instead (warmup_agent/cold_decode.py)
+               agent_first_probe_total_tax=rec.get("first_probe_total_tax_ratio"),
+               cold_decode=rec.get("first_request_cold_decode"),
+               probe_ttft_seconds=rec.get("probes_seconds"), probe_total_seconds=rec.get("probe_total_seconds"),
                agent_tpot_window=rec.get("time_per_output_token_window_seconds"),
                exported_ttft_tax=_metric(metrics, "warmup_first_request_tax_ratio"),
                exported_total_tax=_metric(metrics, "warmup_first_request_total_tax_ratio"),
@@ -506,6 +516,9 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "agent_exported_ttft_tax": [r.get("exported_ttft_tax") for r in agent],
         "agent_exported_total_tax": [r.get("exported_total_tax") for r in agent],
         "outside_ttft_tax": [r["ttft_tax"] for r in agent], "outside_total_tax": [r["total_tax"] for r in agent],
+        "agent_first_probe_total_tax": [r.get("agent_first_probe_total_tax") for r in agent],
+        "first_gap_over_steady_gap_agent": [r.get("first_gap_over_steady_gap") for r in agent],
+        "first_gap_over_steady_gap_alone": [r.get("first_gap_over_steady_gap") for r in alone],
         "per_length": [r.get("per_length") for r in agent],
         "request": {"api": "/v1/chat/completions", "stream": True, **SAMPLING, "max_tokens": args.max_tokens,
                     "prompt_tokens_templated": args.prompt_tokens, "profile_lengths": list(args.profile_lengths),
@@ -621,7 +634,10 @@ def main() -> int:
                   f"(tax {r['ttft_tax']:.2f}), first total {r['first']['total'] * 1e3:.0f} ms / steady "
                   f"{r['steady_total_median'] * 1e3:.0f} ms (tax {r['total_tax']:.2f}), "
                   f"tokens {r['first']['output_tokens']}, prompt {r['first']['prompt_tokens']}, first answer's chunk gap "
-                  f"median {(r['first']['gap_median'] or 0) * 1e3:.1f} ms max {(r['first']['gap_max'] or 0) * 1e3:.0f} ms", flush=True)
+                  f"median {(r['first']['gap_median'] or 0) * 1e3:.1f} ms max {(r['first']['gap_max'] or 0) * 1e3:.0f} ms"
+                  f" ({r['first_gap_over_steady_gap'] or 0:.2f}x steady's)"
+                  + (f", exported whole answer {r['exported_total_tax']:.2f} (first probe's {r['agent_first_probe_total_tax']:.2f})"
+                     if r.get("exported_total_tax") and r.get("agent_first_probe_total_tax") else ""), flush=True)
         figures = summarize(args, runs, model_dir, out, stopped_early)
     if stopped_early:
         summarize(args, runs, model_dir, out, stopped_early)

@@ -136,6 +136,40 @@ def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, emb
     assert text and set(text) <= set(LENGTHS)
 
 
+def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_the_wire(served, embedded_model):
+    """cold_decode's bookkeeping (prompt, prompt + answer per warmup request) against
+    the relay's record of the requests, lengths counted by transformers' own template."""
+    from transformers import AutoTokenizer
+
+    from warmup_agent.stages import ready
+    _, agent, _, relay, _ = served
+    ctx = agent.context
+    tok = AutoTokenizer.from_pretrained(embedded_model)
+    wire = []
+    for p in relay.posts():
+        b = json.loads(p["body"])
+        if p["path"] == "/v1/chat/completions" and b["messages"][0]["content"] != "Hello":
+            ids = tok.apply_chat_template(b["messages"], tokenize=True, add_generation_prompt=True)
+            n = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        elif p["path"] == "/v1/completions" and isinstance(b["prompt"], str) and b["prompt"] != "Hello":
+            n = len(tok(b["prompt"], add_special_tokens=False)["input_ids"])
+        else:
+            continue            # the questions before warmup
+        wire.append((n, n + b["max_tokens"]))
+    probes = len(agent.probes)
+    assert wire[-probes:] == [(ctx.probe_length, ctx.probe_length + 4)] * probes
+    assert sorted(set(wire[:-probes])) == sorted(set(ctx.decoded_ranges))     # batch 2 sends a range twice
+    assert ctx.profile_lengths == LENGTHS
+    # The prediction is wired exactly where the per-length test found that decode pays.
+    predict = ready.cold_decode_of(ctx)
+    pays = agent_warmup(served)["per_length"]["pays"]
+    assert (predict is not None) == pays
+    record = agent.record()
+    assert (record["first_request_cold_decode"] is not None) <= pays
+    assert record["first_probe_total_tax_ratio"] == pytest.approx(
+        agent.probe_totals[0] / statistics.median(agent.probe_totals[1:agent.stages[-1].detail["probes"]]), rel=1e-12)
+
+
 def agent_warmup(served) -> dict:
     return served[1].stages[1].detail["warmup"]
 
@@ -150,9 +184,11 @@ def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
         exact = float(np.quantile(np.array(tpots), q, method="inverted_cdf"))
         assert reg.get_sample_value("warmup_time_per_output_token_window_seconds", {"percentile": label}) == exact
     totals = agent.probe_totals
-    # first and later probes both answered 4 tokens here: whole answers compare directly
+    # first and later probes both answered 4 tokens here: whole answers compare directly,
+    # unless decode read "pays per length" on the shared cores (then the prediction is exported)
+    predicted = agent.probe_log.figures.cold_decode
     assert reg.get_sample_value("warmup_first_request_total_tax_ratio") == pytest.approx(
-        totals[0] / float(np.median(totals[1:gate])), rel=1e-12)
+        predicted["total_tax"] if predicted else totals[0] / float(np.median(totals[1:gate])), rel=1e-12)
     # A probe's times against the wall clock around it: the first token comes
     # before the end, the end before the call returned; TPOT is the rest per token.
     t0 = time.perf_counter()

@@ -10,6 +10,9 @@ probes after it (same prompt length, fresh prompts) give the steady level.
                             else steady TTFT + (tokens - 1) x median steady time
                             per output token (later probes may be shorter, to
                             keep readiness cheap on a slow server)
+On a server that pays per decode length, the whole-answer tax is the one a
+user's first request meets after the probes have warmed their own lengths
+(warmup_agent/cold_decode.py); `measured_total_tax` keeps the first probe's.
 The figures are frozen when the gate opens (`freeze`): probes after SERVING
 (one token each, to keep the window fresh) do not change what the first
 request met.  With a single probe there is no steady level and both are None.
@@ -17,7 +20,8 @@ request met.  With a single probe there is no steady level and both are None.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from warmup_agent.benefit import Call
 from warmup_agent.readiness.window import SlidingWindow
@@ -34,14 +38,23 @@ class FirstRequest:
     prompt_tokens: int
     steady_ttft_seconds: float | None
     steady_total_seconds: float | None
+    #: A server that pays per decode length: the first user's whole answer predicted
+    #: (cold_decode.first_answer's dict, its "total_tax" and what it was made of).
+    cold_decode: dict | None = None
 
     @property
     def ttft_tax(self) -> float | None:
         return self.ttft_seconds / self.steady_ttft_seconds if self.steady_ttft_seconds else None
 
     @property
-    def total_tax(self) -> float | None:
+    def measured_total_tax(self) -> float | None:
+        """The first probe's whole answer over the steady whole answer."""
         return self.total_seconds / self.steady_total_seconds if self.steady_total_seconds else None
+
+    @property
+    def total_tax(self) -> float | None:
+        """The exported whole-answer tax: the cold-decode prediction where there is one."""
+        return self.cold_decode["total_tax"] if self.cold_decode else self.measured_total_tax
 
 
 def first_request(probes: list[Probe]) -> FirstRequest | None:
@@ -92,11 +105,16 @@ class ProbeLog:
         self._frozen = None
         self._frozen_at = None
 
-    def freeze(self) -> FirstRequest | None:
-        """Fix the first-request figures to the gate's probes so far (the gate opened)."""
+    def freeze(self, cold_decode: Callable[[FirstRequest, list[Probe]], dict | None] | None = None) -> FirstRequest | None:
+        """Fix the first-request figures to the gate's probes so far (the gate opened).
+        `cold_decode(figures, gate probes)`: on a server that pays per decode length,
+        the first user's whole answer predicted from them (cold_decode.py)."""
         self._frozen_at = len(self.probes)
-        self._frozen = first_request(self.gate_probes)
-        return self._frozen
+        figures = first_request(self.gate_probes)
+        if figures is not None and cold_decode is not None:
+            figures = replace(figures, cold_decode=cold_decode(figures, self.gate_probes))
+        self._frozen = figures
+        return figures
 
     @property
     def gate_probes(self) -> list[Probe]:

@@ -96,6 +96,9 @@ class RunRecord:
             "first_request_total_seconds": None if fr is None else fr.total_seconds,
             "steady_total_seconds": None if fr is None else fr.steady_total_seconds,
             "first_request_total_tax_ratio": None if fr is None else fr.total_tax,
+            # where decode pays per length: the first probe's own, and how the exported one was predicted
+            "first_probe_total_tax_ratio": None if fr is None else fr.measured_total_tax,
+            "first_request_cold_decode": None if fr is None else fr.cold_decode,
             "first_request_prompt_tokens": None if fr is None else fr.prompt_tokens,
             "first_request_output_tokens": None if fr is None else fr.output_tokens,
             "time_per_output_token_window_seconds": {percentile_label(q): v for q, v in log.decode.quantiles().items()},

@@ -91,6 +91,11 @@ class StageContext:
     #: warmup request used (a user's first request meets an unwarmed length too).
     #: None: readiness.probe_prompt_length.
     probe_length: int | None = None
+    #: prewarm, engines that speak the traffic profile: the (prompt, prompt + answer)
+    #: tokens of every warmup request, and the profile's prompt lengths it warmed;
+    #: ready predicts the first user's whole answer from them (cold_decode.py).
+    decoded_ranges: list[tuple[int, int]] = field(default_factory=list)
+    profile_lengths: list[int] = field(default_factory=list)
     #: prewarm: output tokens of the first readiness probe (the profile's longest
     #: answer).  None: readiness.probe_max_tokens like the others.
     first_probe_tokens: int | None = None

@@ -311,6 +311,7 @@ class _ProfileWarmup:
             probe_length += 1
         ctx.probe_length = probe_length
         ctx.first_probe_tokens = profile.max_tokens
+        ctx.decoded_ranges, ctx.profile_lengths = list(self.decoded), list(self.plens)
         counts = Counter(o.result for o in outcomes)
         for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
             ctx.metrics.warmup_paths.labels(result=result).set(counts[result])

@@ -11,17 +11,23 @@ instead of serving.
 """
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from warmup_agent import cold_decode
+from warmup_agent.probes import FirstRequest, Probe
 from warmup_agent.readiness import validation
 from warmup_agent.readiness.window import nearest_rank
 from warmup_agent.stages.context import StageContext
 
 if TYPE_CHECKING:  # types only
     from exporter.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
 
 
 def decode_converged(window: Any, min_probes: int, p90_max: float, ratio: float) -> bool:
@@ -79,7 +85,14 @@ def run(ctx: StageContext, detail: dict) -> None:
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
                    f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
     # The first-request figures, once, from the gate's probes (warmup_agent/probes.py).
-    figures = ctx.probe_log.freeze()
+    figures = ctx.probe_log.freeze(cold_decode_of(ctx))
+    if figures is not None and figures.cold_decode:
+        c = figures.cold_decode
+        log.info(f"the server pays per decode length: the first probe's whole answer ran {c['probe_total_tax']:.2f}x "
+                 f"steady, {c['probe_unreached_steps']} unreached decode steps at {c['step_cost_ms']:.1f} ms more each; "
+                 f"after the probes, a first request at the profile's prompt lengths meets {c['mean_unreached_steps']:g} "
+                 f"on average (at most {c['worst_unreached_steps']}, from {c['worst_prompt_tokens']} tokens): "
+                 f"whole-answer tax {c['total_tax']:.2f}x exported")
     if figures is not None and figures.ttft_tax is not None:
         ctx.metrics.warmup_first_request_tax_ratio.set(figures.ttft_tax)
     if figures is not None and figures.total_tax is not None:
@@ -91,6 +104,20 @@ def run(ctx: StageContext, detail: dict) -> None:
         fingerprint = ctx.engine.weight_fingerprint()
     if not ctx.sm.serve(fingerprint):
         ctx.checkpoint()
+
+
+def cold_decode_of(ctx: StageContext) -> Callable[[FirstRequest, list[Probe]], dict | None] | None:
+    """Where prewarm's per-length test found that decode pays per sequence length:
+    the prediction of the first user's whole answer (warmup_agent/cold_decode.py)."""
+    summary = ctx.warmup_summary or {}
+    if not summary.get("per_length", {}).get("pays") or ctx.profile is None or ctx.probe_length is None:
+        return None
+    prompt, warmup, lengths = ctx.probe_length, list(ctx.decoded_ranges), list(ctx.profile_lengths)
+
+    def predict(fr: FirstRequest, probes: list[Probe]) -> dict | None:
+        return cold_decode.first_answer(fr, prompt, warmup, [(prompt, prompt + p.output_tokens) for p in probes],
+                                        lengths)
+    return predict
 
 
 def export_fp8_ranges(metrics: AgentMetrics, check: validation.Check) -> None:

@@ -1,0 +1,85 @@
+"""The whole answer a first user meets on a server that pays per decode length (issue 30).
+
+Such a server (transformers serve with PyTorch's cuDNN attention, its default on
+an H200) pays extra on every decode step at a sequence length no earlier request
+reached.  The first readiness probe meets all such steps of its own answer, and
+answering warms them, so the user who comes after it meets fewer: only the steps
+that neither the warmup nor the probes reached.  On the H200 (bench run 3 with
+the server's defaults, start 0) the user's 243-token prompt decoded its first 20
+tokens at 58-72 ms each, the sequence lengths under the probe's 263, and the
+other 27 at 21-30 ms; the first probe's own whole-answer tax (2.32) overstated
+the user's (1.84) by 26 %, in all four starts.
+
+So where prewarm's per-length test found that decode pays per length, the
+whole-answer tax is predicted from what was measured and what was decoded:
+  step cost    (first probe's decode time - its tokens after the first x the
+               steady time per token) / the probe's steps that no warmup request
+               had reached
+  unreached    for each of the profile's prompt lengths (the quantiles that stand
+               for its traffic), the steps an answer as long as the first probe's
+               meets that neither the warmup nor the gate's probes reached; their mean
+  tax          (steady whole answer + the first probe's extra time to first
+               token + step cost x mean unreached steps) / steady whole answer
+The mean over the profile, because the figure stands for the first request a
+user sends, and that lands where the traffic does.  The worst of the profile's
+lengths is recorded beside it.  In run 3 start 0 the profile's lengths meet
+0, 22, 33, 1, 20 and 40 unreached steps (mean 19); the user's 243 met 20.
+
+A decode step is counted at the sequence length it attends over: an answer of
+`tokens` tokens to a `prompt`-token prompt decodes tokens 2.. at lengths
+prompt + 1 .. prompt + tokens - 1 (its first token comes from the prefill).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from warmup_agent.probes import FirstRequest
+
+Ranges = Sequence[tuple[int, int]]      # (prompt tokens, prompt tokens + output tokens) per request
+
+
+def steps(prompt: int, tokens: int) -> range:
+    """The sequence lengths an answer's decode steps attend over."""
+    return range(prompt + 1, prompt + tokens)
+
+
+def reached(ranges: Iterable[tuple[int, int]]) -> set[int]:
+    """Every sequence length some decode step of `ranges` attended over."""
+    seen: set[int] = set()
+    for prompt, end in ranges:
+        seen.update(steps(prompt, end - prompt))
+    return seen
+
+
+def unreached(prompt: int, tokens: int, seen: set[int]) -> int:
+    """How many of an answer's decode steps fall at lengths nothing reached."""
+    return sum(1 for n in steps(prompt, tokens) if n not in seen)
+
+
+def first_answer(fr: FirstRequest, probe_prompt: int, warmup: Ranges, probes: Ranges,
+                 lengths: Sequence[int]) -> dict | None:
+    """The predicted whole-answer tax (module doc), with what it was made of; None
+    where it cannot be predicted: no steady level, a one-token first probe, no
+    profile lengths, a probe whose steps the warmup had all reached, or one that
+    decoded no slower than steady (then the probe's own figure stands)."""
+    measured = fr.measured_total_tax
+    if measured is None or fr.steady_total_seconds is None or fr.steady_ttft_seconds is None \
+            or fr.output_tokens < 2 or not lengths:
+        return None
+    probe_steps = unreached(probe_prompt, fr.output_tokens, reached(warmup))
+    steady_decode = fr.steady_total_seconds - fr.steady_ttft_seconds
+    extra_decode = (fr.total_seconds - fr.ttft_seconds) - steady_decode
+    if probe_steps == 0 or extra_decode <= 0:
+        return None
+    step_cost = extra_decode / probe_steps
+    seen = reached([*warmup, *probes])
+    per_length = {n: unreached(n, fr.output_tokens, seen) for n in sorted(set(lengths))}
+    mean_steps = sum(per_length.values()) / len(per_length)
+    worst = max(per_length, key=lambda n: per_length[n])
+    extra_first_token = max(0.0, fr.ttft_seconds - fr.steady_ttft_seconds)
+    total = fr.steady_total_seconds + extra_first_token + step_cost * mean_steps
+    return {"total_tax": total / fr.steady_total_seconds, "probe_total_tax": measured,
+            "step_cost_ms": round(step_cost * 1e3, 3), "probe_unreached_steps": probe_steps,
+            "answer_tokens": fr.output_tokens, "unreached_steps": per_length,
+            "mean_unreached_steps": round(mean_steps, 2),
+            "worst_prompt_tokens": worst, "worst_unreached_steps": per_length[worst]}

@@ -35,6 +35,11 @@ Figures (per issue 30; PREFIX is tfserve or llamacpp, --prefix overrides):
   PREFIX_healthy_pod_alerts_firing        alerts the shipped rules fire over a 40-minute
                               promtool replay of each agent's scrape (alerts/replay.py; needs promtool)
   *_alone                     the two taxes of the server alone
+  PREFIX_warm_control_ttft_ratio_p99      the noise floor of the first-request figures: p99
+                              over every start (alone and agent) of a fresh same-length request sent
+                              IDLE_SECONDS after the steady ones, over the steady median; a warm
+                              server measured the same way (PREFIX_warm_control_total_ratio_p99:
+                              its whole answer)
 p99 is nearest-rank (numpy "inverted_cdf"): with 5 starts it is the worst start.
 
 CPU smoke check (here): python bench/bench_gpu_server.py --device cpu --starts 1 --steady 3 --max-tokens 4
@@ -265,7 +270,7 @@ def measure(port: int, model: str, msgs: dict, max_tokens: int) -> dict:
             # speed within the start (H200 tfserve run 6, start 1: 35 ms against 21 ms)
             "first_gap_over_steady_gap": (first["gap_median"] / statistics.median(s["gap_median"] for s in steady)
                                           if first.get("gap_median") and all(s.get("gap_median") for s in steady) else None),
-            "controls": {"after_idle_ttft_ratio": idle["ttft"] / st_ttft,
+            "controls": {"after_idle_ttft_ratio": idle["ttft"] / st_ttft, "after_idle_total_ratio": idle["total"] / st_total,
                          "new_length_ttft_ratio": new_length["ttft"] / st_ttft,
                          "new_length_prompt_tokens": msgs["new_length"][1], "idle_seconds": IDLE_SECONDS}}
 
@@ -489,6 +494,9 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
             r["controls"]["new_length_ttft_ratio"] for r in agent + alone),
         f"{P}_first_ttft_tax_p99_alone": p99([r["ttft_tax"] for r in alone]),
         f"{P}_first_total_tax_p99_alone": p99([r["total_tax"] for r in alone]),
+        # the same figures on a warm server, side by side: what this host's noise alone reads
+        f"{P}_warm_control_ttft_ratio_p99": p99([r["controls"]["after_idle_ttft_ratio"] for r in agent + alone]),
+        f"{P}_warm_control_total_ratio_p99": p99([r["controls"]["after_idle_total_ratio"] for r in agent + alone]),
     }
     server_taxes = [r["server_prompt_tax"] for r in agent if r.get("server_prompt_tax")]
     if server_taxes:   # llama-server reports its own prefill time
@@ -509,6 +517,8 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
             f"{P}_ready_over_alone": "median over pairs of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, first request sent at /health 200); for vLLM (as issue 30 defines it there) over (alone: spawn -> /health 200)",
             f"{P}_exported_over_outside_ttft_tax": "median over agent starts of: the agent's exported warmup_first_request_tax_ratio / the outside client's first TTFT tax in that start",
             f"{P}_control_after_idle_ttft_ratio_median": f"median over every start (alone and agent) of: TTFT of a fresh same-length request sent {IDLE_SECONDS} s after the steady ones / steady median TTFT",
+            f"{P}_warm_control_ttft_ratio_p99": f"p99 (nearest rank) over every start (alone and agent) of: TTFT of a fresh same-length request sent {IDLE_SECONDS} s after the steady ones / steady median TTFT; the first-request tax of a server that is already warm, measured the same way (the host's noise floor for {P}_first_ttft_tax_p99)",
+            f"{P}_warm_control_total_ratio_p99": "the same on the whole answer",
             f"{P}_control_new_length_ttft_ratio_median": f"median over every start of: TTFT of a fresh request {NEW_LENGTH_DELTA} tokens longer than any before it (sent after the idle control) / steady median TTFT",
             f"{P}_first_server_prompt_tax_p99": "where the server reports its own prefill time (llama-server's timings.prompt_ms): p99 over agent starts of the first request's prompt_ms / median of the steady requests' (a diagnostic: the server's own first prefill, without HTTP and client noise)",
             f"{P}_healthy_pod_alerts_firing": "alerts fired over a 40-minute promtool replay of every agent start's /metrics scrape (alerts/replay.py)",

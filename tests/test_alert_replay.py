@@ -5,7 +5,8 @@ Every exposition in alerts/tests/recorded/ is the real /metrics of a healthy pod
 40-minute promtool test with its series evolving as on a serving pod, and no
 alert may fire.  The converter is checked on its own (the series really evolve)
 and in the other direction: the pre-issue-13 rules fire on an exposition with
-the H200 pod's old figures, so the replay can see an alert when there is one."""
+the H200 pod's old figures, so the replay can see an alert when there is one, and a
+real sick pod (alerts/tests/recorded_sick/) fires the alert that names its sickness."""
 from __future__ import annotations
 
 import glob
@@ -52,6 +53,17 @@ def test_the_fp8_recording_is_a_pod_serving_fp8():
 @pytest.mark.parametrize("path", RECORDED, ids=[os.path.basename(p) for p in RECORDED])
 def test_no_alert_fires_on_a_recorded_healthy_pod(path):
     assert replay.replay(path, minutes=40) == []
+
+
+def test_a_recorded_pod_whose_first_request_was_slow_fires_only_that_alert():
+    """H200 tfserve defaults run 5 (91573ef), start 1: the server pays per sequence length
+    and its remedy was not applied; the outside client's first request after /readyz met
+    2.40x the steady time to first token, and the agent exported 2.49x.  The shipped rules
+    must say so, and nothing else."""
+    path = os.path.join(ROOT, "alerts", "tests", "recorded_sick", "h200_transformers_serve_defaults_first_request_slow.prom")
+    samples = replay.parse(path)
+    assert replay._value(samples, "warmup_first_request_tax_ratio") == pytest.approx(2.488, abs=1e-3)
+    assert {a for a, _, _ in replay.replay(path, minutes=40)} == {"WarmupAgentFirstRequestTaxHigh"}
 
 
 def test_the_replay_evolves_like_a_serving_pod():

@@ -113,19 +113,28 @@ def test_every_agent_request_is_marked_on_the_wire(served):
         assert any(b.get("temperature") == 0.0 for b in sent)
 
 
-def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, embedded_model):
-    """Checked with transformers' own apply_chat_template, not the agent's renderer."""
+def wire_requests(relay, model_dir: str) -> list[tuple[str, int, dict]]:
+    """(path, prompt tokens, body) of every warmup and probe request the relay saw, in
+    order (not the "Hello" questions before warmup); lengths by transformers' own
+    apply_chat_template and tokenizer, not the agent's renderer."""
     from transformers import AutoTokenizer
-    _, _, _, relay, _ = served
-    tok = AutoTokenizer.from_pretrained(embedded_model)
-    chat, text = [], []
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
     for p in relay.posts():
         b = json.loads(p["body"])
         if p["path"] == "/v1/chat/completions" and b["messages"][0]["content"] != "Hello":
             ids = tok.apply_chat_template(b["messages"], tokenize=True, add_generation_prompt=True)
-            chat.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
+            out.append((p["path"], len(ids["input_ids"] if hasattr(ids, "keys") else ids), b))
         elif p["path"] == "/v1/completions" and isinstance(b["prompt"], str) and b["prompt"] != "Hello":
-            text.append(len(tok(b["prompt"], add_special_tokens=False)["input_ids"]))
+            out.append((p["path"], len(tok(b["prompt"], add_special_tokens=False)["input_ids"]), b))
+    return out
+
+
+def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, embedded_model):
+    """Checked with transformers' own apply_chat_template, not the agent's renderer."""
+    wire = wire_requests(served[3], embedded_model)
+    chat = [n for path, n, _ in wire if path == "/v1/chat/completions"]
+    text = [n for path, n, _ in wire if path == "/v1/completions"]
     # the profile's lengths, the per-length test's, the decode-coverage tiles and the probes'
     warmup = agent_warmup(served)
     probe_len = warmup["probe_length"]
@@ -139,23 +148,10 @@ def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, emb
 def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_the_wire(served, embedded_model):
     """cold_decode's bookkeeping (prompt, prompt + answer per warmup request) against
     the relay's record of the requests, lengths counted by transformers' own template."""
-    from transformers import AutoTokenizer
-
     from warmup_agent.stages import ready
     _, agent, _, relay, _ = served
     ctx = agent.context
-    tok = AutoTokenizer.from_pretrained(embedded_model)
-    wire = []
-    for p in relay.posts():
-        b = json.loads(p["body"])
-        if p["path"] == "/v1/chat/completions" and b["messages"][0]["content"] != "Hello":
-            ids = tok.apply_chat_template(b["messages"], tokenize=True, add_generation_prompt=True)
-            n = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        elif p["path"] == "/v1/completions" and isinstance(b["prompt"], str) and b["prompt"] != "Hello":
-            n = len(tok(b["prompt"], add_special_tokens=False)["input_ids"])
-        else:
-            continue            # the questions before warmup
-        wire.append((n, n + b["max_tokens"]))
+    wire = [(n, n + b["max_tokens"]) for _, n, b in wire_requests(relay, embedded_model)]
     probes = len(agent.probes)
     assert wire[-probes:] == [(ctx.probe_length, ctx.probe_length + 4)] * probes
     assert sorted(set(wire[:-probes])) == sorted(set(ctx.decoded_ranges))     # batch 2 sends a range twice

@@ -66,13 +66,14 @@ def first_answer(fr: FirstRequest, probe_prompt: int, warmup: Ranges, probes: Ra
     if measured is None or fr.steady_total_seconds is None or fr.steady_ttft_seconds is None \
             or fr.output_tokens < 2 or not lengths:
         return None
-    probe_steps = unreached(probe_prompt, fr.output_tokens, reached(warmup))
+    before = reached(warmup)
+    probe_steps = unreached(probe_prompt, fr.output_tokens, before)
     steady_decode = fr.steady_total_seconds - fr.steady_ttft_seconds
     extra_decode = (fr.total_seconds - fr.ttft_seconds) - steady_decode
     if probe_steps == 0 or extra_decode <= 0:
         return None
     step_cost = extra_decode / probe_steps
-    seen = reached([*warmup, *probes])
+    seen = before | reached(probes)
     per_length = {n: unreached(n, fr.output_tokens, seen) for n in sorted(set(lengths))}
     mean_steps = sum(per_length.values()) / len(per_length)
     worst = max(per_length, key=lambda n: per_length[n])

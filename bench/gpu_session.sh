@@ -13,7 +13,7 @@
 # and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
 # PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
-# parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, tests, fp8, server, llamacpp,
+# parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-server-fresh, tests, fp8, server, llamacpp,
 # tfserve-cudnn, tfserve-default (issue 30: transformers serve with/without TORCH_CUDNN_SDPA_DEPRIORITIZED=1),
 # inproc (issue 25: `warmup-agent run --model DIR` polled from outside against a plain from_pretrained start,
 # Qwen2-1.5B and Qwen2-7B shapes, then what the imports cost there; about 7 min: PARTS=inproc:470 BUDGET=480).
@@ -124,6 +124,15 @@ run_diag_fresh() {  # $1: seconds; which part of an eager generate() pays for a 
         --out "$OUT_DIR/diag_fresh_length_h200.json" > "$OUT_DIR/logs/diag_fresh.log" 2>&1
     echo "diag fresh rc=$? at $(( $(date +%s) - T0 )) s"; grep -vE "Loading|USDT" "$OUT_DIR/logs/diag_fresh.log" | cut -c1-400
 }
+run_diag_server_fresh() {  # $1: seconds; a warm transformers serve at fresh lengths, with the switch then without (issue 30)
+    local half=$(( $1 / 2 ))
+    timeout "$half" python3 bench/diag_server_fresh.py --server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 \
+        --out "$OUT_DIR/diag_server_fresh_h200_switch.json" > "$OUT_DIR/logs/diag_server_fresh.log" 2>&1
+    echo "diag server fresh (switch) rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^L |^idle|^\{" "$OUT_DIR/logs/diag_server_fresh.log"
+    timeout "$half" python3 bench/diag_server_fresh.py \
+        --out "$OUT_DIR/diag_server_fresh_h200_default.json" > "$OUT_DIR/logs/diag_server_fresh_default.log" 2>&1
+    echo "diag server fresh (default) rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^L |^idle|^\{" "$OUT_DIR/logs/diag_server_fresh_default.log"
+}
 run_gpu_tests() {  # $1: seconds
     timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_cuda.py \
         tests/test_gpu_fragmentation_cuda.py tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
@@ -139,7 +148,7 @@ if [ -n "${PARTS:-}" ]; then
         case $name in
             acceptance) run_acceptance ;; acceptance-fp8) run_acceptance_fp8 "$cap" ;;
             diag) run_diag "$cap" "" ;; tests) run_gpu_tests "$cap" ;; diag-prefill) run_diag_prefill "$cap" ;;
-            diag-fresh) run_diag_fresh "$cap" ;;
+            diag-fresh) run_diag_fresh "$cap" ;; diag-server-fresh) run_diag_server_fresh "$cap" ;;
             # the diagnosis again with the cuDNN attention switch libtorch_cuda.so reads (issue 19's note)
             diag-cudnn-deprioritized) TORCH_CUDNN_SDPA_DEPRIORITIZED=1 run_diag "$cap" "_cudnn_deprioritized" ;;
             fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;;

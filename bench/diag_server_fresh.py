@@ -1,0 +1,106 @@
+"""Does a warm `transformers serve` pay for a prompt length it has not seen, and is it the
+length, the change of length, or an idle pause?  A diagnosis for the GPU (issue 30).
+
+    python bench/diag_server_fresh.py [--out FILE] [--device cuda|cpu] [--server-env K=V ...]
+
+In process, a model warmed over 16-310 tokens pays nothing at a fresh length in generate()
+(diag_fresh_length.py on the H200: -2 ms), yet the server bench's first requests read
+1.1-1.6x steady to first token, and the agent's first probe at a fresh length ran 12-20 ms
+slower than the next two in some starts. Here one server is started and warmed at the
+bench's profile lengths, then for each of PAIRS fresh lengths L, back to back:
+  new        L, never sent before
+  again      L once more (fresh text)
+  same_text  L with again's very messages
+  switch     a warmed length other than L (a length change, not a fresh length)
+and IDLE times: a warmed length after a pause, then right after it. Client-side TTFT
+(streamed chat, sampled, 4 tokens). Writes JSON with every request and the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import bench_gpu_server as bgs  # noqa: E402
+
+WARM_LENGTHS = (180, 205, 230, 262, 290, 310)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--idle", type=int, default=6)
+    ap.add_argument("--pause", type=float, default=0.3, help="seconds of the idle pause")
+    ap.add_argument("--server-env", action="append", default=[], metavar="K=V")
+    args = ap.parse_args()
+    args.server, args.server_env = "transformers", dict(kv.split("=", 1) for kv in args.server_env)
+    bgs.ARGS = args
+    scratch = tempfile.mkdtemp(prefix="diag-server-fresh-")
+    model_dir = bgs.make_model("/tmp/qwen2-1.5b-random-chat" if args.device != "cpu" else os.path.join(scratch, "data"),
+                               args.device, qwen_chat=True)
+    port = bgs.free_port()
+    log = open(os.path.join(scratch, "server.log"), "w")
+    proc = subprocess.Popen(bgs.server_cmd(args, model_dir, port), env=bgs.env_for(scratch, args.server_env),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
+    variant = iter(range(10_000))
+    sent: list[dict] = []
+
+    def ask(kind: str, length: int, messages=None) -> tuple[float, list]:
+        msgs, n = bgs.chat_messages(model_dir, length, next(variant)) if messages is None else (messages, length)
+        r = bgs.request(port, model_dir, msgs, 4)
+        sent.append({"kind": kind, "length": n, "ttft_ms": round(r["ttft"] * 1e3, 2)})
+        return r["ttft"] * 1e3, msgs
+
+    try:
+        bgs.wait_http(f"http://127.0.0.1:{port}/health", time.time() + 300, proc)
+        for n in WARM_LENGTHS:
+            for _ in range(3):
+                ask("warm", n)
+        used = set(WARM_LENGTHS)
+        fresh = [n for n in range(183, 320, 4) if n not in used][:args.pairs]
+        rows = []
+        for i, n in enumerate(fresh):
+            new, _ = ask("new", n)
+            again, msgs = ask("again", n)
+            same, _ = ask("same_text", n, msgs)
+            switch, _ = ask("switch", WARM_LENGTHS[i % len(WARM_LENGTHS)])
+            rows.append({"length": n, "new": new, "again": again, "same_text": same, "switch": switch})
+            print(f"L {n}: new {new:.1f}  again {again:.1f}  same text {same:.1f}  switch {switch:.1f} ms", flush=True)
+        idle = []
+        for _ in range(args.idle):
+            time.sleep(args.pause)
+            after, _ = ask("after_idle", 230)
+            b2b, _ = ask("back_to_back", 230)
+            idle.append({"after_idle": after, "back_to_back": b2b})
+            print(f"idle {args.pause} s: {after:.1f}  then {b2b:.1f} ms", flush=True)
+    finally:
+        bgs.stop(proc)
+        log.close()
+
+    def med(key, src):
+        return round(statistics.median(r[key] for r in src), 2)
+    summary = {k: med(k, rows) for k in ("new", "again", "same_text", "switch")}
+    summary["new_minus_again_ms_median"] = round(statistics.median(r["new"] - r["again"] for r in rows), 2)
+    summary["switch_minus_again_ms_median"] = round(statistics.median(r["switch"] - r["again"] for r in rows), 2)
+    summary.update({k: med(k, idle) for k in ("after_idle", "back_to_back")})
+    summary["idle_minus_b2b_ms_median"] = round(statistics.median(r["after_idle"] - r["back_to_back"] for r in idle), 2)
+    print(summary, flush=True)
+    if args.out:
+        from bench.provenance import provenance, write_result
+        write_result(args.out, {"benchmark": "diag_server_fresh", "server": "transformers serve",
+                                "server_env": args.server_env, "pause_seconds": args.pause, "medians_ms": summary,
+                                "pairs": rows, "idle": idle, "requests": sent, **provenance()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,10 @@ bench's profile lengths, then for each of PAIRS fresh lengths L, back to back:
   same_text  L with again's very messages
   switch     a warmed length other than L (a length change, not a fresh length)
 and IDLE times: a warmed length after a pause, then right after it. Client-side TTFT
-(streamed chat, sampled, 4 tokens). Writes JSON with every request and the medians.
+(streamed chat, sampled, 4 tokens). Beside it, in a process of its own, a fixed pure-Python
+workload is timed every 20 ms (HOST_PROBE): if the server's slow requests fall where that
+workload also ran slow, the host changed speed, not the server. Writes JSON with every
+request, the host workload's times around it, and the medians.
 """
 from __future__ import annotations
 
@@ -31,6 +34,20 @@ sys.path.insert(0, ROOT)
 from bench import bench_gpu_server as bgs  # noqa: E402
 
 WARM_LENGTHS = (180, 205, 230, 262, 290, 310)
+# A fixed CPU workload, timed over and over: "<end unix time> <seconds>" per line.
+HOST_PROBE = ("import sys, time\nout = open(sys.argv[1], 'w', buffering=1)\nwhile True:\n"
+              "    t = time.perf_counter()\n    sum(i * i for i in range(20000))\n"
+              "    out.write(f'{time.time()} {time.perf_counter() - t}\\n')\n    time.sleep(0.02)\n")
+
+
+def host_times(path: str) -> list[tuple[float, float]]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 2:
+                rows.append((float(parts[0]), float(parts[1])))
+    return rows
 
 
 def main() -> int:
@@ -51,13 +68,16 @@ def main() -> int:
     log = open(os.path.join(scratch, "server.log"), "w")
     proc = subprocess.Popen(bgs.server_cmd(args, model_dir, port), env=bgs.env_for(scratch, args.server_env),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
+    host_log = os.path.join(scratch, "host.txt")
+    host = subprocess.Popen([sys.executable, "-c", HOST_PROBE, host_log])
     variant = iter(range(10_000))
     sent: list[dict] = []
 
     def ask(kind: str, length: int, messages=None) -> tuple[float, list]:
         msgs, n = bgs.chat_messages(model_dir, length, next(variant)) if messages is None else (messages, length)
+        t0 = time.time()
         r = bgs.request(port, model_dir, msgs, 4)
-        sent.append({"kind": kind, "length": n, "ttft_ms": round(r["ttft"] * 1e3, 2)})
+        sent.append({"kind": kind, "length": n, "ttft_ms": round(r["ttft"] * 1e3, 2), "t0": t0, "t1": time.time()})
         return r["ttft"] * 1e3, msgs
 
     try:
@@ -84,7 +104,18 @@ def main() -> int:
             print(f"idle {args.pause} s: {after:.1f}  then {b2b:.1f} ms", flush=True)
     finally:
         bgs.stop(proc)
+        host.kill()
         log.close()
+    # the host workload's median time within 0.5 s of each request
+    probe = host_times(host_log)
+    for r in sent:
+        near = [d for t, d in probe if r["t0"] - 0.5 <= t <= r["t1"] + 0.5]
+        r["host_ms"] = round(statistics.median(near) * 1e3, 3) if near else None
+        r.pop("t0"), r.pop("t1")
+    timed = [r for r in sent if r["host_ms"] is not None and r["kind"] != "warm"]
+    cut = statistics.median(r["ttft_ms"] for r in timed) if timed else 0
+    slow = [r["host_ms"] for r in timed if r["ttft_ms"] > cut]
+    fast = [r["host_ms"] for r in timed if r["ttft_ms"] <= cut]
 
     def med(key, src):
         return round(statistics.median(r[key] for r in src), 2)
@@ -93,6 +124,10 @@ def main() -> int:
     summary["switch_minus_again_ms_median"] = round(statistics.median(r["switch"] - r["again"] for r in rows), 2)
     summary.update({k: med(k, idle) for k in ("after_idle", "back_to_back")})
     summary["idle_minus_b2b_ms_median"] = round(statistics.median(r["after_idle"] - r["back_to_back"] for r in idle), 2)
+    if slow and fast:
+        # the host workload's time beside the server's slower half of requests, over its faster half
+        summary["host_ms_slow_half"] = round(statistics.median(slow), 3)
+        summary["host_ms_fast_half"] = round(statistics.median(fast), 3)
     print(summary, flush=True)
     if args.out:
         from bench.provenance import provenance, write_result

@@ -129,6 +129,20 @@ def remedy_for(server: str | None) -> str:
             "TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in its environment, or keep prewarm.decode_coverage auto")
 
 
+def per_length_line(decode_ratios: list[float], first_token_ratios: list[float], remedy: str) -> str:
+    """The one log line of a server that pays per sequence length. The first tokens are
+    named where the fresh lengths also prefilled slow: on `transformers serve` with its
+    defaults a prompt length it had not seen cost 63-67 ms more to first token than the
+    same length again (bench/results/diag_server_fresh_h200_default_run*.json), on every
+    new length, not only the first request's; the agent's own test read 2-4x there."""
+    line = ("the server pays per sequence length: decode at new lengths ran "
+            + ", ".join(f"{r:.1f}x" for r in decode_ratios) + " its steady time per token")
+    if first_token_ratios:
+        line += (", and their first tokens came " + ", ".join(f"{r:.1f}x" for r in first_token_ratios)
+                 + " its steady first token")
+    return line + f"; remedy: {remedy}"
+
+
 def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
                  t_start: float) -> None:
     """Warm the traffic profile by measured benefit (warmup_agent/benefit.py):
@@ -254,8 +268,11 @@ class _ProfileWarmup:
             remedy = remedy_for(ctx.engine.server_name)
             per_length["remedy"] = remedy
             ctx.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
-            log.warning("the server pays per sequence length: decode at new lengths ran "
-                        + ", ".join(f"{r:.1f}x" for r in ratios) + f" its steady time per token; remedy: {remedy}")
+            first = []
+            if per_length.get("prefill_pays"):
+                refs = [steady.ttft_ref(b0, c.prompt_tokens or n) for c, n in zip(calls, fresh, strict=False)]
+                first = [c.ttft / ref for c, ref in zip(calls, refs, strict=True) if ref]
+            log.warning(per_length_line(ratios, first, remedy))
         return per_length
 
     def other_paths(self, per_length: dict, batches: list[int]) -> None:

@@ -1,0 +1,80 @@
+"""The per-length finding's log line names what the user will pay (issue 30).
+
+The per-length test runs here on scripted calls: the times H200 tfserve defaults run 6
+(bench/results/gpu_server_tfserve_default_h200_run6.json, start 0) and tfserve + switch
+run 8 (start 4) measured, handed to `_ProfileWarmup.per_length_test` by a scripted
+`send` instead of a server (the real-server path is tests/test_openai_transformers_serve.py;
+on the CPU no server here pays per length)."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from exporter.metrics import AgentMetrics
+from warmup_agent import benefit
+from warmup_agent.benefit import Call, Path
+from warmup_agent.stages.prewarm import _ProfileWarmup, per_length_line, remedy_for
+
+
+def test_the_line_names_the_first_tokens_only_when_given():
+    remedy = remedy_for("transformers serve")
+    line = per_length_line([5.347, 3.186], [2.433, 3.145], remedy)
+    assert line == ("the server pays per sequence length: decode at new lengths ran 5.3x, 3.2x its steady time "
+                    "per token, and their first tokens came 2.4x, 3.1x its steady first token; remedy: " + remedy)
+    assert "first tokens" not in per_length_line([2.6, 2.6], [], remedy)
+
+
+def scripted_warmup(anchor: list[Call], fresh: list[Call]) -> tuple[_ProfileWarmup, list[int]]:
+    """A _ProfileWarmup past its anchor (310 tokens, `anchor` calls), whose per-length
+    test gets the `fresh` calls in turn; returns it and the lengths it was sent."""
+    w = object.__new__(_ProfileWarmup)
+    w.ctx = SimpleNamespace(metrics=AgentMetrics(), engine=SimpleNamespace(server_name="transformers serve"))
+    w.pc = SimpleNamespace(per_length_ratio=1.5)
+    w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 8
+    w.budget = benefit.Budget(0, "none")
+    w.steady = benefit.SteadyLevels()
+    anchor_path = Path("chat", "sampled", 1, 310)
+    for c in anchor:
+        w.steady.add(anchor_path, c)
+    w.decoded = [(310, 318)] * len(anchor)
+    sent: list[int] = []
+    replies = iter(fresh)
+
+    def send(path: Path, tokens: int | None = None) -> Call:
+        sent.append(path.prompt_tokens)
+        return next(replies)
+    w.send = send                            # type: ignore[method-assign]
+    return w, sent
+
+
+def call(ttft_ms: float, tpot_ms: float, prompt: int) -> Call:
+    return Call(ttft_ms / 1e3, (ttft_ms + 7 * tpot_ms) / 1e3, 8, prompt)
+
+
+def test_defaults_run6_logs_decode_and_first_token_costs(caplog):
+    anchor = [call(117.34, 205.64, 310), call(47.8, 35.52, 310), call(50.23, 30.27, 310)]
+    fresh_lengths = benefit.fresh_lengths(180, 310, [(310, 318)], 2, 8)     # what the test will pick
+    # the fresh calls as run 6 start 0 measured them (decode 5.3x and 3.2x steady)
+    w, sent = scripted_warmup(anchor, [call(116.29, 5.347 * 35.515, fresh_lengths[0]),
+                                       call(150.32, 3.186 * 35.515, fresh_lengths[1])])
+    with caplog.at_level(logging.WARNING, logger="warmup_agent.stages.prewarm"):
+        per_length = w.per_length_test()
+    assert sent == fresh_lengths
+    assert per_length["pays"] and per_length["prefill_pays"]
+    lines = [r.getMessage() for r in caplog.records if "pays per sequence length" in r.getMessage()]
+    assert len(lines) == 1
+    # first tokens over the anchor's steady 47.8 ms (the nearest warm length above each)
+    assert ", and their first tokens came 2.4x, 3.1x its steady first token; remedy: set TORCH_CUDNN" in lines[0]
+    assert w.ctx.metrics.registry.get_sample_value("warmup_per_length_remedy_info",
+                                                   {"remedy": per_length["remedy"]}) == 1
+
+
+def test_a_server_that_does_not_pay_logs_nothing(caplog):
+    """tfserve + switch run 8 start 4: decode at new lengths at steady speed; the first
+    tokens read 1.28x and 1.25x the anchor's, so prefill_pays, but no line is logged."""
+    anchor = [call(46.55, 30.0, 310), call(31.52, 24.052, 310), call(32.7, 24.0, 310)]
+    w, _ = scripted_warmup(anchor, [call(40.44, 1.067 * 24.052, 223), call(39.47, 0.97 * 24.052, 266)])
+    with caplog.at_level(logging.WARNING, logger="warmup_agent.stages.prewarm"):
+        per_length = w.per_length_test()
+    assert not per_length["pays"] and per_length["prefill_pays"]
+    assert not [r for r in caplog.records if "pays per sequence length" in r.getMessage()]

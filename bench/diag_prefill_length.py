@@ -16,6 +16,10 @@ length, each under torch.profiler, and list the ops whose time grew most on the 
 length. Run it twice, once with CUDA_MODULE_LOADING=EAGER (kernels loaded at start, not
 on first use): if lazy kernel loading is the cost, the eager run has none.
 Writes JSON: per fresh length new/again milliseconds, and the top ops by added time.
+
+Answered since (H200): a warm server with the switch pays +0.6/+1.1 ms at a fresh length
+(bench/diag_server_fresh.py), and generate() in process nothing once 16-310 tokens were
+seen (bench/diag_fresh_length.py); the 10-14 ms above was the server's speed level moving.
 """
 from __future__ import annotations
 

@@ -33,3 +33,15 @@ def test_summary_total_includes_startup():
     lines = summary_table(record).splitlines()
     assert lines[2].split() == ["startup", "0", "4.500", "ok"]
     assert lines[-1].split() == ["total", "5.500", "SERVING"]
+
+
+def test_summary_shows_a_stage_still_running():
+    """A re-warm that began between SERVING and the summary (CI: POST /admin/rewarm 2 ms
+    after SERVING in tests/test_load.py) leaves its prewarm running in the record; the
+    table says so instead of failing on its missing duration (which killed the agent)."""
+    stages = [{"name": n, "phase": i + 1, "duration_seconds": 0.25, "status": "ok"}
+              for i, n in enumerate(("reserve", "prewarm", "solidify", "ready"))]
+    stages.append({"name": "prewarm", "phase": 2, "duration_seconds": None, "status": "running"})
+    lines = summary_table({"startup_seconds": 1.0, "final_state": "PRELOAD", "stages": stages}).splitlines()
+    assert lines[-2].split() == ["prewarm", "2", "-", "running"]
+    assert lines[-1].split() == ["total", "2.000", "PRELOAD"]

@@ -150,7 +150,10 @@ def summary_table(record: dict) -> str:
         rows.append(("startup", "0", f"{record['startup_seconds']:.3f}", "ok"))
         total += record["startup_seconds"]
     for s in record["stages"]:
-        rows.append((s["name"], str(s["phase"]), f"{s['duration_seconds']:.3f}", s["status"]))
+        # A stage still running has no duration: a re-warm (POST /admin/rewarm, or a
+        # restarted server) can begin between SERVING and this table being printed.
+        seconds = "-" if s["duration_seconds"] is None else f"{s['duration_seconds']:.3f}"
+        rows.append((s["name"], str(s["phase"]), seconds, s["status"]))
         total += s["duration_seconds"] or 0.0
     rows.append(("total", "", f"{total:.3f}", record["final_state"]))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 from bench import bench_gpu_server as bgs  # noqa: E402
 
-WARM_LENGTHS = (180, 205, 230, 262, 290, 310)
+WARM_LENGTHS = bgs.PROFILE_LENGTHS          # the server bench's profile lengths
 # A fixed CPU workload, timed over and over: "<end unix time> <seconds>" per line.
 HOST_PROBE = ("import sys, time\nout = open(sys.argv[1], 'w', buffering=1)\nwhile True:\n"
               "    t = time.perf_counter()\n    sum(i * i for i in range(20000))\n"

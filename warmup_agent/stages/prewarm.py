@@ -268,10 +268,9 @@ class _ProfileWarmup:
             remedy = remedy_for(ctx.engine.server_name)
             per_length["remedy"] = remedy
             ctx.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
-            first = []
-            if per_length.get("prefill_pays"):
-                refs = [steady.ttft_ref(b0, c.prompt_tokens or n) for c, n in zip(calls, fresh, strict=False)]
-                first = [c.ttft / ref for c, ref in zip(calls, refs, strict=True) if ref]
+            # over the same references benefit.prefill_warm judged prefill_pays by
+            first = [c.ttft / ref for n, c in zip(fresh, calls, strict=False)
+                     if (ref := steady.ttft_ref(b0, n))] if per_length.get("prefill_pays") else []
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
 

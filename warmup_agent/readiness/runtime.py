@@ -59,6 +59,7 @@ class Readiness:
         self.water = WaterLevel(rc.water_level_alpha, rc.water_level_window_seconds,
                                 rc.water_level_period_seconds, rc.water_level_headroom, clock=clock)
         self._lock = threading.RLock()
+        self._user_answers: list[tuple[float, float]] = []
         self._publish_breaker()
         self._publish_thresholds()
         self.metrics.warmup_fallback_active.set(0)
@@ -132,6 +133,14 @@ class Readiness:
     def user_request(self) -> None:
         """A user request arrived (the proxy): counted in the water level's QPS."""
         self.water.request()
+
+    def user_answer(self, ttft: float, total: float) -> None:
+        """A user request answered by the main engine with status 200 (the proxy):
+        `ttft` from sending the request to the first body chunk, `total` to the end of
+        the body, both in seconds.  The first one after the gate opened is the users'
+        real first request."""
+        with self._lock:
+            self._user_answers.append((ttft, total))
 
     # -- breaker -> state machine ---------------------------------------------------------
     def _breaker_moved(self, frm: BreakerState, to: BreakerState) -> None:

@@ -32,8 +32,10 @@ class EngineDriver:
     def __init__(self, engine: Engine, metrics: AgentMetrics, probe_prompt_length: int):
         self.engine = engine
         self.metrics = metrics
-        #: The engine lock (see the module docstring).
-        self.lock = threading.Lock()
+        #: The engine lock (see the module docstring).  An engine that serves users in
+        #: process too (the torch engine: engines/torch_batcher.py) owns it, so its users'
+        #: batches and the agent's calls take turns; otherwise the driver's own.
+        self.lock: threading.Lock = getattr(engine, "lock", None) or threading.Lock()
         #: Requests of kind "warmup" sent so far (the run record's warmup_requests).
         self.warmup_requests = 0
         #: The last batch `send` got back.

@@ -93,7 +93,9 @@ class TorchEngine(Engine):
         # GPU options (set by stage 1 through configure(); defaults suit a CPU run).
         self.options: dict[str, Any] = {"progressive": True, "chunk_bytes": 64 << 20, "buffers": 4, "workers": 4,
                                         "manifest": None, "cuda_context_timeout": 60.0,
-                                        "kernel_compile_timeout": 600.0, "graph_max_len": 512}
+                                        "kernel_compile_timeout": 600.0, "graph_max_len": 512,
+                                        # users' batching window (engines/torch_batcher.py)
+                                        "batch_window_seconds": 0.003}
         self.load_report: LoadReport | None = None
         self.context_seconds: float | None = None
         self.reserved_bytes = 0
@@ -106,6 +108,12 @@ class TorchEngine(Engine):
         self.skeleton_build_seconds: float | None = None   # the background import + skeleton, start to end
         self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization/)
         self.fp8_layers = 0
+        #: The engine lock: the agent's driver holds it around each of its calls into the
+        #: engine (driver.py) and the users' batches around each batch (engines/torch_batcher.py),
+        #: so a watch probe, a re-warm and a user batch never use the model from two threads at once.
+        self.lock = threading.Lock()
+        self._warmed_shapes: list[tuple[int, int]] = []   # (prompt length, batch) solidify froze
+        self._openai: Any | None = None          # engines/torch_serving.TorchOpenAIBackend, made on first ask
 
     @property
     def model_path(self) -> str:
@@ -469,6 +477,34 @@ class TorchEngine(Engine):
         self.last_output = torch.cat(tokens, dim=1)
         return [RequestResult(ttft, total, n, max_new_tokens) for _ in prompts]
 
+    # -- users (issue 41) -----------------------------------------------------------------
+    def openai_backend(self) -> Any:
+        """The in-process OpenAI-compatible responder the proxy serves users from
+        (engines/torch_serving.py); one per engine, made on first ask.  Its scheduler
+        batches users' requests onto the warmed batch sizes under `lock`."""
+        if self._openai is None:
+            from warmup_agent.engines.torch_serving import TorchOpenAIBackend
+            self._openai = TorchOpenAIBackend(self, self.lock, window=self.options["batch_window_seconds"])
+        return self._openai
+
+    def others_served_within(self, seconds: float) -> float | None:
+        """Seconds since the last batch of users' requests (0 while one runs) when at
+        most `seconds` ago: the agent's watch probes pause meanwhile, since a probe
+        would wait for the batch under the lock and time that wait (Engine)."""
+        return self._openai.served_within(seconds) if self._openai is not None else None
+
+    def serving_model(self) -> Any:
+        """The module a request runs through: the compiled one where solidify compiled it."""
+        return self._compiled or self.model
+
+    def static_decoders(self) -> dict:
+        """The static-cache decoders solidify built, by batch size (gpu/graphs.py); {} without."""
+        return self._decoders
+
+    def warmed_batch_sizes(self) -> list[int]:
+        """The batch sizes solidify froze (users' batches are padded to one of them)."""
+        return sorted({batch for _, batch in self._warmed_shapes})
+
     # -- solidify ----------------------------------------------------------------------
     def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
         """Freeze the warmed shapes.  replay: run each shape once more so every
@@ -480,6 +516,7 @@ class TorchEngine(Engine):
         in the Inductor cache).  Capture and compilation run under the deadline
         gpu.kernel_compile_timeout_seconds (reason kernel_compile_timeout)."""
         from warmup_agent.gpu.deadline import run_with_deadline
+        self._warmed_shapes = list(shapes)
         if mode == "auto":
             mode = "cuda_graphs" if self.device is not None and self.device.type == "cuda" else "replay"
         t0 = time.perf_counter()
@@ -563,6 +600,8 @@ class TorchEngine(Engine):
         # process then aborts ("terminate called without an active exception", exit -6).
         if self._skeleton_thread is not None:
             self._skeleton_thread.join(timeout=120)
+        if self._openai is not None:
+            self._openai.batcher.close()   # joined: no user batch is inside a forward pass past here
         self._decoders = {}
         self.model = None
         self._compiled = None

@@ -1,7 +1,13 @@
-"""Generate the Grafana dashboards from the metric catalogue.
+"""Generate the Grafana dashboards from the metric catalogue, with Grafana's own SDK.
 
     .venv/bin/python -m dashboards.generate            # writes dashboards/*.json
     .venv/bin/python -m dashboards.generate --out DIR  # writes DIR/*.json
+
+The dashboards are built with `grafana_foundation_sdk` (Grafana's Foundation SDK,
+pinned in pyproject.toml's test extra; Python 3.11+): its builders set every panel,
+query and variable, and its JSON encoder writes them, so the files follow the
+Grafana schema that release targets.  No dashboard JSON is written by hand here
+(tests/test_dashboards.py checks that this file holds no dict literal).
 
 Every metric a panel reads goes through `m()`, which looks it up in
 exporter/catalogue.py and stops generation with one line if it is missing, so a
@@ -9,7 +15,8 @@ renamed metric cannot leave a silently empty panel.  The kernel-cache dashboard
 is generated once the kernel-cache specs are in the catalogue.  Threshold lines
 come from alerts/thresholds.yaml so a panel and its alert agree.
 
-The committed JSON must equal a fresh generation (tests/test_dashboards.py).
+The committed JSON must equal a fresh generation (tests/test_dashboards.py), and
+the Helm chart's dashboard ConfigMaps are copies of it (tools/sync_chart_files.py).
 """
 from __future__ import annotations
 
@@ -17,13 +24,29 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
-from alerts.generate import load_thresholds
+from grafana_foundation_sdk.builders import common as common_b
+from grafana_foundation_sdk.builders import dashboard as dashboard_b
+from grafana_foundation_sdk.builders import heatmap as heatmap_b
+from grafana_foundation_sdk.builders import prometheus as prometheus_b
+from grafana_foundation_sdk.builders import stat as stat_b
+from grafana_foundation_sdk.builders import statetimeline as statetimeline_b
+from grafana_foundation_sdk.builders import timeseries as timeseries_b
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_m
+from grafana_foundation_sdk.models import dashboard as dashboard_m
+from grafana_foundation_sdk.models import heatmap as heatmap_m
+from grafana_foundation_sdk.models import prometheus as prometheus_m
+
+from alerts.generate import Thresholds, load_thresholds
 from exporter.catalogue import BY_NAME
 from warmup_agent.states import STATE_NAMES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DS = {"type": "prometheus", "uid": "${datasource}"}
+DS = dashboard_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 # Chained label variables.  namespace/pod/node/model are target labels that the
 # ServiceMonitor adds (see helm/); outside Kubernetes they are absent and the
 # "All" value `.*` still matches.
@@ -31,6 +54,9 @@ SEL = 'namespace=~"$namespace", pod=~"$pod", model=~"$model"'
 RATE = "$__rate_interval"
 STATES = STATE_NAMES    # warmup_agent/states.py; one colour each, below, in the same order
 STATE_COLOURS = ("blue", "purple", "orange", "green", "yellow", "dark-blue", "red")
+
+# The panel builders of the SDK that the dashboards use.
+Panel = Union[timeseries_b.Panel, stat_b.Panel, statetimeline_b.Panel, heatmap_b.Panel]
 
 
 class MissingMetric(Exception):
@@ -74,126 +100,165 @@ def lbl(name: str, value: str, op: str = "=") -> str:
     return f'{name}{op}"{value}"'
 
 
-def target(expr: str, legend: str = "", ref: str = "A", fmt: str = "time_series", interval: str = "") -> dict:
-    t = {"refId": ref, "datasource": DS, "expr": expr, "legendFormat": legend or "__auto",
-         "range": True, "format": fmt}
+# --- the SDK's building blocks, as the dashboards use them ------------------------------
+
+def target(expr: str, legend: str = "", fmt: str = "time_series", interval: str = "") -> prometheus_b.Dataquery:
+    """One Prometheus query over a time range; panel() gives it its refId."""
+    q = (prometheus_b.Dataquery().datasource(DS).expr(expr).legend_format(legend or "__auto").range()
+         .format(prometheus_m.PromQueryFormat(fmt)))
     if interval:
-        t["interval"] = interval
-    return t
+        q.interval(interval)
+    return q
 
 
-def _thresholds(*steps) -> dict:
+def _thresholds(*steps: tuple[float, str]) -> dashboard_b.ThresholdsConfig:
     """steps: (value, colour) pairs after the base green."""
-    return {"mode": "absolute", "steps": [{"color": "green", "value": None}] +
-            [{"color": c, "value": v} for v, c in steps]}
+    return dashboard_b.ThresholdsConfig().mode(dashboard_m.ThresholdsMode.ABSOLUTE).steps(
+        [dashboard_m.Threshold(value=None, color="green")] + [dashboard_m.Threshold(value=v, color=c) for v, c in steps])
 
 
-def panel(kind: str, title: str, description: str, unit: str, targets: list, w: int = 12, h: int = 8,
-          options: dict | None = None, defaults: dict | None = None, overrides: list | None = None) -> dict:
+@dataclass(frozen=True)
+class Override:
+    """A field override: the series it matches (by name or by regexp) and what it changes."""
+    matcher: str                               # "name" or "regexp"
+    pattern: str
+    properties: tuple[dashboard_m.DynamicConfigValue, ...]
+
+
+def right_axis(series: str, unit: str) -> Override:
+    """The series named `series` in its own unit, on an axis on the right."""
+    return Override("name", series, (dashboard_m.DynamicConfigValue(id_val="unit", value=unit),
+                                     dashboard_m.DynamicConfigValue(id_val="custom.axisPlacement",
+                                                                    value=common_m.AxisPlacement.RIGHT)))
+
+
+def dashed(series_regexp: str) -> Override:
+    """The series whose names match `series_regexp` drawn as dashed lines."""
+    style = common_m.LineStyle(fill="dash", dash=[10, 10])
+    return Override("regexp", series_regexp, (dashboard_m.DynamicConfigValue(id_val="custom.lineStyle", value=style),))
+
+
+def panel(p: Panel, title: str, description: str, unit: str, targets: Sequence[prometheus_b.Dataquery],
+          w: int = 12, h: int = 8, overrides: Iterable[Override] = ()) -> Panel:
+    """What every panel has: title, description, the datasource variable, a unit, its
+    queries (refIds A, B, ... in order), its size, and its overrides."""
+    p.title(title).description(description).datasource(DS).unit(unit).span(w).height(h)
     for i, t in enumerate(targets):
-        t["refId"] = chr(ord("A") + i)
-    return {
-        "type": kind, "title": title, "description": description, "datasource": DS,
-        "gridPos": {"w": w, "h": h},
-        "fieldConfig": {"defaults": {"unit": unit, **(defaults or {})}, "overrides": overrides or []},
-        "options": options or {},
-        "targets": targets,
-    }
+        p.with_target(t.ref_id(chr(ord("A") + i)))
+    for o in overrides:
+        if o.matcher == "name":
+            p.override_by_name(o.pattern, list(o.properties))
+        else:
+            p.override_by_regexp(o.pattern, list(o.properties))
+    return p
 
 
-def timeseries(title, description, unit, targets, stack=False, bars=False, thresholds=None, **kw):
-    custom = {"drawStyle": "bars" if bars else "line", "fillOpacity": 60 if (stack or bars) else 10,
-              "stacking": {"mode": "normal" if stack else "none", "group": "A"}, "showPoints": "never",
-              "lineWidth": 1}
-    defaults = {"custom": custom}
-    if thresholds:
-        custom["thresholdsStyle"] = {"mode": "dashed"}
-        defaults["thresholds"] = thresholds
-    return panel("timeseries", title, description, unit, targets, defaults=defaults,
-                 options={"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True},
-                          "tooltip": {"mode": "multi", "sort": "desc"}}, **kw)
+def timeseries(title: str, description: str, unit: str, targets: Sequence[prometheus_b.Dataquery],
+               stack: bool = False, bars: bool = False, thresholds: dashboard_b.ThresholdsConfig | None = None,
+               **kw: Any) -> Panel:
+    p = (timeseries_b.Panel()
+         .legend(common_b.VizLegendOptions().display_mode(common_m.LegendDisplayMode.TABLE)
+                 .placement(common_m.LegendPlacement.BOTTOM).show_legend(True))
+         .tooltip(common_b.VizTooltipOptions().mode(common_m.TooltipDisplayMode.MULTI).sort(common_m.SortOrder.DESCENDING))
+         .draw_style(common_m.GraphDrawStyle.BARS if bars else common_m.GraphDrawStyle.LINE)
+         .fill_opacity(60 if (stack or bars) else 10)
+         .stacking(common_b.StackingConfig().mode(common_m.StackingMode.NORMAL if stack else common_m.StackingMode.NONE)
+                   .group("A"))
+         .show_points(common_m.VisibilityMode.NEVER).line_width(1))
+    if thresholds is not None:
+        p.thresholds(thresholds).thresholds_style(
+            common_b.GraphThresholdsStyleConfig().mode(common_m.GraphThresholdsStyleMode.DASHED))
+    return panel(p, title, description, unit, targets, **kw)
 
 
-def stat(title, description, unit, targets, thresholds=None, decimals=None, **kw):
-    defaults = {"thresholds": thresholds or _thresholds()}
+def stat(title: str, description: str, unit: str, targets: Sequence[prometheus_b.Dataquery],
+         thresholds: dashboard_b.ThresholdsConfig | None = None, decimals: int | None = None, **kw: Any) -> Panel:
+    p = (stat_b.Panel().thresholds(thresholds or _thresholds())
+         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False))
+         .color_mode(common_m.BigValueColorMode.BACKGROUND).graph_mode(common_m.BigValueGraphMode.AREA)
+         .text_mode(common_m.BigValueTextMode.VALUE_AND_NAME))
     if decimals is not None:
-        defaults["decimals"] = decimals
-    return panel("stat", title, description, unit, targets, defaults=defaults,
-                 options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                          "colorMode": "background", "graphMode": "area", "textMode": "value_and_name"},
-                 **kw)
+        p.decimals(decimals)
+    return panel(p, title, description, unit, targets, **kw)
 
 
-def state_timeline(title, description, targets, mappings, **kw):
-    return panel("state-timeline", title, description, "none", targets,
-                 defaults={"mappings": mappings, "color": {"mode": "thresholds"}, "thresholds": _thresholds()},
-                 options={"showValue": "auto", "mergeValues": True, "rowHeight": 0.8,
-                          "legend": {"showLegend": True, "displayMode": "list", "placement": "bottom"}},
-                 **kw)
+def state_timeline(title: str, description: str, targets: Sequence[prometheus_b.Dataquery],
+                   mappings: list[dashboard_m.ValueMapping], **kw: Any) -> Panel:
+    p = (statetimeline_b.Panel().mappings(mappings)
+         .color_scheme(dashboard_b.FieldColor().mode(dashboard_m.FieldColorModeId.THRESHOLDS))
+         .thresholds(_thresholds())
+         .show_value(common_m.VisibilityMode.AUTO).merge_values(True).row_height(0.8)
+         .legend(common_b.VizLegendOptions().show_legend(True).display_mode(common_m.LegendDisplayMode.LIST)
+                 .placement(common_m.LegendPlacement.BOTTOM)))
+    return panel(p, title, description, "none", targets, **kw)
 
 
-def heatmap(title, description, unit, targets, **kw):
-    return panel("heatmap", title, description, unit, targets,
-                 options={"calculate": False, "cellGap": 1, "yAxis": {"axisPlacement": "left", "unit": unit},
-                          "rowsFrame": {"layout": "auto"}, "color": {"mode": "scheme", "scheme": "Oranges",
-                                                                       "exponent": 0.5, "steps": 64},
-                          "tooltip": {"show": True, "yHistogram": False}, "legend": {"show": True},
-                          "cellValues": {"unit": unit}},
-                 **kw)
+def heatmap(title: str, description: str, unit: str, targets: Sequence[prometheus_b.Dataquery], **kw: Any) -> Panel:
+    p = (heatmap_b.Panel().calculate(False).cell_gap(1)
+         .y_axis(heatmap_b.YAxisConfig().axis_placement(common_m.AxisPlacement.LEFT).unit(unit))
+         .rows_frame(heatmap_b.RowsHeatmapOptions().layout(common_m.HeatmapCellLayout.AUTO))
+         .color(heatmap_b.HeatmapColorOptions().mode(heatmap_m.HeatmapColorMode.SCHEME).scheme("Oranges")
+                .exponent(0.5).steps(64))
+         .mode(common_m.TooltipDisplayMode.SINGLE).hide_y_histogram().show_legend()
+         .cell_values(heatmap_b.CellValues().unit(unit)))
+    return panel(p, title, description, unit, targets, **kw)
 
 
-def _value_mappings(names_colours) -> list:
-    return [{"type": "value", "options": {str(i): {"text": n, "color": c, "index": i - 1}
-                                          for i, (n, c) in enumerate(names_colours, start=1)}}]
+def _value_mappings(names_colours: Iterable[tuple[str, str]]) -> list[dashboard_m.ValueMapping]:
+    """Values 1, 2, ... shown as the given names in the given colours."""
+    mapping = dashboard_m.ValueMap()
+    for i, (name, colour) in enumerate(names_colours, start=1):
+        mapping.options[str(i)] = dashboard_m.ValueMappingResult(text=name, color=colour, index=i - 1)
+    return [mapping]
 
 
-def _variables() -> list:
-    def query_var(name, label, query):
-        return {"name": name, "label": label, "type": "query", "datasource": DS,
-                "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
-                "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
-                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 1}
+def _variables() -> list[dashboard_b.QueryVariable | dashboard_b.DatasourceVariable]:
     info = "warmup_build_info"
     assert info in BY_NAME
+
+    def query_var(name: str, label: str, query: str) -> dashboard_b.QueryVariable:
+        return (dashboard_b.QueryVariable(name).label(label).datasource(DS).query(query)
+                .refresh(dashboard_m.VariableRefresh.ON_TIME_RANGE_CHANGED).include_all(True).multi(True)
+                .all_value(".*").current(dashboard_m.VariableOption(selected=True, text=["All"], value=["$__all"]))
+                .sort(dashboard_m.VariableSort.ALPHABETICAL_ASC))
     return [
-        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-         "current": {}, "hide": 0, "refresh": 1},
+        dashboard_b.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         query_var("namespace", "Namespace", f"label_values({info}, namespace)"),
         query_var("pod", "Pod", f'label_values({info}{{namespace=~"$namespace"}}, pod)'),
         query_var("model", "Model", f'label_values({info}{{namespace=~"$namespace", pod=~"$pod"}}, model)'),
     ]
 
 
-def _layout(panels: list) -> list:
-    """Ids in order; panels flow left to right, 24 columns wide."""
+def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> dashboard_b.Dashboard:
+    """Ids in order; panels flow left to right, 24 columns wide (a panel that does not
+    fit on the row starts the next one)."""
+    d = (dashboard_b.Dashboard(title).uid(uid).description(description).tags(["warmup-agent"])
+         .timezone("browser").editable().refresh("30s").tooltip(dashboard_m.DashboardCursorSync.CROSSHAIR)
+         .time("now-6h", "now"))
+    for v in _variables():
+        d.with_variable(v)
     x = y = row_h = 0
     for i, p in enumerate(panels, start=1):
-        w, h = p["gridPos"]["w"], p["gridPos"]["h"]
-        if x + w > 24:
+        pos = p.build().grid_pos
+        assert pos is not None
+        if x + pos.w > 24:
             x, y, row_h = 0, y + row_h, 0
-        p["id"] = i
-        p["gridPos"] = {"h": h, "w": w, "x": x, "y": y}
-        x += w
-        row_h = max(row_h, h)
-    return panels
+        p.id(i).grid_pos(dashboard_m.GridPos(h=pos.h, w=pos.w, x=x, y=y))
+        d.with_panel(p)
+        x += pos.w
+        row_h = max(row_h, pos.h)
+    return d
 
 
-def dashboard(uid: str, title: str, description: str, panels: list) -> dict:
-    return {
-        "uid": uid, "title": title, "description": description,
-        "tags": ["warmup-agent"], "timezone": "browser", "editable": True,
-        "schemaVersion": 39, "version": 1, "refresh": "30s", "graphTooltip": 1,
-        "time": {"from": "now-6h", "to": "now"},
-        "annotations": {"list": []},
-        "links": [],
-        "templating": {"list": _variables()},
-        "panels": _layout(panels),
-    }
+def to_json(d: dashboard_b.Dashboard) -> dict[str, Any]:
+    """The dashboard as the SDK's encoder writes it, read back as plain data."""
+    out: dict[str, Any] = json.loads(json.dumps(d.build(), cls=JSONEncoder))
+    return out
 
 
 # --- the dashboards --------------------------------------------------------------------
 
-def cold_start_overview(th) -> dict:
+def cold_start_overview(th: Thresholds) -> dashboard_b.Dashboard:
     state_code = " or ".join(f'{m("warmup_state", lbl("state", s))} * {i}'
                              for i, s in enumerate(STATES, start=1))
     slo = th.get("first_token_slo.max_seconds", "number")
@@ -248,8 +313,7 @@ def cold_start_overview(th) -> dict:
                        f"{m('warmup_first_token_latency_seconds_bucket', lbl('kind', 'probe'))}[{RATE}])))",
                        "probe histogram p99"),
             ], thresholds=_thresholds((slo, "red")),
-            overrides=[{"matcher": {"id": "byRegexp", "options": "threshold.*"},
-                        "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]}]),
+            overrides=[dashed("threshold.*")]),
         timeseries(
             "Synthetic requests",
             "Requests the agent sent to the engine per second, by kind: warmup (the shape grid) and probe "
@@ -315,15 +379,13 @@ def cold_start_overview(th) -> dict:
                 target(f"sum({m('warmup_engine_requests_waiting')})", "waiting"),
                 target(f"max({m('warmup_engine_kv_cache_usage_ratio')})", "KV cache usage"),
             ],
-            overrides=[{"matcher": {"id": "byName", "options": "KV cache usage"},
-                        "properties": [{"id": "unit", "value": "percentunit"},
-                                       {"id": "custom.axisPlacement", "value": "right"}]}]))
+            overrides=[right_axis("KV cache usage", "percentunit")]))
     return dashboard("warmup-cold-start", "Warmup agent / Cold start overview",
                      "Where each pod is in its warmup, how long stages take, and whether the first request is as fast as the thousandth.",
                      panels)
 
 
-def ramp_slope_panel() -> dict:
+def ramp_slope_panel() -> Panel:
     if has("warmup_gpu_utilization_ramp_slope"):
         return timeseries(
             "GPU utilisation ramp slope",
@@ -338,7 +400,7 @@ def ramp_slope_panel() -> dict:
         "short", [target(f"deriv({m('warmup_gpu_utilization_ratio')}[5m])", "{{pod}} GPU {{gpu}}")])
 
 
-def warmup_economics(th) -> dict:
+def warmup_economics(th: Thresholds) -> dashboard_b.Dashboard:
     cost = th.get("warmup_cost_ratio.max", "number")
     frag = th.get("gpu_fragmentation.max", "number")
     panels = [
@@ -362,9 +424,7 @@ def warmup_economics(th) -> dict:
                 target(f"count({m('warmup_first_request_tax_ratio')} > {th.get('first_request_tax.max_ratio', 'number'):g})",
                        "pods with a slow first request"),
             ],
-            overrides=[{"matcher": {"id": "byName", "options": "warmup engine seconds / h"},
-                        "properties": [{"id": "unit", "value": "s"},
-                                       {"id": "custom.axisPlacement", "value": "right"}]}]),
+            overrides=[right_axis("warmup engine seconds / h", "s")]),
         timeseries(
             "Engine time on agent work",
             "Seconds per hour the engine was busy on agent-generated work, by kind (warmup, solidify, probe) "
@@ -418,7 +478,7 @@ KERNEL_CACHE_METRICS = ("warmup_kernel_cache_requests_total", "warmup_kernel_cac
                         "warmup_kernel_cache_publishes_total", "warmup_kernel_cache_degraded")
 
 
-def kernel_cache(th) -> dict:
+def kernel_cache(th: Thresholds) -> dashboard_b.Dashboard:
     req = "warmup_kernel_cache_requests_total"
     panels = [
         timeseries(
@@ -449,8 +509,7 @@ def kernel_cache(th) -> dict:
                 target("histogram_quantile(0.9, sum by (le) (rate("
                        f"{m('warmup_kernel_cache_lock_wait_seconds_bucket')}[{RATE}])))", "P90 wait"),
             ],
-            overrides=[{"matcher": {"id": "byName", "options": "P90 wait"},
-                        "properties": [{"id": "unit", "value": "s"}, {"id": "custom.axisPlacement", "value": "right"}]}]),
+            overrides=[right_axis("P90 wait", "s")]),
         timeseries(
             "Cache size by tier",
             "Bytes held by the kernel cache per tier (warmup_kernel_cache_bytes).",
@@ -469,13 +528,13 @@ def kernel_cache(th) -> dict:
                      "The two-tier compiled-kernel cache: hit ratio, rejections, lock waits and size.", panels)
 
 
-def build_all() -> dict[str, dict]:
+def build_all() -> dict[str, dict[str, Any]]:
+    """File name -> the dashboard's JSON (as the SDK writes it), for every dashboard."""
     th = load_thresholds()
-    out = {"cold-start-overview.json": cold_start_overview(th),
-           "warmup-economics.json": warmup_economics(th)}
+    boards = [("cold-start-overview.json", cold_start_overview(th)), ("warmup-economics.json", warmup_economics(th))]
     if has(*KERNEL_CACHE_METRICS):
-        out["kernel-cache.json"] = kernel_cache(th)
-    return out
+        boards.append(("kernel-cache.json", kernel_cache(th)))
+    return {name: to_json(d) for name, d in boards}
 
 
 README_HEAD = """# Grafana dashboards
@@ -512,7 +571,7 @@ Rates use `$__rate_interval`.
 """
 
 
-def render_readme(dashboards: dict[str, dict]) -> str:
+def render_readme(dashboards: dict[str, dict[str, Any]]) -> str:
     lines = [README_HEAD]
     for fname, d in dashboards.items():
         lines += [f"## {d['title']}", "", f"`dashboards/{fname}`, uid `{d['uid']}`. {d['description']}", ""]
@@ -529,7 +588,7 @@ def render_all() -> dict[str, str]:
     return files
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=HERE, help="directory for the dashboard JSON files")
     args = ap.parse_args(argv)

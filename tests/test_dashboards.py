@@ -1,9 +1,12 @@
-"""Dashboards: committed JSON equals a fresh generation, structure follows the
-dashboard-linter rules, every metric is in the catalogue, and every panel
-expression parses in promtool."""
+"""Dashboards: built with Grafana's SDK (grafana_foundation_sdk, the pinned release),
+committed JSON equals a fresh generation and reads back through the SDK's schema
+unchanged, structure follows the dashboard-linter rules, every metric is in the
+catalogue, and every panel expression parses in promtool."""
 from __future__ import annotations
 
+import ast
 import glob
+import importlib.metadata
 import json
 import os
 import re
@@ -11,7 +14,10 @@ import shutil
 import subprocess
 
 import pytest
+import tomllib
 import yaml
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import Dashboard as SdkDashboard
 
 from alerts.promql import base_name, label_problems, metric_names
 from dashboards import generate
@@ -40,6 +46,45 @@ def test_committed_dashboards_equal_fresh_generation(tmp_path):
             assert a.read() == b.read(), f"dashboards/{name} is stale: run `.venv/bin/python -m dashboards.generate`"
 
 
+def test_generator_builds_with_the_sdk_and_no_dict_literals():
+    """Issue 42: generate.py imports grafana_foundation_sdk and assembles no dashboard
+    JSON by hand: not one dict display ({...}) nor dict(...) call in the file."""
+    with open(generate.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert any(mod.startswith("grafana_foundation_sdk") for mod in modules)
+    literals = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Dict)
+                or (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "dict")]
+    assert not literals, f"dashboards/generate.py builds dicts by hand on lines {literals}"
+
+
+def test_the_installed_sdk_is_the_pinned_release():
+    """The committed JSON is what the pinned SDK writes; another release would regenerate differently."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        test_extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    pins = [r.split(";")[0].split("==")[1].strip() for r in test_extra if r.startswith("grafana-foundation-sdk==")]
+    assert len(pins) == 1, "pin grafana-foundation-sdk exactly, once, in the test extra"
+    assert importlib.metadata.version("grafana-foundation-sdk") == pins[0]
+
+
+def sdk_round_trip(d: dict) -> dict:
+    """The dashboard read into the SDK's model of the Grafana schema and written back."""
+    return json.loads(json.dumps(SdkDashboard.from_json(d), cls=JSONEncoder))
+
+
+@pytest.mark.parametrize("name", sorted(committed()))
+def test_committed_json_reads_back_through_the_sdk_schema(name):
+    """Every field of the file is one the Grafana schema (as the pinned SDK models it)
+    knows, with the value it expects: reading it into the SDK's Dashboard and writing
+    it again changes nothing."""
+    d = committed()[name]
+    assert sdk_round_trip(d) == d
+    # the check can fail: a field the schema does not have is dropped on the way
+    hand_written = json.loads(json.dumps(d))
+    hand_written["templating"]["list"][1]["definition"] = hand_written["templating"]["list"][1]["query"]
+    assert sdk_round_trip(hand_written) != hand_written
+
+
 def test_readme_describes_every_panel():
     with open(os.path.join(DASH_DIR, "README.md"), encoding="utf-8") as f:
         text = f.read()
@@ -63,8 +108,10 @@ def check_structure(name: str, d: dict) -> None:
     for var in ("namespace", "pod", "model"):
         assert variables[var]["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
     # chained: pod depends on namespace, model on both
-    assert "$namespace" in variables["pod"]["definition"]
-    assert "$namespace" in variables["model"]["definition"] and "$pod" in variables["model"]["definition"]
+    assert "$namespace" in variables["pod"]["query"]
+    assert "$namespace" in variables["model"]["query"] and "$pod" in variables["model"]["query"]
+    for var in ("namespace", "pod", "model"):
+        assert variables[var]["includeAll"] and variables[var]["allValue"] == ".*", f"{name}: {var} has no All"
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
     for p in d["panels"]:
@@ -94,7 +141,8 @@ def test_structure(name):
 @pytest.mark.parametrize("name", sorted(committed()))
 def test_every_metric_is_in_the_catalogue(name):
     d = committed()[name]
-    queries = [e for *_, e in panel_expressions(d)] + [v["definition"] for v in d["templating"]["list"] if "definition" in v]
+    queries = [e for *_, e in panel_expressions(d)] + [v["query"] for v in d["templating"]["list"] if v["type"] == "query"]
+    assert len(queries) > 3
     for expr in queries:
         expr = re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", expr)
         for n in metric_names(expr):

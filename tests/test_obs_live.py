@@ -206,7 +206,7 @@ def test_template_variable_queries_select_the_agent(live):
         for v in d["templating"]["list"]:
             if v["type"] != "query":
                 continue
-            selector = substitute(v["definition"][len("label_values("):].rsplit(",", 1)[0])
+            selector = substitute(v["query"][len("label_values("):].rsplit(",", 1)[0])
             assert query_until_nonempty(live["prom"], selector), f"{fname} variable {v['name']}: {selector} selects nothing"
 
 

@@ -45,7 +45,8 @@ def test_supervised_vllm_server_reaches_serving_and_exits_clean(tmp_path, embedd
     # warmed by measured benefit: what the record lists is what was sent, and both APIs
     # and both families were warmed
     prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
-    assert record["warmup_requests"] == requests_in_record(prewarm)
+    ready = next(s for s in record["stages"] if s["name"] == "ready")
+    assert record["warmup_requests"] == requests_in_record(prewarm, ready)
     assert {p["path"].rsplit("/", 2)[0] for p in prewarm["paths"] if p["calls"]} >= {
         "chat/sampled", "chat/greedy", "completions/sampled", "completions/greedy"}
     assert record["traffic_profile"]["capabilities"]["token_id_prompts"] is True
@@ -71,15 +72,17 @@ def test_server_command_that_cannot_start_is_exit_3(tmp_path, data_dir):
 def test_killed_server_drops_readiness_restarts_and_serves_again(tmp_path, embedded_model, data_dir):
     import signal
     import subprocess
-    import time
 
     from tests.conftest import ROOT, agent_cmd
     from tests.helpers.servers import http_get, wait_until
     port, listen = free_port(), free_port()
     env = server_env(str(tmp_path))
     env = {k: v for k, v in env.items() if not k.startswith("WARMUP_AGENT_")}
+    # No probes after SERVING (watch interval 0): readiness can then drop only because the
+    # supervisor saw the server exit, not at a later probe, however slow the machine.
     env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[16]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1]",
-               WARMUP_AGENT_OPENAI_RESTART_BACKOFF_INITIAL_SECONDS="0.2")
+               WARMUP_AGENT_OPENAI_RESTART_BACKOFF_INITIAL_SECONDS="0.2",
+               WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS="0")
     log = open(tmp_path / "agent.log", "w")
     agent = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--data-dir", data_dir,
                                        "--listen", f"127.0.0.1:{listen}", "--", *server_command(embedded_model, port)),
@@ -90,10 +93,9 @@ def test_killed_server_drops_readiness_restarts_and_serves_again(tmp_path, embed
         assert outside_chat(port, "tiny")             # a user's first chat request is answered
         server = [p for p in psutil.Process(agent.pid).children(recursive=True)
                   if f"--port {port}" in " ".join(p.cmdline())][0]
-        killed_at = time.monotonic()
         server.send_signal(signal.SIGKILL)
-        wait_until(lambda: http_get(url + "/readyz")[0] == 503, 10, interval=0.05, what="readiness drops")
-        assert time.monotonic() - killed_at < 2.0, "readiness must drop at once, not at the next probe"
+        wait_until(lambda: http_get(url + "/readyz")[0] == 503, 60, interval=0.05,
+                   what="readiness drops when the server exits (no probe runs after SERVING)")
         status = json.loads(http_get(url + "/startupz")[1])
         assert status["state"] == "PRELOAD"
         wait_until(lambda: http_get(url + "/readyz")[0] == 200, 300, what="SERVING again after restart")
@@ -136,7 +138,8 @@ def test_supervised_transformers_serve_reaches_serving_and_answers_an_outside_ch
     record = json.loads(rec.read_text())
     assert [t["state"] for t in record["transitions"]][:4] == ["INIT", "PRELOAD", "PRIME", "SERVING"]
     prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
-    assert record["warmup_requests"] == requests_in_record(prewarm) > 0
+    ready = next(s for s in record["stages"] if s["name"] == "ready")
+    assert record["warmup_requests"] == requests_in_record(prewarm, ready) > 0
     assert record["traffic_profile"]["capabilities"]["apis"] == ["chat", "completions"]
     # spawned by cli.main before the agent's imports (early_spawn.py) and adopted
     spawn = record["engine_facts"]["extra"]["server_spawn"]

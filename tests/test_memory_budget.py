@@ -34,14 +34,33 @@ def test_plan_fails_with_a_named_reason_when_nothing_fits():
     assert "prewarm.memory_budget_bytes" in str(e.value) and "200000" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_measure_peak_rss_sees_a_real_allocation():
+def test_measure_peak_rss_sees_a_real_allocation(monkeypatch):
+    """The sampler thread sees a real allocation: the allocation is held until the
+    sampler has read the RSS twice after the pages were touched (the second read
+    started after the touch), however slowly a loaded machine schedules it; a
+    sampler that never samples fails the wait."""
+    import threading
+    import time
+
+    import psutil
     size = 64 << 20
+    sampler_reads: list[int] = []
+
+    class Process(psutil.Process):
+        def memory_info(self):
+            info = super().memory_info()
+            if threading.current_thread() is not threading.main_thread():
+                sampler_reads.append(info.rss)
+            return info
+    monkeypatch.setattr(psutil, "Process", Process)
 
     def allocate():
-        import time
         buf = bytearray(size)            # calloc: pages may stay unmapped until written
         buf[::4096] = b"\x01" * (size // 4096)   # touch every page so it is resident
-        time.sleep(0.05)                 # hold it while the sampler (1 ms) looks
+        n, give_up = len(sampler_reads), time.monotonic() + 60
+        while len(sampler_reads) < n + 2:      # hold it while the sampler (1 ms) looks
+            assert time.monotonic() < give_up, "the sampler read no RSS in 60 s"
+            time.sleep(0.001)
         return len(buf)                  # freed on return: only the peak shows it
 
     n, peak = memory_budget.measure_peak_rss(allocate)

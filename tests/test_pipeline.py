@@ -1,5 +1,6 @@
 """The four stages on the embedded model, in process: measurement truth."""
 import json
+import threading
 import time
 import urllib.request
 
@@ -163,9 +164,21 @@ def test_readiness_thresholds_not_met_fails_with_reason(embedded_model):
 
 
 def test_preload_deadline_fails_the_run(embedded_model):
-    agent = make_agent(embedded_model, env={"WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "0.01",
-                                            "WARMUP_AGENT_PREWARM_REQUESTS_PER_SHAPE": "50"})
+    """PRELOAD's deadline fails the run, and no machine is fast enough to meet it:
+    the first thing PRELOAD does, loading the weights, waits until the state machine
+    has failed.  Were the deadline not enforced, the wait would end after 60 s, the
+    run would go on to SERVING, and the test would fail."""
+    agent = make_agent(embedded_model, env={"WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "0.1"})
+    failed = threading.Event()
+    agent.sm.on_change(lambda frm, to: failed.set() if to == State.FAILED else None)
+    load_weights, waited = agent.engine.load_weights, []
+
+    def load_weights_after_the_failure() -> None:
+        waited.append(failed.wait(timeout=60))
+        load_weights()
+    agent.engine.load_weights = load_weights_after_the_failure
     assert agent.run() == State.FAILED
+    assert waited == [True], "PRELOAD's deadline did not fail the run while the weights loaded"
     assert agent.sm.failure_reason == "preload_deadline_exceeded"
     assert agent.stages[-1].name == "prewarm" and agent.stages[-1].status == "failed"
     assert agent.metrics.registry.get_sample_value("warmup_state_deadline_exceeded_total", {"state": "PRELOAD"}) == 1

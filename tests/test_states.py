@@ -98,7 +98,7 @@ def test_deadline_restarts_with_each_state_and_zero_disables():
     assert sm.check_deadline() is None and sm.deadline_remaining() is None
 
 
-def wait_for_failure(sm: StateMachine, timeout: float = 5.0) -> None:
+def wait_for_failure(sm: StateMachine, timeout: float = 60.0) -> None:
     """Poll until the watchdog has failed the machine (or the timeout passes)."""
     import time
     deadline = time.monotonic() + timeout

@@ -58,7 +58,7 @@ run_fp8_bench() {  # $1: seconds
     echo "fp8 bench rc=$? at $(( $(date +%s) - T0 )) s"
 }
 run_diag() {  # $1: seconds, $2: a name suffix for the output
-    timeout "$1" python3 bench/diag_decode_shapes.py --out "$OUT_DIR/diag_decode_shapes_h200$2.json" > "$OUT_DIR/logs/diag$2.log" 2>&1
+    timeout "$1" python3 -m bench.diagnostics.diag_decode_shapes --out "$OUT_DIR/diag_decode_shapes_h200$2.json" > "$OUT_DIR/logs/diag$2.log" 2>&1
     echo "diag$2 rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "prompt|attn" "$OUT_DIR/logs/diag$2.log"
 }
 llama_server_bin() {  # prints the CUDA llama-server: carried (.gpu-carry/llama-server-cuda.xz*), else built here
@@ -95,7 +95,7 @@ run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default)
         --scrapes "$OUT_DIR/scrapes" $extra > "$OUT_DIR/logs/gpu_server_$2.log" 2>&1
     echo "$2 bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|tfserve" "$OUT_DIR/logs/gpu_server_$2.log"
 }
-run_inproc_bench() {  # $1: seconds; issue 25 (bench/bench_inproc_start.py, bench/import_costs.py)
+run_inproc_bench() {  # $1: seconds; issue 25 (bench/bench_inproc_start.py, bench/diagnostics/import_costs.py)
     # 1.5B: 3 pairs + 2 agent-only starts (about 160 s); 7B: 2 pairs (about 90 s); the models are
     # written without initialising a model (1.5B about 20 s, 7B about 40 s); new pairs stop 100 s before the cap.
     mkdir -p "$OUT_DIR/logs/inproc"
@@ -104,7 +104,7 @@ run_inproc_bench() {  # $1: seconds; issue 25 (bench/bench_inproc_start.py, benc
     echo "inproc bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "pair|extra|model ready|ratio|tax" "$OUT_DIR/logs/inproc.log" | cut -c1-400
     local t; t=$(left)
     if [ "$t" -gt 45 ]; then   # the same imports measured on this host (one run each, plus -X importtime)
-        timeout $(( t - 10 )) python3 bench/import_costs.py --model /tmp/qwen2-1.5b-random-fast --repeat 1 --importtime \
+        timeout $(( t - 10 )) python3 -m bench.diagnostics.import_costs --model /tmp/qwen2-1.5b-random-fast --repeat 1 --importtime \
             --variants auto_model_build,direct_build,auto_tokenizer,tokenizers_lib \
             --out "$OUT_DIR/import_costs_h200.json" > "$OUT_DIR/logs/import_costs.log" 2>&1
         echo "import costs rc=$? at $(( $(date +%s) - T0 )) s"; head -n 40 "$OUT_DIR/logs/import_costs.log"
@@ -112,24 +112,24 @@ run_inproc_bench() {  # $1: seconds; issue 25 (bench/bench_inproc_start.py, benc
 }
 run_diag_prefill() {  # $1: seconds; what a fresh prompt length costs and in which op (issue 30), lazy vs eager kernel loading
     local half=$(( $1 / 2 ))
-    TORCH_CUDNN_SDPA_DEPRIORITIZED=1 timeout "$half" python3 bench/diag_prefill_length.py \
+    TORCH_CUDNN_SDPA_DEPRIORITIZED=1 timeout "$half" python3 -m bench.diagnostics.diag_prefill_length \
         --out "$OUT_DIR/diag_prefill_length_h200.json" > "$OUT_DIR/logs/diag_prefill.log" 2>&1
     echo "diag prefill rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^length|^\{" "$OUT_DIR/logs/diag_prefill.log" | cut -c1-400
-    TORCH_CUDNN_SDPA_DEPRIORITIZED=1 CUDA_MODULE_LOADING=EAGER timeout "$half" python3 bench/diag_prefill_length.py \
+    TORCH_CUDNN_SDPA_DEPRIORITIZED=1 CUDA_MODULE_LOADING=EAGER timeout "$half" python3 -m bench.diagnostics.diag_prefill_length \
         --out "$OUT_DIR/diag_prefill_length_h200_eager.json" > "$OUT_DIR/logs/diag_prefill_eager.log" 2>&1
     echo "diag prefill eager rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^length" "$OUT_DIR/logs/diag_prefill_eager.log" | cut -c1-400
 }
 run_diag_fresh() {  # $1: seconds; which part of an eager generate() pays for a fresh prompt length (issue 30)
-    TORCH_CUDNN_SDPA_DEPRIORITIZED=1 timeout "$1" python3 bench/diag_fresh_length.py \
+    TORCH_CUDNN_SDPA_DEPRIORITIZED=1 timeout "$1" python3 -m bench.diagnostics.diag_fresh_length \
         --out "$OUT_DIR/diag_fresh_length_h200.json" > "$OUT_DIR/logs/diag_fresh.log" 2>&1
     echo "diag fresh rc=$? at $(( $(date +%s) - T0 )) s"; grep -vE "Loading|USDT" "$OUT_DIR/logs/diag_fresh.log" | cut -c1-400
 }
 run_diag_server_fresh() {  # $1: seconds; a warm transformers serve at fresh lengths, with the switch then without (issue 30)
     local half=$(( $1 / 2 ))
-    timeout "$half" python3 bench/diag_server_fresh.py --server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 \
+    timeout "$half" python3 -m bench.diagnostics.diag_server_fresh --server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 \
         --out "$OUT_DIR/diag_server_fresh_h200_switch.json" > "$OUT_DIR/logs/diag_server_fresh.log" 2>&1
     echo "diag server fresh (switch) rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^L |^idle|^\{" "$OUT_DIR/logs/diag_server_fresh.log"
-    timeout "$half" python3 bench/diag_server_fresh.py \
+    timeout "$half" python3 -m bench.diagnostics.diag_server_fresh \
         --out "$OUT_DIR/diag_server_fresh_h200_default.json" > "$OUT_DIR/logs/diag_server_fresh_default.log" 2>&1
     echo "diag server fresh (default) rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^L |^idle|^\{" "$OUT_DIR/logs/diag_server_fresh_default.log"
 }

@@ -1,6 +1,6 @@
 """Why is a server's first whole answer slow after warmup?  A diagnosis on the GPU (issue 19).
 
-    python bench/diag_decode_shapes.py [--model DIR] [--out FILE]
+    python -m bench.diagnostics.diag_decode_shapes [--model DIR] [--out FILE]
 
 `transformers serve` runs `model.generate()` eagerly.  On the H200 its first
 answer to a 64-token chat request took 3.3x the steady whole-answer time even
@@ -22,6 +22,16 @@ exactly N new tokens) and times every decode step with a streamer:
     (prompts one answer apart), then a new prompt length inside the covered range
 Printed and written as JSON: per case the prefill seconds, the median and
 total decode-step seconds and the steps slower than 2x the warm median.
+
+Answered (H200, bench/results/diag_decode_shapes_h200.json, _run2.json,
+_cudnn_deprioritized.json): yes.  With torch 2.11's cuDNN attention every decode step at a
+KV length no earlier request had reached paid 40-68 ms more: new83's step median read
+79-93 ms against again83's 25-28 ms, new200 66-93 ms against 30-43 ms.  A new prompt
+length inside KV lengths an earlier answer had decoded through came warm (covered650
+23 ms a step, again650 23 ms).  With cuDNN attention off (the *_nocudnn cases) or
+TORCH_CUDNN_SDPA_DEPRIORITIZED=1 (new83 27 ms, again83 27 ms) no step paid for its
+length.  What followed: prewarm.decode_coverage (traffic.decode_tiles: warmup decodes at
+every sequence length the traffic reaches), and the switch as the server owner's remedy.
 """
 from __future__ import annotations
 
@@ -32,7 +42,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 

@@ -1,7 +1,7 @@
 """What does a prompt length the process has not seen cost, and in which op?  A diagnosis
 for the GPU (issue 30).
 
-    python bench/diag_prefill_length.py [--model DIR] [--out FILE] [--device cuda|cpu]
+    python -m bench.diagnostics.diag_prefill_length [--model DIR] [--out FILE] [--device cuda|cpu]
 
 `transformers serve` with TORCH_CUDNN_SDPA_DEPRIORITIZED=1 still pays per exact prompt
 length on the H200: in the server bench (tfserve + switch run 5) fresh lengths read
@@ -17,9 +17,14 @@ length. Run it twice, once with CUDA_MODULE_LOADING=EAGER (kernels loaded at sta
 on first use): if lazy kernel loading is the cost, the eager run has none.
 Writes JSON: per fresh length new/again milliseconds, and the top ops by added time.
 
-Answered since (H200): a warm server with the switch pays +0.6/+1.1 ms at a fresh length
-(bench/diag_server_fresh.py), and generate() in process nothing once 16-310 tokens were
-seen (bench/diag_fresh_length.py); the 10-14 ms above was the server's speed level moving.
+Answered (H200, bench/results/diag_prefill_length_h200.json and _eager.json): in
+process a fresh prompt length cost 0-3 ms over a repeated one (unprofiled), with lazy or
+eager CUDA kernel loading alike, so eager kernel loading is no remedy for transformers
+serve's per-length cost.
+
+Since then (H200): a warm server with the switch pays +0.6/+1.1 ms at a fresh length
+(diag_server_fresh.py), and generate() in process nothing once 16-310 tokens were seen
+(diag_fresh_length.py); the 10-14 ms above was the server's speed level moving.
 """
 from __future__ import annotations
 
@@ -28,10 +33,10 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from bench.diag_decode_shapes import load_model, sync  # noqa: E402
+from bench.diagnostics.diag_decode_shapes import load_model, sync  # noqa: E402
 
 
 def forward_ms(torch, model, length: int, profile: bool) -> tuple[float, dict[str, float]]:

@@ -1,7 +1,7 @@
 """Does a warm `transformers serve` pay for a prompt length it has not seen, and is it the
 length, the change of length, or an idle pause?  A diagnosis for the GPU (issue 30).
 
-    python bench/diag_server_fresh.py [--out FILE] [--device cuda|cpu] [--server-env K=V ...]
+    python -m bench.diagnostics.diag_server_fresh [--out FILE] [--device cuda|cpu] [--server-env K=V ...]
 
 In process, a model warmed over 16-310 tokens pays nothing at a fresh length in generate()
 (diag_fresh_length.py on the H200: -2 ms), yet the server bench's first requests read
@@ -17,6 +17,16 @@ and IDLE times: a warmed length after a pause, then right after it. Client-side 
 workload is timed every 20 ms (HOST_PROBE): if the server's slow requests fall where that
 workload also ran slow, the host changed speed, not the server. Writes JSON with every
 request, the host workload's times around it, and the medians.
+
+Answered (H200, bench/results/diag_server_fresh_h200_switch_run1.json, _run2.json
+and _default_run1/_run2.json): with TORCH_CUDNN_SDPA_DEPRIORITIZED=1 a fresh length cost
++0.6 and +1.1 ms over the same length again (median), a change of length +0.5 and
+0.0 ms, a 0.3 s pause +1.4 and +0.5 ms: nothing left to warm.  With the defaults a
+fresh length cost +67 and +63 ms (cuDNN's plan per length).  What varies with the switch
+is the server's level: the same length and messages read 27-35 ms in one stretch of
+requests and 45-55 ms in the next, and the host workload beside it varied 0.87-1.68 ms
+over the same minutes (1.21 ms beside the server's slower half, 0.93 ms beside its
+faster half).
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from bench import bench_gpu_server as bgs  # noqa: E402

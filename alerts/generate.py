@@ -191,11 +191,15 @@ def build(th: Thresholds) -> dict:
                 g("readiness_tail.for", "duration"), "warning",
                 "First-token P90 is over the readiness threshold while SERVING.",
                 f'{_WHO}: window P90 time to first token is {{{{ printf "%.3f" $value }}}} s, over the agent\'s own P90 readiness threshold.'),
+        # The users' real first request when the proxy measured one (0 until then), else
+        # the first probe's prediction: a fine real figure silences a high prediction.
         r.alert("WarmupAgentFirstRequestTaxHigh",
-                f'{r.sel("warmup_first_request_tax_ratio")} > {_fmt(g("first_request_tax.max_ratio", "number"))}',
+                f'({r.sel("warmup_first_user_request_tax_ratio")} > 0 or {r.sel("warmup_first_request_tax_ratio")}) '
+                f'> {_fmt(g("first_request_tax.max_ratio", "number"))}',
                 g("first_request_tax.for", "duration"), "warning",
                 "The first request after warmup was much slower than steady requests.",
-                f'{_WHO}: the first probe after warmup took {{{{ printf "%.1f" $value }}}}x the steady time to first token; '
+                f'{_WHO}: the first request after warmup took {{{{ printf "%.1f" $value }}}}x the steady time to first token '
+                f'(the users\' real first request where the proxy measured one, else the first probe); '
                 f'warmup misses shapes that traffic uses.'),
     ]
     if "warmup_breaker_state" in BY_NAME:
@@ -203,7 +207,8 @@ def build(th: Thresholds) -> dict:
             "WarmupAgentBreakerOpen", f'{r.sel("warmup_breaker_state", state="open")} == 1',
             g("breaker_open.for", "duration"), "warning",
             "The latency breaker is open: the fallback is serving.",
-            f'{_WHO}: the breaker has been open for more than {g("breaker_open.for", "duration")} (P90 exceeded 3 probes in a row).'))
+            f'{_WHO}: the breaker has been open for more than {g("breaker_open.for", "duration")}: the main engine is slow '
+            f'(P90 over its threshold) or does not answer; warmup_breaker_trips_total{{reason}} says which.'))
     groups.append({"name": "warmup-agent.latency", "rules": latency})
 
     # --- resources: what warmup costs ---------------------------------------------

@@ -116,6 +116,20 @@ CORE: tuple[MetricSpec, ...] = (
                    "at a length nothing had reached, times the mean of such steps left at the profile's prompt "
                    "lengths after the probes (warmup_agent/cold_decode.py; the run record keeps the probe's own "
                    "as first_probe_total_tax_ratio). In-process engines' probes are 1 token."),
+    MetricSpec("warmup_first_user_request_tax_ratio", "gauge",
+               "Time to first token of the users' real first request after SERVING (through the proxy) divided by the median of the users' answers after it; 0 until measured.",
+               unit="short",
+               doc="Measured where users' requests pass through the proxy (--proxy-listen): the first request the main "
+                   "engine answers with 200 after the gate opened (a re-warm's gate starts again, and sets it back to 0), "
+                   "over the median time to first token of the readiness.first_user_steady_requests answers after it "
+                   "(warmup_agent/readiness/first_user.py). The real counterpart of warmup_first_request_tax_ratio; "
+                   "WarmupAgentFirstRequestTaxHigh reads it when it is above 0."),
+    MetricSpec("warmup_first_user_request_total_tax_ratio", "gauge",
+               "Whole-answer time of the users' real first request after SERVING over the steady whole answer of the same length from the users' answers after it; 0 until measured.",
+               unit="short",
+               doc="Steady whole answer: the later answers' median time to first token + (the first answer's tokens - 1) x "
+                   "their median time per output token. Needs the answers' token counts from the proxy; without them it "
+                   "stays 0. The real counterpart of warmup_first_request_total_tax_ratio."),
     MetricSpec("warmup_per_length_decode_ratio", "gauge",
                "Time per output token at sequence lengths no earlier request reached, over the steady time per output token (prewarm's per-length test); above prewarm.per_length_ratio the server pays per sequence length.",
                unit="short",

@@ -8,8 +8,16 @@ SPECS = (
                labels=("state",), unit="short",
                doc="open: main path frozen for breaker.open_seconds; half_open: probes only; closed: normal."),
     MetricSpec("warmup_breaker_trips_total", "counter",
-               "Times the breaker tripped (window P90 over the tail threshold on breaker.trip_after consecutive samples).",
-               unit="short"),
+               "Times the breaker tripped, by reason: slow (window P90 over the tail threshold on breaker.trip_after consecutive samples), or a failed probe's reason (unreachable, timeout, server_error, bad_answer) on breaker.fail_after in a row.",
+               labels=("reason",), unit="short",
+               doc="Every reason is exported at 0 from the start. unreachable: connection refused or reset (probed again "
+                   "every watch interval); timeout: no answer within readiness.watch_probe_timeout_seconds; "
+                   "server_error: HTTP 5xx; bad_answer: another status or a stream without a token. "
+                   "alerts/runbook.md says how long recovery takes for each."),
+    MetricSpec("warmup_watch_probe_failures_total", "counter",
+               "Probes of the main engine after SERVING (half-open probes included) that failed, by reason (unreachable, timeout, server_error, bad_answer).",
+               labels=("reason",), unit="short",
+               doc="While a dead server stays down it grows by one per watch interval (readiness.watch_interval_seconds)."),
     MetricSpec("warmup_breaker_transitions_total", "counter",
                "Breaker state changes, by source and target breaker state.",
                labels=("from", "to"), unit="short"),

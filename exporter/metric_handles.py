@@ -33,6 +33,8 @@ class MetricHandles:
     warmup_first_request_tax_ratio: Gauge
     warmup_time_per_output_token_window_seconds: Gauge
     warmup_first_request_total_tax_ratio: Gauge
+    warmup_first_user_request_tax_ratio: Gauge
+    warmup_first_user_request_total_tax_ratio: Gauge
     warmup_per_length_decode_ratio: Gauge
     warmup_per_length_remedy_info: Gauge
     warmup_paths: Gauge
@@ -49,6 +51,7 @@ class MetricHandles:
     warmup_kernel_cache_publish_skipped_total: Counter
     warmup_breaker_state: Gauge
     warmup_breaker_trips_total: Counter
+    warmup_watch_probe_failures_total: Counter
     warmup_breaker_transitions_total: Counter
     warmup_fallback_active: Gauge
     warmup_readiness_threshold_refits_total: Counter
@@ -88,6 +91,8 @@ NAMES: tuple[str, ...] = (
     "warmup_first_request_tax_ratio",
     "warmup_time_per_output_token_window_seconds",
     "warmup_first_request_total_tax_ratio",
+    "warmup_first_user_request_tax_ratio",
+    "warmup_first_user_request_total_tax_ratio",
     "warmup_per_length_decode_ratio",
     "warmup_per_length_remedy_info",
     "warmup_paths",
@@ -104,6 +109,7 @@ NAMES: tuple[str, ...] = (
     "warmup_kernel_cache_publish_skipped_total",
     "warmup_breaker_state",
     "warmup_breaker_trips_total",
+    "warmup_watch_probe_failures_total",
     "warmup_breaker_transitions_total",
     "warmup_fallback_active",
     "warmup_readiness_threshold_refits_total",

@@ -9,6 +9,7 @@ breaker trips on exactly the third consecutive over-threshold window P90, that
 nothing reaches the engine while it is open, that half-open probes re-open on
 a slow probe and close after good ones, and that /readyz and the metrics follow.
 """
+import logging
 import threading
 import time
 
@@ -20,9 +21,11 @@ from exporter.server import ExporterServer
 from tests.helpers.servers import http_get, wait_until
 from warmup_agent import config
 from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.errors import EngineError
 from warmup_agent.pipeline import Agent
-from warmup_agent.readiness.breaker import BreakerState
-from warmup_agent.states import State
+from warmup_agent.readiness.breaker import Breaker, BreakerState
+from warmup_agent.readiness.runtime import Readiness, failure_cause
+from warmup_agent.states import State, StateMachine
 
 P90 = 0.3          # tail threshold (s); the embedded model answers in a few ms
 DELAY = 0.45       # injected latency (s), well over P90
@@ -56,7 +59,9 @@ def agent(embedded_model):
         "WARMUP_AGENT_READINESS_MIN_PROBES": "5", "WARMUP_AGENT_READINESS_WINDOW_SIZE": str(WINDOW),
         "WARMUP_AGENT_READINESS_P50_THRESHOLD_SECONDS": "0.2",
         "WARMUP_AGENT_READINESS_P90_THRESHOLD_SECONDS": str(P90),
-        "WARMUP_AGENT_BREAKER_OPEN_SECONDS": str(OPEN), "WARMUP_AGENT_BREAKER_HALF_OPEN_PROBES": "3"})
+        "WARMUP_AGENT_BREAKER_OPEN_SECONDS": str(OPEN), "WARMUP_AGENT_BREAKER_HALF_OPEN_PROBES": "3",
+        # a slow probe here is 0.45 s: judged by its time, never timed out
+        "WARMUP_AGENT_READINESS_WATCH_PROBE_TIMEOUT_SECONDS": "10"})
     clock = time.perf_counter
     engine = DelayedTorchEngine(embedded_model, dtype=cfg["model.dtype"], device=cfg["model.device"], clock=clock)
     a = Agent(cfg, engine, metrics=AgentMetrics(), clock=clock)
@@ -104,7 +109,7 @@ def test_trip_freeze_half_open_reopen_close(agent):
     assert to == BreakerState.OPEN
     idx = replay_trip_index(agent.probes[:probes_at_trip], gate_probes, P90, 3, WINDOW)
     assert idx == probes_at_trip - 1, (agent.probes, gate_probes, idx)
-    assert reg.get_sample_value("warmup_breaker_trips_total") == 1
+    assert reg.get_sample_value("warmup_breaker_trips_total", {"reason": "slow"}) == 1
     assert reg.get_sample_value("warmup_fallback_active") == 1
     assert reg.get_sample_value("warmup_breaker_state", {"state": "open"}) == 1
     assert reg.get_sample_value("warmup_state_transitions_total", {"from": "SERVING", "to": "DEGRADED"}) == 1
@@ -126,14 +131,14 @@ def test_trip_freeze_half_open_reopen_close(agent):
         if s1 == BreakerState.OPEN:
             assert s2 == BreakerState.HALF_OPEN and t2 - t1 >= OPEN
             assert not [c for c in agent.engine.calls if t1 < c < t2], "the main engine was called while frozen"
-    # Closed after exactly 3 good half-open probes.
+    # Closed after exactly 3 good half-open probes (sent back to back in one watch tick).
     assert events[-1][2] - events[-2][2] == 3
     assert all(p <= P90 for p in agent.probes[events[-2][2]:events[-1][2]])
 
     for frm, to, n in (("closed", "open", 1), ("open", "half_open", 2), ("half_open", "open", 1), ("half_open", "closed", 1)):
         assert reg.get_sample_value("warmup_breaker_transitions_total", {"from": frm, "to": to}) == n
     assert reg.get_sample_value("warmup_state_transitions_total", {"from": "DEGRADED", "to": "SERVING"}) == 1
-    assert reg.get_sample_value("warmup_breaker_trips_total") == 1
+    assert reg.get_sample_value("warmup_breaker_trips_total", {"reason": "slow"}) == 1
     assert reg.get_sample_value("warmup_fallback_active") == 0
     assert reg.get_sample_value("warmup_breaker_state", {"state": "closed"}) == 1
     assert http_get(agent.url + "/readyz") == (200, "SERVING\n")
@@ -172,3 +177,108 @@ def test_stop_waits_for_the_probe_in_flight(agent):
     agent.stop()
     assert not [t for t in threading.enumerate() if t.name == "readiness-watch"]
     assert time.perf_counter() - t0 > 0.2          # it waited for the slow probe to finish
+
+
+# -- failed probes (issue 41): the breaker's logic on a fake clock ------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_failures_trip_after_fail_after_in_a_row_and_an_answer_resets_the_count():
+    clock = FakeClock()
+    b = Breaker(trip_after=3, open_seconds=30, half_open_probes=2, clock=clock, fail_after=2)
+    assert b.failure("server_error") == BreakerState.CLOSED
+    b.closed_sample(False)                                   # an answer in between
+    assert b.failure("server_error") == BreakerState.CLOSED
+    assert b.failure("timeout") == BreakerState.OPEN
+    assert (b.cause, b.freeze, b.trips) == ("timeout", 30, 1)
+    clock.t += 29.9
+    assert b.tick() == BreakerState.OPEN
+    clock.t += 0.1
+    assert b.tick() == BreakerState.HALF_OPEN
+
+
+def test_an_unreachable_server_is_probed_again_at_the_next_tick_and_closes_after_the_half_open_probes():
+    clock = FakeClock()
+    b = Breaker(trip_after=3, open_seconds=30, half_open_probes=3, clock=clock, fail_after=1)
+    assert b.failure("unreachable", freeze=0) == BreakerState.OPEN
+    assert b.tick() == BreakerState.HALF_OPEN                # no freeze: the next watch tick probes
+    assert b.failure("unreachable", freeze=0) == BreakerState.OPEN
+    assert b.trips == 1                                      # re-opening is not another trip
+    assert b.tick() == BreakerState.HALF_OPEN
+    for _ in range(2):
+        assert b.half_open_probe(False) == BreakerState.HALF_OPEN
+    assert b.half_open_probe(False) == BreakerState.CLOSED
+    # The server is back but slow: a slow half-open probe freezes for the full open_seconds.
+    b2 = Breaker(open_seconds=30, clock=clock)
+    b2.failure("unreachable", freeze=0)
+    b2.tick()
+    assert b2.half_open_probe(True) == BreakerState.OPEN and (b2.cause, b2.freeze) == ("slow", 30)
+
+
+@pytest.mark.parametrize("error, cause", [
+    (EngineError("server_unreachable", "POST http://127.0.0.1:1/v1/completions: [Errno 111] Connection refused"), "unreachable"),
+    (EngineError("server_unreachable", "POST http://127.0.0.1:1/v1/completions: timed out"), "timeout"),
+    (EngineError("request_failed", "POST http://x/v1/completions: HTTP 503: overloaded"), "server_error"),
+    (EngineError("request_failed", "POST http://x/v1/completions: HTTP 404: no such model"), "bad_answer"),
+    (EngineError("request_failed", "POST http://x/v1/completions: stream ended without a token"), "bad_answer"),
+    (ConnectionResetError(104, "Connection reset by peer"), "unreachable"),
+    (TimeoutError("timed out"), "timeout"),
+    (RuntimeError("CUDA error: an illegal memory access"), "bad_answer"),
+])
+def test_failure_causes(error, cause):
+    assert failure_cause(error)[0] == cause
+
+
+def test_a_dead_server_trips_once_logs_once_and_counts_each_failed_probe(caplog):
+    cfg = config.load(env={"WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "5"})
+    metrics = AgentMetrics()
+    sm = StateMachine(metrics)
+    clock = FakeClock()
+    rd = Readiness(cfg, sm, metrics, clock=clock)
+    for st in (State.PRELOAD, State.PRIME, State.SERVING):
+        sm.transition(st)
+    refused = EngineError("server_unreachable", "POST http://127.0.0.1:1/v1/completions: [Errno 111] Connection refused")
+    reg = metrics.registry
+    with caplog.at_level(logging.DEBUG, logger="warmup_agent.readiness"):
+        for _ in range(10):                                   # ten watch ticks of a dead server
+            assert rd.due_probe()
+            assert rd.probe_failed(refused) == "unreachable"
+            clock.t += 5
+    assert sm.state == State.DEGRADED
+    assert reg.get_sample_value("warmup_breaker_trips_total", {"reason": "unreachable"}) == 1
+    assert reg.get_sample_value("warmup_breaker_trips_total", {"reason": "slow"}) == 0
+    assert reg.get_sample_value("warmup_watch_probe_failures_total", {"reason": "unreachable"}) == 10
+    assert reg.get_sample_value("warmup_breaker_state", {"state": "open"}) == 1
+    loud = [r for r in caplog.records if r.levelno >= logging.INFO and r.name == "warmup_agent.readiness"]
+    assert len(loud) == 1 and "breaker tripped (unreachable)" in loud[0].getMessage(), [r.getMessage() for r in loud]
+    assert not any(r.exc_info for r in caplog.records)
+    # The server answers again: three good half-open probes, one line, SERVING.
+    with caplog.at_level(logging.DEBUG, logger="warmup_agent.readiness"):
+        assert rd.due_probe()
+        for _ in range(3):
+            rd.observe(0.01)
+    assert sm.state == State.SERVING
+    loud = [r for r in caplog.records if r.levelno >= logging.INFO and r.name == "warmup_agent.readiness"]
+    assert len(loud) == 2 and "breaker closed after 3 good probes" in loud[1].getMessage()
+
+
+def test_a_rewarm_closes_an_open_breaker():
+    cfg = config.load(env={})
+    metrics = AgentMetrics()
+    sm = StateMachine(metrics)
+    rd = Readiness(cfg, sm, metrics)
+    for st in (State.PRELOAD, State.PRIME, State.SERVING):
+        sm.transition(st)
+    rd.probe_failure("server_error", "HTTP 500")
+    assert sm.state == State.DEGRADED and rd.breaker.state == BreakerState.OPEN
+    assert sm.transition(State.PRELOAD)
+    assert rd.breaker.state == BreakerState.CLOSED
+    assert metrics.registry.get_sample_value("warmup_breaker_state", {"state": "closed"}) == 1
+    rd.probe_failure("server_error", "HTTP 500")             # during the re-warm: its stages judge
+    assert rd.breaker.state == BreakerState.CLOSED

@@ -100,6 +100,8 @@ class ReadinessSection:
     water_level_window_seconds: int
     water_level_period_seconds: float
     water_level_headroom: float
+    watch_probe_timeout_seconds: float
+    first_user_steady_requests: int
     min_probes_server: int
     probe_max_tokens: int
     require_decode: bool
@@ -176,6 +178,8 @@ class BreakerSection:
     enabled: bool
     trip_after: int
     open_seconds: float
+    fail_after: int
+    unreachable_open_seconds: float
     half_open_probes: int
 
 

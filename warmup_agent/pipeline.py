@@ -81,6 +81,7 @@ class Agent:
         self._watch: Periodic | None = None   # watch() starts it after SERVING
         self._watch_interval = 0.0
         self._watch_skipping = False
+        self._probe_thread: threading.Thread | None = None   # the watch loop's probe in flight
         self._engine_crashed = False
         self._init_metrics()
 
@@ -284,12 +285,45 @@ class Agent:
             self._watch.start()
 
     def _watch_probe(self) -> None:
-        if not self.readiness.due_probe() or self._server_busy_with_others():
+        rd = self.readiness
+        late = self._probe_thread
+        if late is not None and late.is_alive():
+            return     # a probe that timed out still waits for its answer: never two at once
+        if not rd.due_probe() or self._server_busy_with_others():
             return
-        try:
-            self.probe(decode=False)
-        except Exception:  # noqa: BLE001 - a failed probe must not end the agent
-            log.exception("probe after SERVING failed")
+        # Half-open: the probes back to back, so a server that answers again is back
+        # in its Service as soon as they pass, not one watch interval per probe.
+        for _ in range(rd.breaker.half_open_probes if rd.breaker.state == BreakerState.HALF_OPEN else 1):
+            if not self._one_watch_probe() or rd.breaker.state != BreakerState.HALF_OPEN:
+                return
+
+    def _one_watch_probe(self) -> bool:
+        """One probe after SERVING, on a thread of its own so that a server that stops
+        answering is judged after readiness.watch_probe_timeout_seconds, not after the
+        engine's request timeout.  A failure (unreachable, timeout, HTTP 5xx, an answer
+        without a token) goes to the breaker with its reason (Readiness.probe_failed),
+        which logs one line per change, never a traceback per probe.  True when the
+        probe answered."""
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                self.probe(decode=False)
+            except Exception as e:  # noqa: BLE001 - a failed probe must not end the agent
+                failed.append(e)
+            finally:
+                done.set()
+        thread = self._probe_thread = threading.Thread(target=send, name="readiness-probe", daemon=True)
+        thread.start()
+        timeout = self.readiness.probe_timeout
+        if not done.wait(timeout):
+            self.readiness.probe_failure("timeout", f"no answer to a probe within {timeout:g} s")
+            return False
+        if failed:
+            self.readiness.probe_failed(failed[0])
+            return False
+        return True
 
     def _server_busy_with_others(self) -> bool:
         """Whether the supervised server took another client's request in the last two
@@ -321,6 +355,9 @@ class Agent:
         # active exception", exit -6) instead of the drain's exit 0.
         if self._watch is not None:
             self._watch.stop(timeout=30)
+        probe = self._probe_thread
+        if probe is not None:
+            probe.join(30)
         self.memory.stop()
         self.sm.stop_watchdog()
         cache = self.context.kernel_cache

@@ -14,15 +14,29 @@ proxy -- goes through `observe()`; the watch loop calls `due_probe()` to know
 whether to probe the main engine now.  Every breaker step is a state-machine
 transition (SERVING -> DEGRADED on trip, DEGRADED -> SERVING on close), counted
 in warmup_breaker_transitions_total and shown in warmup_breaker_state.
+
+A probe that fails (the server unreachable, a timeout, HTTP 5xx, an answer
+without a token) goes through `probe_failed()`: counted by reason in
+warmup_watch_probe_failures_total, and breaker.fail_after of them in a row trip
+the breaker with that reason (warmup_breaker_trips_total{reason}).  An
+unreachable server is probed again at the next watch interval
+(breaker.unreachable_open_seconds), every other cause waits breaker.open_seconds.
+One log line per breaker change, never one per failed probe.
+
+`user_answer()` is the proxy's report of each user request the main engine
+answered: the first after the gate opened is the users' real first request, its
+figures computed once, in first_user.py, against the users' answers after it.
 """
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
 from warmup_agent.readiness.breaker import Breaker, BreakerState
+from warmup_agent.readiness.first_user import FirstUserRequest, UserAnswer
 from warmup_agent.readiness.thresholds import Thresholds
 from warmup_agent.readiness.waterlevel import WaterLevel
 from warmup_agent.readiness.window import SlidingWindow
@@ -33,6 +47,29 @@ if TYPE_CHECKING:
     from warmup_agent.config import Config
 
 log = logging.getLogger("warmup_agent.readiness")
+
+
+#: Why the breaker tripped (warmup_breaker_trips_total{reason}).
+TRIP_CAUSES = ("slow", "unreachable", "timeout", "server_error", "bad_answer")
+#: Why a probe failed (warmup_watch_probe_failures_total{reason}).
+FAILURE_CAUSES = TRIP_CAUSES[1:]
+_HTTP_5XX = re.compile(r"\bHTTP 5\d\d\b")
+
+
+def failure_cause(error: BaseException) -> tuple[str, str]:
+    """(cause, one-line message) of a failed probe: "unreachable" (connection refused,
+    reset, no route), "timeout" (no answer in time), "server_error" (HTTP 5xx) or
+    "bad_answer" (anything else: another status, a stream without a token, an
+    engine's own error)."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    reason = getattr(error, "reason", None)
+    if isinstance(error, TimeoutError) or (reason == "server_unreachable" and "timed out" in message):
+        return "timeout", message
+    if reason == "server_unreachable" or isinstance(error, ConnectionError):
+        return "unreachable", message
+    if _HTTP_5XX.search(message):
+        return "server_error", message
+    return "bad_answer", message
 
 
 def percentile_label(q: float) -> str:
@@ -55,11 +92,23 @@ class Readiness:
             floor=rc.adaptive_min_seconds)
         self.breaker_enabled = bc.enabled
         self.breaker = Breaker(bc.trip_after, bc.open_seconds, bc.half_open_probes,
-                               clock=clock, on_change=self._breaker_moved)
+                               clock=clock, on_change=self._breaker_moved, fail_after=bc.fail_after)
+        self.unreachable_open_seconds = bc.unreachable_open_seconds
+        self.watch_interval = rc.watch_interval_seconds
+        # A probe slower than twice the tail threshold is slow whatever it answers.
+        self.probe_timeout = rc.watch_probe_timeout_seconds or max(rc.watch_interval_seconds,
+                                                                   2 * rc.p90_threshold_seconds)
+        self._clock = clock
+        self._tripped_at: float | None = None
+        self._failure_message = ""
         self.water = WaterLevel(rc.water_level_alpha, rc.water_level_window_seconds,
                                 rc.water_level_period_seconds, rc.water_level_headroom, clock=clock)
         self._lock = threading.RLock()
-        self._user_answers: list[tuple[float, float]] = []
+        # The users' real first request (user_answer): its own lock, since the state
+        # machine's listener resets it while a stage thread may hold the machine.
+        self._user_lock = threading.Lock()
+        self._first_user = FirstUserRequest(rc.first_user_steady_requests)
+        sm.on_change(self._state_moved)
         self._publish_breaker()
         self._publish_thresholds()
         self.metrics.warmup_fallback_active.set(0)
@@ -67,6 +116,11 @@ class Readiness:
         # increase() work from the first event (and the series exist before one).
         for frm, to in (("closed", "open"), ("open", "half_open"), ("half_open", "open"), ("half_open", "closed")):
             self.metrics.warmup_breaker_transitions_total.labels(**{"from": frm, "to": to})
+        for cause in TRIP_CAUSES:
+            self.metrics.warmup_breaker_trips_total.labels(reason=cause)
+        for cause in FAILURE_CAUSES:
+            self.metrics.warmup_watch_probe_failures_total.labels(reason=cause)
+        self._publish_first_user(None)
         for check in ("structure", "numerics", "performance"):
             for result in ("passed", "failed", "skipped", "recorded"):
                 self.metrics.warmup_validation_checks_total.labels(check=check, result=result)
@@ -134,36 +188,117 @@ class Readiness:
         """A user request arrived (the proxy): counted in the water level's QPS."""
         self.water.request()
 
-    def user_answer(self, ttft: float, total: float) -> None:
+    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         """A user request answered by the main engine with status 200 (the proxy):
         `ttft` from sending the request to the first body chunk, `total` to the end of
-        the body, both in seconds.  The first one after the gate opened is the users'
-        real first request."""
+        the body, both in seconds; `output_tokens` the answer's tokens where the proxy
+        knows them (the whole-answer figure needs them).  The first one after the gate
+        opened is the users' real first request; once readiness.first_user_steady_requests
+        answers after it are in, its figures are exported (first_user.py)."""
+        with self._user_lock:
+            figures = self._first_user.add(UserAnswer(ttft, total, output_tokens))
+            if figures is None:
+                return
+            self._publish_first_user(figures)
+        total_txt = f"{figures.total_tax:.2f}x" if figures.total_tax is not None else "not measured (no token counts)"
+        log.info("the users' first request after SERVING: time to first token %.1f ms, %.2fx the median of the "
+                 "%d answers after it (%.1f ms); whole answer %s", figures.first.ttft * 1000, figures.ttft_tax,
+                 len(figures.later), figures.steady_ttft * 1000, total_txt)
+
+    @property
+    def first_user_request(self) -> FirstUserRequest:
+        """The current gate's users' first request (its figures once complete)."""
+        return self._first_user
+
+    def _publish_first_user(self, figures: object) -> None:
+        """0 means "not measured yet" (the alert then reads the predicted figure)."""
+        from warmup_agent.readiness.first_user import FirstUserFigures
+        ttft = total = 0.0
+        if isinstance(figures, FirstUserFigures):
+            ttft = figures.ttft_tax
+            total = figures.total_tax or 0.0
+        self.metrics.warmup_first_user_request_tax_ratio.set(ttft)
+        self.metrics.warmup_first_user_request_total_tax_ratio.set(total)
+
+    def _state_moved(self, frm: State, to: State) -> None:
+        """The state machine moved.  PRELOAD (a re-warm): the breaker judges afresh;
+        PRIME -> SERVING (a gate opened): the next user answer is a first request again."""
+        if to == State.PRELOAD and self.breaker.reset():
+            self._tripped_at = None
+            log.info("breaker closed for the re-warm (it judges the engine afresh)")
+            self._publish_breaker()
+        if to == State.SERVING and frm == State.PRIME:
+            with self._user_lock:
+                self._first_user = FirstUserRequest(self._first_user.steady_requests)
+                self._publish_first_user(None)
+
+    # -- failed probes ---------------------------------------------------------------------
+    def probe_failed(self, error: BaseException) -> str:
+        """A probe of the main engine after SERVING (or a half-open one) failed:
+        counted by reason, and the breaker decides.  Returns the reason."""
+        cause, message = failure_cause(error)
+        return self.probe_failure(cause, message)
+
+    def probe_failure(self, cause: str, message: str) -> str:
+        """A failed probe with its named cause (FAILURE_CAUSES) and one-line message."""
+        self.metrics.warmup_watch_probe_failures_total.labels(reason=cause).inc()
         with self._lock:
-            self._user_answers.append((ttft, total))
+            if not self.breaker_enabled or self.sm.state.terminal:
+                log.debug("probe failed (%s): %s", cause, message)
+                return cause
+            if self.breaker.state == BreakerState.CLOSED and self.sm.state != State.SERVING:
+                return cause     # a re-warm is under way: its own stages judge the engine
+            self._failure_message = message
+            freeze = self.unreachable_open_seconds if cause == "unreachable" else self.breaker.open_seconds
+            self.breaker.failure(cause, freeze)
+        return cause
 
     # -- breaker -> state machine ---------------------------------------------------------
     def _breaker_moved(self, frm: BreakerState, to: BreakerState) -> None:
         sm = self.sm
+        b = self.breaker
         self.metrics.warmup_breaker_transitions_total.labels(**{"from": frm.value, "to": to.value}).inc()
+        cause = b.cause or "slow"
+        # A dead server is probed again every watch interval: open -> half-open -> open
+        # with the same cause is one condition going on, logged once (at the trip).
+        quiet = cause == "unreachable"
         if to == BreakerState.OPEN and frm == BreakerState.CLOSED:
-            self.metrics.warmup_breaker_trips_total.inc()
-            log.warning("breaker tripped: window P90 over %.1f ms on %d consecutive samples; main path frozen for %g s",
-                        self.thresholds.p90 * 1000, self.breaker.trip_after, self.breaker.open_seconds)
+            self.metrics.warmup_breaker_trips_total.labels(reason=cause).inc()
+            self._tripped_at = self._clock()
+            self._last_cause = cause
+            log.warning("breaker tripped (%s): %s; %s", cause, self._why(cause), self._next_probe_words())
             if sm.state == State.SERVING:   # not if the pod started draining meanwhile
                 sm.transition(State.DEGRADED)
         elif to == BreakerState.OPEN:
-            log.warning("half-open probe over %.1f ms: breaker open again for %g s",
-                        self.thresholds.p90 * 1000, self.breaker.open_seconds)
+            if cause != self._last_cause or not quiet:
+                log.warning("half-open probe failed (%s): %s; %s", cause, self._why(cause), self._next_probe_words())
+            self._last_cause = cause
         elif to == BreakerState.HALF_OPEN:
             # The window still holds the samples that tripped the breaker: judge afresh.
             self.window.clear()
-            log.info("breaker half-open: probing the main engine")
+            (log.debug if quiet else log.info)("breaker half-open: probing the main engine")
         elif to == BreakerState.CLOSED:
-            log.info("breaker closed after %d good probes: back to SERVING", self.breaker.half_open_probes)
+            down = self._clock() - self._tripped_at if self._tripped_at is not None else 0.0
+            log.info("breaker closed after %d good probes, %.1f s after it tripped (%s): back to SERVING",
+                     b.half_open_probes, down, self._last_cause)
+            self._tripped_at = None
             if sm.state == State.DEGRADED:
                 sm.transition(State.SERVING)
         self._publish_breaker()
+
+    _last_cause = "slow"
+
+    def _why(self, cause: str) -> str:
+        if cause == "slow":
+            return (f"window P90 over {self.thresholds.p90 * 1000:.1f} ms on {self.breaker.trip_after} "
+                    f"consecutive samples")
+        return self._failure_message or cause
+
+    def _next_probe_words(self) -> str:
+        freeze = self.breaker.freeze
+        if freeze <= 0:
+            return "the pod is out of its Service; the main engine is probed again every watch interval"
+        return f"main path frozen for {freeze:g} s, then half-open probes"
 
     def _publish_breaker(self) -> None:
         for s in BreakerState:

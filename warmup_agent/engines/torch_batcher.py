@@ -290,6 +290,11 @@ class Batcher:
         self.counters.requests += 1
         self._queue.put(job)
 
+    @property
+    def idle(self) -> bool:
+        """No batch is running (its counters are final)."""
+        return self._running_since is None
+
     def served_within(self, seconds: float) -> float | None:
         """Seconds since a user batch last ran (0 while one runs) when at most
         `seconds`, else None: the agent pauses its watch probes meanwhile

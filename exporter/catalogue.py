@@ -141,6 +141,10 @@ CORE: tuple[MetricSpec, ...] = (
                labels=("remedy",), unit="short", requires="decode_probes",
                doc="A gauge, not an info metric: an info metric without labels set would still expose a series "
                    "and read as a finding on every pod."),
+    MetricSpec("warmup_server_remedy_applied_info", "gauge",
+               "1, with the environment as a label, when the agent started its supervised server with the remedy for a per-sequence-length cost (openai.apply_server_remedy); absent otherwise.",
+               labels=("remedy",), unit="short", requires="decode_probes",
+               doc="A gauge, not an info metric, for the same reason as warmup_per_length_remedy_info."),
     MetricSpec("warmup_paths", "gauge",
                "Warmup paths (endpoint x sampling family x batch size x prompt length) by what the measured-benefit warmup did with them.",
                labels=("result",), unit="short", requires="decode_probes",

@@ -37,6 +37,7 @@ class MetricHandles:
     warmup_first_user_request_total_tax_ratio: Gauge
     warmup_per_length_decode_ratio: Gauge
     warmup_per_length_remedy_info: Gauge
+    warmup_server_remedy_applied_info: Gauge
     warmup_paths: Gauge
     warmup_budget_seconds: Gauge
     warmup_memory_jitter_ratio: Gauge
@@ -95,6 +96,7 @@ NAMES: tuple[str, ...] = (
     "warmup_first_user_request_total_tax_ratio",
     "warmup_per_length_decode_ratio",
     "warmup_per_length_remedy_info",
+    "warmup_server_remedy_applied_info",
     "warmup_paths",
     "warmup_budget_seconds",
     "warmup_memory_jitter_ratio",

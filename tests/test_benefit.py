@@ -84,7 +84,8 @@ def test_a_noise_spike_on_the_last_call_does_not_become_the_steady_level():
     steady = SteadyLevels()
     server = StandInServer({ANCHOR: [-0.006, 0.347]})          # 24 ms, then 377 ms
     out = benefit.warm_path(ANCHOR, server.send, steady, never_ends(), tol=0.2, max_calls=4)
-    assert out.result == "converged" and len(out.calls) == 2
+    # the second call is the first's control: not faster, so the first was not cold
+    assert out.result == "warm_on_first_call" and len(out.calls) == 2 and out.reason == benefit.ORDINARY
     assert steady.ttft_ref(1, 300) == pytest.approx(0.024)
 
 
@@ -122,105 +123,80 @@ def test_fresh_lengths_avoid_every_decoded_range():
     assert all(n > 20 for n in benefit.fresh_lengths(10, 12, [(10, 20)], 2, 8))
 
 
-def test_pays_per_length_needs_every_new_length_slower():
-    steady_tpot = 0.030
-    slow = [Call(0.03, 0.03 + 7 * 0.09, 8), Call(0.03, 0.03 + 7 * 0.08, 8)]
-    assert benefit.pays_per_length(slow, steady_tpot, 1.5) == (True, [3.0, 2.667])
-    mixed = [slow[0], Call(0.03, 0.03 + 7 * 0.031, 8)]
-    assert benefit.pays_per_length(mixed, steady_tpot, 1.5)[0] is False
-    assert benefit.pays_per_length(slow, None, 1.5) == (False, [])
+def pair(first_ttft: float, first_tpot: float, control_ttft: float, control_tpot: float, tokens: int = 8,
+         first_server: float | None = None, control_server: float | None = None) -> benefit.Controlled:
+    return benefit.Controlled(Call(first_ttft, first_ttft + (tokens - 1) * first_tpot, tokens, server_prefill=first_server),
+                              Call(control_ttft, control_ttft + (tokens - 1) * control_tpot, tokens,
+                                   server_prefill=control_server))
 
 
-def test_prefill_is_warm_only_when_every_fresh_length_matches_the_anchor():
-    steady = SteadyLevels()
-    steady.add(Path("chat", "sampled", 1, 310), Call(0.033, 0.033 + 7 * 0.0033, 8))
-    warm = [(223, Call(0.030, 0.06, 8)), (266, Call(0.036, 0.07, 8))]      # within 20 % + 2 ms of 33 ms
-    assert benefit.prefill_warm(warm, steady, 1, 0.2)
-    cold = [warm[0], (266, Call(0.045, 0.08, 8))]                           # 45 ms > 38.3 ms: a new length costs
-    assert not benefit.prefill_warm(cold, steady, 1, 0.2)
-    # llama.cpp on the H200: 41.2 ms against an anchor of 33.6 ms is inside 20 % + 2 ms
-    # (42.3 ms) but not inside half of it (39.0 ms): the user's first request paid 1.32x
-    llama = SteadyLevels()
-    llama.add(Path("chat", "sampled", 1, 310), Call(0.0336, 0.0336 + 7 * 0.0033, 8))
-    assert not benefit.prefill_warm([(223, Call(0.04117, 0.07, 8)), (266, Call(0.04027, 0.07, 8))], llama, 1, 0.2)
-    assert not benefit.prefill_warm([], steady, 1, 0.2)                     # not measured: not warm
-    assert not benefit.prefill_warm(warm, steady, 2, 0.2)                   # no steady level at batch 2
+def test_pays_per_length_needs_every_new_length_slower_than_its_control():
+    slow = [pair(0.03, 0.09, 0.03, 0.03), pair(0.03, 0.08, 0.03, 0.03)]
+    assert benefit.pays_per_length(slow, 1.5) == (True, [3.0, 2.667])
+    mixed = [slow[0], pair(0.03, 0.031, 0.03, 0.03)]
+    assert benefit.pays_per_length(mixed, 1.5)[0] is False
+    one_token = [benefit.Controlled(Call(0.03, 0.03, 1), Call(0.03, 0.03, 1))]
+    assert benefit.pays_per_length(one_token, 1.5) == (False, [])
 
 
-def test_the_servers_own_prefill_clock_decides_where_it_reports_one():
-    """H200 llama.cpp run 7, start 0: fresh lengths' first tokens 30.1 and 31.9 ms against
-    the anchor's 27.7 ms are inside tol / 2 + 2 ms, but the server's own prefill says a
-    new length costs (the user's first request then prefilled in 16.1 ms against 8.7 ms)."""
-    steady = SteadyLevels()
-    steady.add(Path("chat", "sampled", 1, 310), Call(0.0277, 0.0277 + 47 * 0.003, 48, 310, server_prefill=0.0087))
-    assert steady.prefill_ref(1, 223) == pytest.approx(0.0087) and steady.prefill_ref(2, 223) is None
-    client_only = [(223, Call(0.03013, 0.18, 48, 223)), (266, Call(0.03189, 0.18, 48, 266))]
-    assert benefit.prefill_warm(client_only, steady, 1, 0.2)                # the client's clock alone: "warm"
-    cold = [(223, Call(0.03013, 0.18, 48, 223, server_prefill=0.0161)), (266, Call(0.03189, 0.18, 48, 266, server_prefill=0.0158))]
-    assert not benefit.prefill_warm(cold, steady, 1, 0.2)
-    # and the other way: a noisy client first token, while the server prefilled at its steady speed
-    # (the reference is the anchor's 8.7 ms scaled to each length: 6.26 ms at 223, 7.47 ms at 266)
-    warm = [(223, Call(0.045, 0.2, 48, 223, server_prefill=0.0066)), (266, Call(0.050, 0.2, 48, 266, server_prefill=0.0079))]
-    assert benefit.prefill_warm(warm, steady, 1, 0.2)
-    # 7.47 ms x 1.1 + 0.5 ms = 8.71 ms at 266: just over it pays
-    assert benefit.prefill_warm([(266, Call(0.028, 0.2, 48, 266, server_prefill=0.0086))], steady, 1, 0.2)
-    assert not benefit.prefill_warm([(266, Call(0.028, 0.2, 48, 266, server_prefill=0.0088))], steady, 1, 0.2)
+def test_prefill_is_cold_only_beyond_its_control_and_the_server_clock_decides_where_there_is_one():
+    assert not benefit.prefill_cold(pair(0.036, 0.003, 0.033, 0.003), 0.2)     # within 10 % + 2 ms
+    assert benefit.prefill_cold(pair(0.045, 0.003, 0.033, 0.003), 0.2)
+    # llama.cpp: 60 ms in the slot after concurrent requests, the prefill itself at its control's speed
+    assert not benefit.prefill_cold(pair(0.095, 0.003, 0.040, 0.003, first_server=0.0090, control_server=0.0088), 0.2)
+    assert benefit.prefill_cold(pair(0.040, 0.003, 0.040, 0.003, first_server=0.0187, control_server=0.0088), 0.2)
 
 
-def test_the_servers_prefill_reference_scales_down_to_a_shorter_fresh_length():
-    """H200 llama.cpp run 9, start 2: the anchor at 310 tokens read 17.69 ms steady on the
-    server; fresh lengths 223 and 266 read 14.88 and 16.25 ms, under the anchor's time but
-    over its time scaled to their length (12.7 and 15.2 ms). The old upper-bound reference
-    called them warm, the lengths were skipped, and the user's first request paid 1.95x."""
-    steady = SteadyLevels()
-    steady.add(Path("chat", "sampled", 1, 310), Call(0.03, 0.03 + 47 * 0.003, 48, 310, server_prefill=0.01769))
-    assert steady.prefill_ref_at(1, 223) == pytest.approx(0.01769 * 223 / 310)
-    assert steady.prefill_ref_at(1, 400) == pytest.approx(0.01769 * 400 / 310)
-    tested = [(223, Call(0.033, 0.18, 48, 223, server_prefill=0.014878)), (266, Call(0.034, 0.18, 48, 266, server_prefill=0.016252))]
-    assert not benefit.prefill_warm(tested, steady, 1, 0.2)
+def test_the_ordinary_cost_a_control_pays_too_is_not_cold():
+    """H200 llama.cpp (issue 40): the first probe after four concurrent 490-token warmup
+    requests took 91.5 ms where steady was 24.4 ms; a control after the same
+    predecessor pays the same slot cost, so the tax is about 1, not 3.75."""
+    ordinary = benefit.Controlled(Call(0.0915, 0.0915, 1), Call(0.0890, 0.0890, 1))
+    assert not ordinary.cold(0.2)
+    assert ordinary.ttft_tax(0.0244) == pytest.approx(1 + 0.0025 / 0.0244)
+    cold = benefit.Controlled(Call(0.0915, 0.0915, 1), Call(0.0250, 0.0250, 1))
+    assert cold.cold(0.2) and cold.ttft_tax(0.0244) == pytest.approx(1 + 0.0665 / 0.0244)
+    slow_decode = benefit.Controlled(Call(0.03, 0.03 + 7 * 0.009, 8), Call(0.03, 0.03 + 7 * 0.003, 8))
+    assert slow_decode.cold(0.2) and slow_decode.total_tax(0.051) == pytest.approx(1 + 0.042 / 0.051)
 
 
-def test_a_batch_reports_a_server_prefill_only_when_every_request_has_one():
-    from warmup_agent.engines.base import RequestResult
-    both = [RequestResult(0.03, 0.1, 20, 4, 0.008), RequestResult(0.031, 0.12, 20, 4, 0.009)]
-    assert benefit.call_of(both).server_prefill == pytest.approx(0.009)
-    assert benefit.call_of([both[0], RequestResult(0.03, 0.1, 20, 4)]).server_prefill is None
+def test_a_control_after_a_replayed_predecessor_decides_whether_the_first_call_was_cold():
+    """The first call after a longer predecessor pays 60 ms more; its control is sent
+    after the same predecessor (replay) and pays it too: one call, warm."""
+    sent: list[str] = []
+    after_long = [True]          # the path's first call follows a longer request
+
+    def send(path: Path) -> Call:
+        sent.append("path")
+        extra = 0.060 if after_long[0] else 0.0
+        after_long[0] = False
+        return Call(0.030 + extra, 0.030 + extra, 1)
+
+    def replay() -> None:
+        sent.append("replay")
+        after_long[0] = True
+    out = benefit.warm_path(ANCHOR, send, SteadyLevels(), never_ends(), tol=0.2, max_calls=4, replay=replay)
+    assert sent == ["path", "replay", "path"] and out.result == "warm_on_first_call"
+    # without the replay, the same server looks cold and gets a third call
+    sent.clear()
+    after_long[0] = True
+    out = benefit.warm_path(ANCHOR, send, SteadyLevels(), never_ends(), tol=0.2, max_calls=4)
+    assert sent == ["path", "path", "path"] and out.result == "converged"
 
 
-# --- the probe log ---------------------------------------------------------------------
-def test_first_request_figures_against_later_probes_of_the_same_length():
-    probes = [Probe(0.060, 0.060 + 47 * 0.004, 48, 262),        # first: the profile's longest answer
-              Probe(0.030, 0.030 + 7 * 0.003, 8, 262), Probe(0.032, 0.032 + 7 * 0.003, 8, 262)]
-    fr = first_request(probes)
-    assert fr is not None
-    assert fr.ttft_tax == pytest.approx(0.060 / 0.031)
-    # steady whole answer of 48 tokens: steady TTFT + 47 x steady time per token
-    assert fr.steady_total_seconds == pytest.approx(0.031 + 47 * 0.003)
-    assert fr.total_tax == pytest.approx((0.060 + 47 * 0.004) / (0.031 + 47 * 0.003))
+def test_a_wave_sends_one_call_per_path_at_once_then_their_controls_and_only_cold_paths_go_on():
+    a, b, c = (Path("chat", "greedy", 1, 300), Path("completions", "sampled", 1, 300), Path("chat", "sampled", 2, 300))
+    waves: list[list[Path]] = []
+    cold = {b: [0.200]}                 # b pays 200 ms on its first call only
 
+    def send_wave(paths):
+        waves.append(list(paths))
+        n = len(waves)
+        return [Call(0.050 + (cold.get(p, [0])[0] if n == 1 else 0), 0.06, 2) for p in paths]
 
-def test_same_length_answers_compare_whole_answers_directly():
-    probes = [Probe(0.02, 0.02, 1), Probe(0.01, 0.01, 1), Probe(0.03, 0.03, 1)]
-    fr = first_request(probes)
-    assert fr is not None and fr.ttft_tax == pytest.approx(1.0) and fr.total_tax == pytest.approx(1.0)
-
-
-def test_one_probe_has_no_tax_and_no_probe_no_figures():
-    fr = first_request([Probe(0.02, 0.05, 4)])
-    assert fr is not None and fr.ttft_tax is None and fr.total_tax is None
-    assert first_request([]) is None
-
-
-def test_the_figures_freeze_when_the_gate_opens():
-    log = ProbeLog()
-    for p in (Probe(0.05, 0.05, 1), Probe(0.01, 0.01, 1), Probe(0.01, 0.01, 1)):
-        log.add(p)
-    frozen = log.freeze()
-    log.add(Probe(0.5, 0.5, 1))          # a slow probe after SERVING
-    assert log.figures == frozen and len(log.gate_probes) == 3 and len(log.ttfts) == 4
-    log.restart()                        # a re-warm: the next probe is a first request again
-    assert log.figures is None and len(log.ttfts) == 4
-    log.add(Probe(0.2, 0.2, 1))
-    log.add(Probe(0.1, 0.1, 1))
-    fr = log.figures
-    assert fr is not None and fr.ttft_seconds == 0.2 and fr.ttft_tax == pytest.approx(2.0)
+    server = StandInServer({})
+    outs = benefit.warm_wave([a, b, c], send_wave, server.send, SteadyLevels(), never_ends(), tol=0.2, max_calls=4)
+    assert waves == [[a, b, c], [a, b, c]]
+    assert [o.result for o in outs] == ["warm_on_first_call", "converged", "warm_on_first_call"]
+    assert server.sent == [b, b]                 # only the cold path went on, alone
+    assert outs[0].reason == benefit.ORDINARY

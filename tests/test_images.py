@@ -274,7 +274,8 @@ def test_sidecar_image_install_steps_warm_vllm_without_torch(tmp_path, helm_env,
         record = json.loads(rec.read_text())
         # Warmed by measured benefit: what the prewarm record lists is what was sent.
         prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
-        assert record["final_state"] == "SERVING" and record["warmup_requests"] == requests_in_record(prewarm) > 0
+        ready = next(s for s in record["stages"] if s["name"] == "ready")
+        assert record["final_state"] == "SERVING" and record["warmup_requests"] == requests_in_record(prewarm, ready) > 0
     finally:
         stop_process(server)
 

@@ -98,7 +98,7 @@ def test_agent_warms_the_server_then_serves(served):
     # Warmed by measured benefit: every request is one of the record's paths' calls,
     # the per-length test's or a decode-coverage tile's; every API and family was warmed.
     detail = agent.stages[1].detail
-    assert agent.warmup_requests == requests_in_record(detail)
+    assert agent.warmup_requests == requests_in_record(detail, agent.stages[3].detail)
     warmed = {p["path"].rsplit("/", 2)[0] for p in detail["paths"] if p["calls"]}
     assert {"chat/sampled", "chat/greedy", "completions/sampled", "completions/greedy"} <= warmed
     received = [l for l in lines.lines if "Received request " in l]

@@ -24,26 +24,25 @@ def test_the_line_names_the_first_tokens_only_when_given():
     assert "first tokens" not in per_length_line([2.6, 2.6], [], remedy)
 
 
-def scripted_warmup(anchor: list[Call], fresh: list[Call]) -> tuple[_ProfileWarmup, list[int]]:
-    """A _ProfileWarmup past its anchor (310 tokens, `anchor` calls), whose per-length
-    test gets the `fresh` calls in turn; returns it and the lengths it was sent."""
+def scripted_warmup(fresh: list[Call], controls: list[Call]) -> tuple[_ProfileWarmup, list[list[int]]]:
+    """A _ProfileWarmup past its anchor (310 tokens), whose per-length test gets the
+    `fresh` calls (its first wave) and then their `controls` (the same lengths again);
+    returns it and the lengths of each wave it sent."""
     w = object.__new__(_ProfileWarmup)
     w.ctx = SimpleNamespace(metrics=AgentMetrics(), engine=SimpleNamespace(server_name="transformers serve"))
-    w.pc = SimpleNamespace(per_length_ratio=1.5)
-    w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 8
+    w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8)
+    w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
     w.budget = benefit.Budget(0, "none")
     w.steady = benefit.SteadyLevels()
-    anchor_path = Path("chat", "sampled", 1, 310)
-    for c in anchor:
-        w.steady.add(anchor_path, c)
-    w.decoded = [(310, 318)] * len(anchor)
-    sent: list[int] = []
-    replies = iter(fresh)
+    w.concurrency = 1
+    w.decoded = [(310, 312)] * 3
+    sent: list[list[int]] = []
+    replies = iter([fresh, controls])
 
-    def send(path: Path, tokens: int | None = None) -> Call:
-        sent.append(path.prompt_tokens)
+    def send_wave(paths: list[Path], tokens: dict) -> list[Call]:
+        sent.append([p.prompt_tokens for p in paths])
         return next(replies)
-    w.send = send                            # type: ignore[method-assign]
+    w.send_wave = send_wave                  # type: ignore[method-assign]
     return w, sent
 
 
@@ -52,18 +51,20 @@ def call(ttft_ms: float, tpot_ms: float, prompt: int) -> Call:
 
 
 def test_defaults_run6_logs_decode_and_first_token_costs(caplog):
-    anchor = [call(117.34, 205.64, 310), call(47.8, 35.52, 310), call(50.23, 30.27, 310)]
-    fresh_lengths = benefit.fresh_lengths(180, 310, [(310, 318)], 2, 8)     # what the test will pick
-    # the fresh calls as run 6 start 0 measured them (decode 5.3x and 3.2x steady)
-    w, sent = scripted_warmup(anchor, [call(116.29, 5.347 * 35.515, fresh_lengths[0]),
-                                       call(150.32, 3.186 * 35.515, fresh_lengths[1])])
+    fresh_lengths = benefit.fresh_lengths(180, 310, [(310, 312)], 2, 8)     # what the test will pick
+    # the fresh calls as run 6 start 0 measured them (decode 5.3x and 3.2x steady); their
+    # controls, the same lengths again, as a warm server answers them (the steady 47.8 ms
+    # first token and 35.5 ms per token: bench/results/diag_server_fresh_h200_default_run*.json
+    # found no cost in a length seen before)
+    w, sent = scripted_warmup([call(116.29, 5.347 * 35.515, fresh_lengths[0]), call(150.32, 3.186 * 35.515, fresh_lengths[1])],
+                              [call(47.8, 35.515, fresh_lengths[0]), call(47.8, 35.515, fresh_lengths[1])])
     with caplog.at_level(logging.WARNING, logger="warmup_agent.stages.prewarm"):
         per_length = w.per_length_test()
-    assert sent == fresh_lengths
+    assert sent == [fresh_lengths, fresh_lengths]
     assert per_length["pays"] and per_length["prefill_pays"]
     lines = [r.getMessage() for r in caplog.records if "pays per sequence length" in r.getMessage()]
     assert len(lines) == 1
-    # first tokens over the anchor's steady 47.8 ms (the nearest warm length above each)
+    # first tokens over their controls' 47.8 ms
     assert ", and their first tokens came 2.4x, 3.1x its steady first token; remedy: set TORCH_CUDNN" in lines[0]
     assert w.ctx.metrics.registry.get_sample_value("warmup_per_length_remedy_info",
                                                    {"remedy": per_length["remedy"]}) == 1
@@ -71,10 +72,18 @@ def test_defaults_run6_logs_decode_and_first_token_costs(caplog):
 
 def test_a_server_that_does_not_pay_logs_nothing(caplog):
     """tfserve + switch run 8 start 4: decode at new lengths at steady speed; the first
-    tokens read 1.28x and 1.25x the anchor's, so prefill_pays, but no line is logged."""
-    anchor = [call(46.55, 30.0, 310), call(31.52, 24.052, 310), call(32.7, 24.0, 310)]
-    w, _ = scripted_warmup(anchor, [call(40.44, 1.067 * 24.052, 223), call(39.47, 0.97 * 24.052, 266)])
+    tokens read 1.28x and 1.25x steady, so prefill_pays, but no line is logged."""
+    w, _ = scripted_warmup([call(40.44, 1.067 * 24.052, 223), call(39.47, 0.97 * 24.052, 266)],
+                           [call(31.52, 24.052, 223), call(31.52, 24.052, 266)])
     with caplog.at_level(logging.WARNING, logger="warmup_agent.stages.prewarm"):
         per_length = w.per_length_test()
     assert not per_length["pays"] and per_length["prefill_pays"]
     assert not [r for r in caplog.records if "pays per sequence length" in r.getMessage()]
+
+
+def test_concurrent_requests_and_their_controls_pay_the_same_so_nothing_is_cold():
+    """llama.cpp (issue 40): two fresh lengths sent at once pay the slot cost of
+    concurrent requests, and so do their controls: no length cost is found."""
+    w, _ = scripted_warmup([call(95.0, 3.0, 223), call(101.0, 3.0, 266)], [call(93.0, 3.0, 223), call(99.0, 3.0, 266)])
+    per_length = w.per_length_test()
+    assert not per_length["pays"] and not per_length["prefill_pays"]

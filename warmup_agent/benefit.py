@@ -18,6 +18,16 @@ so that a 6 ms request is not "slower" for 1 ms of jitter:
   the call decoded, TPOT <= (1 + tol) x the steady TPOT of its batch size;
 - stopped getting faster: the later of two calls is not faster than the earlier
   by more than tol, on TTFT and on TPOT; or a later call matches steady.
+
+A path's first call that does not match steady is judged against a control
+(`Controlled`, issue 40): the same shape with a fresh prompt, sent after the same
+predecessor (`replay` re-sends it where the path's own first call would not be one:
+a longer prompt, or more requests at once).  A server has ordinary costs that are
+not cold start: on llama.cpp a request right after a much longer one, or after
+concurrent ones, spends 60-100 ms more in its slot, warm or not.  The control pays
+them too; only what the first call pays beyond its control is cold.  The same
+measurement judges the readiness probes and gives the exported first-request
+figures (warmup_agent/probes.py).
 """
 from __future__ import annotations
 
@@ -74,6 +84,40 @@ def within(value: float, ref: float, tol: float, slack: float = SLACK_SECONDS) -
     return value <= ref * (1 + tol) + slack
 
 
+@dataclass(frozen=True)
+class Controlled:
+    """A "first" call and its control: the same shape with a fresh prompt, sent after
+    the same predecessor (prompt length, requests at once).  The one cold-start
+    measurement: the warmup's stop rule (`warm_path`, `warm_wave`), the readiness
+    gate and the exported first-request figures (probes.py) all read it."""
+    first: Call
+    control: Call
+
+    def cold(self, tol: float) -> bool:
+        """The first call paid more than its control, beyond tol (TTFT, or TPOT where both decoded)."""
+        if not within(self.first.ttft, self.control.ttft, tol):
+            return True
+        f, c = self.first.tpot, self.control.tpot
+        return f is not None and c is not None and not within(f, c, tol)
+
+    def ttft_tax(self, steady_ttft: float) -> float:
+        """The first call's time to first token over `steady_ttft`, less what its control
+        paid too: 1 + (first - control) / steady.  1.0: nothing was cold."""
+        return max(0.0, 1 + (self.first.ttft - self.control.ttft) / steady_ttft)
+
+    def total_tax(self, steady_total: float) -> float:
+        """The same on the whole answer."""
+        return max(0.0, 1 + (self.first.total - self.control.total) / steady_total)
+
+    def as_dict(self) -> dict:
+        return {"first_ttft_ms": round(self.first.ttft * 1e3, 2), "control_ttft_ms": round(self.control.ttft * 1e3, 2),
+                "first_total_ms": round(self.first.total * 1e3, 2), "control_total_ms": round(self.control.total * 1e3, 2)}
+
+
+#: Why a path got one call only although its first did not match steady (the record).
+ORDINARY = "its control, sent after the same predecessor, paid the same: the server's ordinary cost, not a cold start"
+
+
 def stopped_improving(prev: Call, cur: Call, tol: float) -> bool:
     """`cur` is not faster than `prev` by more than tol (TTFT, and TPOT when both decoded)."""
     if not within(prev.ttft, cur.ttft, tol):
@@ -88,15 +132,11 @@ class SteadyLevels:
 
     def __init__(self) -> None:
         self._ttft: dict[int, dict[int, float]] = {}
-        self._prefill: dict[int, dict[int, float]] = {}   # the server's own prefill times, where reported
         self._tpot: dict[int, list[float]] = {}
 
     def add(self, path: Path, call: Call) -> None:
         by_len = self._ttft.setdefault(path.batch, {})
         by_len[path.prompt_tokens] = min(by_len.get(path.prompt_tokens, call.ttft), call.ttft)
-        if call.server_prefill is not None:
-            pre = self._prefill.setdefault(path.batch, {})
-            pre[path.prompt_tokens] = min(pre.get(path.prompt_tokens, call.server_prefill), call.server_prefill)
         if call.tpot is not None:
             self._tpot.setdefault(path.batch, []).append(call.tpot)
 
@@ -105,24 +145,6 @@ class SteadyLevels:
         length, so that is an upper bound); above every warm length, the longest
         one scaled by the length ratio (an upper bound again)."""
         return _nearest_above(self._ttft.get(batch), length)
-
-    def prefill_ref(self, batch: int, length: int) -> float | None:
-        """The same over the server's own prefill times; None where it reported none."""
-        return _nearest_above(self._prefill.get(batch), length)
-
-    def prefill_ref_at(self, batch: int, length: int) -> float | None:
-        """The server's steady prefill scaled to `length` from the nearest warm length
-        (by the length ratio, down as well as up). The server's own clock has no HTTP
-        cost in it, so its prefill is close to proportional to the prompt: the upper
-        bound of prefill_ref hid a cold length. H200 llama.cpp run 9: the anchor at 310
-        tokens read 17.7 ms steady, fresh lengths 223 and 266 read 14.9 and 16.3 ms
-        (under the bound, so warm), the lengths were skipped and the user's 243-token
-        first request prefilled in 1.95x its steady time (1.29x on the client)."""
-        known = self._prefill.get(batch)
-        if not known:
-            return None
-        nearest = _nearest_length(known, length)
-        return known[nearest] * length / nearest
 
     def tpot_ref(self, batch: int) -> float | None:
         values = self._tpot.get(batch)
@@ -138,17 +160,12 @@ class SteadyLevels:
         return True
 
 
-def _nearest_length(known: dict[int, float], length: int) -> int:
-    """The shortest known length >= `length`; above all of them, the longest."""
-    above = [n for n in known if n >= length]
-    return min(above) if above else max(known)
-
-
 def _nearest_above(known: dict[int, float] | None, length: int) -> float | None:
     """The level of the nearest length >= `length`; above all, the longest scaled by the length ratio."""
     if not known:
         return None
-    nearest = _nearest_length(known, length)
+    above = [n for n in known if n >= length]
+    nearest = min(above) if above else max(known)
     return known[nearest] * max(1.0, length / nearest)
 
 
@@ -205,9 +222,18 @@ class Outcome:
 
 
 def warm_path(path: Path, send: Callable[[Path], Call], steady: SteadyLevels, budget: Budget,
-              tol: float, max_calls: int) -> Outcome:
-    """Send `path` until it is warm (see the module docstring); record its steady level."""
-    out = Outcome(path, "skipped")
+              tol: float, max_calls: int, replay: Callable[[], None] | None = None,
+              calls: Sequence[Call] = ()) -> Outcome:
+    """Send `path` until it is warm (see the module docstring); record its steady level.
+    `replay`: re-sends the first call's predecessor before the control (None: the
+    path's own first call is as good a predecessor).  `calls`: calls already made
+    (a wave's first call and its control, `warm_wave`): the rules go on from there."""
+    out = Outcome(path, "skipped", calls=list(calls))
+    if len(out.calls) >= 2:
+        out.result = "still_improving"
+        if not Controlled(out.calls[0], out.calls[1]).cold(tol):
+            out.result, out.reason = "warm_on_first_call", ORDINARY
+            return out      # calls sent at once are no steady level (see warm_wave)
     while len(out.calls) < max_calls:
         if budget.exhausted():
             if not out.calls:
@@ -215,23 +241,47 @@ def warm_path(path: Path, send: Callable[[Path], Call], steady: SteadyLevels, bu
                 return out
             out.result, out.reason = "still_improving", "budget ran out on this path"
             break
+        if len(out.calls) == 1 and replay is not None:
+            replay()
         call = send(path)
         out.calls.append(call)
         if len(out.calls) == 1:
             if steady.matches(path, call, tol):
                 out.result = "warm_on_first_call"
                 break
+        elif len(out.calls) == 2 and not Controlled(out.calls[0], call).cold(tol):
+            out.result, out.reason = "warm_on_first_call", ORDINARY   # the second call was its control
+            break
         elif steady.matches(path, call, tol) or stopped_improving(out.calls[-2], call, tol):
             out.result = "converged"      # at the steady level other paths measured, or no faster
             break
     else:
         out.result, out.reason = "still_improving", f"prewarm.max_calls_per_path {max_calls} reached"
-    if out.calls:
+    alone = out.calls[len(calls):]      # the given calls were sent at once: no steady level
+    if alone:
         # The fastest call is the steady level: a path that "stopped getting faster"
         # because its last call hit a noise spike must not lift the reference that
         # every later path is judged against (seen: 24 then 377 ms on shared cores).
-        steady.add(path, min(out.calls, key=lambda c: c.ttft))
+        steady.add(out.path, min(alone, key=lambda c: c.ttft))
     return out
+
+
+def warm_wave(paths: Sequence[Path], send_wave: Callable[[Sequence[Path]], list[Call]], send: Callable[[Path], Call],
+              steady: SteadyLevels, budget: Budget, tol: float, max_calls: int) -> list[Outcome]:
+    """One call per path, all sent at once (`send_wave`: concurrently, as many at a
+    time as the server takes), then the same wave again as their controls: each call
+    of the second wave has the same predecessors as its first.  A path whose first
+    call was not cold beyond its control is done; a cold one goes on alone
+    (`warm_path`).  Calls at once pay the server's concurrency cost, so they are judged
+    against each other, never against the steady levels of calls sent alone."""
+    if not paths:
+        return []
+    if budget.exhausted():
+        return [Outcome(p, "skipped", "budget") for p in paths]
+    first = send_wave(paths)
+    control = send_wave(paths)
+    return [warm_path(p, send, steady, budget, tol, max_calls, calls=[f, c])
+            for p, f, c in zip(paths, first, control, strict=True)]
 
 
 def fresh_lengths(lo: int, hi: int, used: Sequence[tuple[int, int]], count: int, answer: int) -> list[int]:
@@ -258,40 +308,23 @@ def fresh_lengths(lo: int, hi: int, used: Sequence[tuple[int, int]], count: int,
     return picks
 
 
-def prefill_warm(tested: Sequence[tuple[int, Call]], steady: SteadyLevels, batch: int, tol: float) -> bool:
-    """Whether every (prompt length, call) of the per-length test, at lengths no
-    request had reached, had its first token within tol / 2 of the steady TTFT
-    (`SteadyLevels.ttft_ref`): then warming other prompt lengths buys nothing.
-
-    Half the path tolerance, because this predicts lengths nobody measured and a
-    first token is mostly fixed cost.  On llama.cpp (H200, 1.5B) a new length's
-    prefill took 13-23 ms on the server against 8-10 ms warm, so fresh lengths came
-    1.14-1.56x the anchor's 30 ms first token; one start judged 1.20x warm under the
-    full 20 % + 2 ms, skipped the lengths, and the user's first request paid 1.32x.
+def prefill_cold(pair: Controlled, tol: float) -> bool:
+    """Whether a fresh prompt length's first token cost more than its control's (the
+    same length again, after the same predecessor), beyond tol / 2: then other prompt
+    lengths are worth warming.  Half the path tolerance, because this predicts lengths
+    nobody measured and a first token is mostly fixed cost.
 
     Where the server times its own prefill (llama-server's timings.prompt_ms), that
-    clock decides: a later H200 run read fresh lengths at 1.09x and 1.15x the
-    anchor's first token (inside tol / 2 + 2 ms), skipped the lengths, and the user's
-    first request then prefilled in 16.1 ms on the server against 8.7 ms steady
-    (1.33x on the client): the client's 30 ms first token hides an 8 ms prefill."""
-    if not tested:
-        return False
-    for length, call in tested:
-        server_ref = steady.prefill_ref_at(batch, length)
-        if call.server_prefill is not None and server_ref is not None:
-            if not within(call.server_prefill, server_ref, tol / 2, SERVER_SLACK_SECONDS):
-                return False
-            continue
-        ref = steady.ttft_ref(batch, length)
-        if ref is None or not within(call.ttft, ref, tol / 2):
-            return False
-    return True
+    clock decides: the client's 30 ms first token hides an 8 ms prefill, and a
+    request's wait in its slot after a longer or concurrent one is not prefill."""
+    f, c = pair.first.server_prefill, pair.control.server_prefill
+    if f is not None and c is not None:
+        return not within(f, c, tol / 2, SERVER_SLACK_SECONDS)
+    return not within(pair.first.ttft, pair.control.ttft, tol / 2)
 
 
-def pays_per_length(calls: Sequence[Call], steady_tpot: float | None, ratio: float) -> tuple[bool, list[float]]:
-    """Whether decode at new sequence lengths is slower than steady by more than
-    `ratio`, on every one of `calls` (the per-length test)."""
-    if steady_tpot is None or steady_tpot <= 0:
-        return False, []
-    ratios = [c.tpot / steady_tpot for c in calls if c.tpot is not None]
-    return bool(ratios) and all(r > ratio for r in ratios), [round(r, 3) for r in ratios]
+def pays_per_length(pairs: Sequence[Controlled], ratio: float) -> tuple[bool, list[float]]:
+    """Whether decode at new sequence lengths is slower than at the same lengths again
+    (their controls) by more than `ratio`, on every pair (the per-length test)."""
+    ratios = [f / c for p in pairs if (f := p.first.tpot) is not None and (c := p.control.tpot)]
+    return bool(ratios) and len(ratios) == len(pairs) and all(r > ratio for r in ratios), [round(r, 3) for r in ratios]

@@ -69,6 +69,7 @@ class PrewarmSection:
     converge_tolerance: float
     max_calls_per_path: int
     warm_answer_tokens: int
+    per_length_tokens: int
     per_length_ratio: float
     max_output_tokens: int
 
@@ -135,6 +136,8 @@ class OpenaiSection:
     restart_backoff_max_seconds: float
     drain_seconds: float
     health_path: str
+    concurrency: int
+    apply_server_remedy: bool
     api: str
 
 

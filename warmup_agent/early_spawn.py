@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from warmup_agent import server_process
-from warmup_agent.server_command import is_vllm, listen_address, server_env
+from warmup_agent.server_command import is_vllm, listen_address, server_env, server_remedy
 
 if TYPE_CHECKING:
     from warmup_agent.config import Config
@@ -108,7 +108,8 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
     if cfg is None or cfg.engine != "openai":
         return None
     host, _ = listen_address(command)
-    return command, server_env(environ, cfg.data_dir, host, cfg.lora.adapters), cfg
+    remedy = server_remedy(command) if cfg.openai.apply_server_remedy else {}
+    return command, server_env(environ, cfg.data_dir, host, cfg.lora.adapters, remedy), cfg
 
 
 def _can_start(command: list[str]) -> bool:

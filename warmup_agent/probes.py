@@ -1,15 +1,23 @@
 """The probe log: every readiness probe, and the first-request figures computed
-once, here, from them (issue 30).
+once, here, from them (issues 30, 40).
 
-The first probe after warmup stands for the pod's first user request; the
-probes after it (same prompt length, fresh prompts) give the steady level.
-  first-request tax (TTFT)  first probe's TTFT / median TTFT of the later probes
-  whole-answer tax          first probe's whole answer / the steady whole answer
-                            of the same length: the median of the later probes'
-                            whole answers when they have as many output tokens,
-                            else steady TTFT + (tokens - 1) x median steady time
-                            per output token (later probes may be shorter, to
-                            keep readiness cheap on a slow server)
+The gate's first probe stands for the pod's first user request, and its control
+(the same shape, a fresh prompt, sent after the same predecessor: the ready stage
+re-sends the last warmup requests first where they were longer or more at once)
+says which part of it the server pays anyway (benefit.Controlled): on llama.cpp a
+request right after a much longer one, or after concurrent ones, pays 60-100 ms
+more in its slot, warm or not.  The probes after the control give the steady level.
+  first-request tax (TTFT)  1 + (first probe's TTFT - its control's) / steady TTFT,
+                            the steady TTFT being the median of the probes after
+                            the first (the control among them)
+  whole-answer tax          the same on the whole answer, over the steady whole
+                            answer of the same length: the median of the later
+                            probes' whole answers when they have as many output
+                            tokens, else steady TTFT + (tokens - 1) x median steady
+                            time per output token
+Where a first probe was cold beyond its control, the gate sends another pair: the
+figures are those of the pair that let the gate open (`pair`), the state users meet.
+Without a control (a gate of one probe), the first probe over the steady level.
 On a server that pays per decode length, the whole-answer tax is the one a
 user's first request meets after the probes have warmed their own lengths
 (warmup_agent/cold_decode.py); `measured_total_tax` keeps the first probe's.
@@ -23,7 +31,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from warmup_agent.benefit import Call
+from warmup_agent.benefit import Call, Controlled
 from warmup_agent.readiness.window import SlidingWindow
 
 # A probe is timed like a warmup call: TTFT, whole answer, tokens, prompt length.
@@ -41,15 +49,29 @@ class FirstRequest:
     #: A server that pays per decode length: the first user's whole answer predicted
     #: (cold_decode.first_answer's dict, its "total_tax" and what it was made of).
     cold_decode: dict | None = None
+    #: The first probe's control (same shape, same predecessor); None: not sent.
+    control: Call | None = None
+
+    @property
+    def pair(self) -> Controlled | None:
+        if self.control is None:
+            return None
+        return Controlled(Call(self.ttft_seconds, self.total_seconds, self.output_tokens, self.prompt_tokens), self.control)
 
     @property
     def ttft_tax(self) -> float | None:
-        return self.ttft_seconds / self.steady_ttft_seconds if self.steady_ttft_seconds else None
+        if not self.steady_ttft_seconds:
+            return None
+        pair = self.pair
+        return pair.ttft_tax(self.steady_ttft_seconds) if pair else self.ttft_seconds / self.steady_ttft_seconds
 
     @property
     def measured_total_tax(self) -> float | None:
-        """The first probe's whole answer over the steady whole answer."""
-        return self.total_seconds / self.steady_total_seconds if self.steady_total_seconds else None
+        """The first probe's whole answer over the steady whole answer (less its control's excess)."""
+        if not self.steady_total_seconds:
+            return None
+        pair = self.pair
+        return pair.total_tax(self.steady_total_seconds) if pair else self.total_seconds / self.steady_total_seconds
 
     @property
     def total_tax(self) -> float | None:
@@ -57,22 +79,25 @@ class FirstRequest:
         return self.cold_decode["total_tax"] if self.cold_decode else self.measured_total_tax
 
 
-def first_request(probes: list[Probe]) -> FirstRequest | None:
-    """The first-request figures of `probes` (the first one against the rest)."""
-    if not probes:
+def first_request(probes: list[Probe], first: int = 0, control: int | None = None) -> FirstRequest | None:
+    """The first-request figures of `probes`: probes[first] against the probes after
+    it, and against probes[control] (its control) when given."""
+    if len(probes) <= first:
         return None
-    first, later = probes[0], probes[1:]
+    head, later = probes[first], probes[first + 1:]
     steady_ttft = statistics.median(p.ttft for p in later) if later else None
     steady_total: float | None = None
-    if later and all(p.output_tokens == first.output_tokens for p in later):
+    if later and all(p.output_tokens == head.output_tokens for p in later):
         steady_total = statistics.median(p.total for p in later)
     elif steady_ttft is not None:
         tpots = [t for p in later if (t := p.tpot) is not None]
-        if first.output_tokens < 2:
+        if head.output_tokens < 2:
             steady_total = steady_ttft
         elif tpots:
-            steady_total = steady_ttft + (first.output_tokens - 1) * statistics.median(tpots)
-    return FirstRequest(first.ttft, first.total, first.output_tokens, first.prompt_tokens, steady_ttft, steady_total)
+            steady_total = steady_ttft + (head.output_tokens - 1) * statistics.median(tpots)
+    ctl = probes[control] if control is not None and control < len(probes) else None
+    return FirstRequest(head.ttft, head.total, head.output_tokens, head.prompt_tokens, steady_ttft, steady_total,
+                        control=ctl)
 
 
 class ProbeLog:
@@ -85,6 +110,7 @@ class ProbeLog:
         #: Time per output token of the probes: (total - first token) / (output tokens - 1).
         self.decode = SlidingWindow(decode_window_size)
         self._start = 0                     # index of the current gate's first probe
+        self._pair: tuple[int, int] | None = None   # (first, control) within the gate's probes
         self._frozen: FirstRequest | None = None
         self._frozen_at: int | None = None
 
@@ -102,15 +128,23 @@ class ProbeLog:
     def restart(self) -> None:
         """A new gate (a re-warm): its next probe is a first request again."""
         self._start = len(self.probes)
+        self._pair = None
         self._frozen = None
         self._frozen_at = None
+
+    def pair(self, first: int, control: int) -> Controlled:
+        """The gate's probes `first` and `control` (indices within gate_probes) are a
+        first and its control: the figures are theirs from now on."""
+        self._pair = (first, control)
+        probes = self.gate_probes
+        return Controlled(probes[first], probes[control])
 
     def freeze(self, cold_decode: Callable[[FirstRequest, list[Probe]], dict | None] | None = None) -> FirstRequest | None:
         """Fix the first-request figures to the gate's probes so far (the gate opened).
         `cold_decode(figures, gate probes)`: on a server that pays per decode length,
         the first user's whole answer predicted from them (cold_decode.py)."""
         self._frozen_at = len(self.probes)
-        figures = first_request(self.gate_probes)
+        figures = self._figures()
         if figures is not None and cold_decode is not None:
             figures = replace(figures, cold_decode=cold_decode(figures, self.gate_probes))
         self._frozen = figures
@@ -124,7 +158,11 @@ class ProbeLog:
 
     @property
     def figures(self) -> FirstRequest | None:
-        return self._frozen if self._frozen_at is not None else first_request(self.gate_probes)
+        return self._frozen if self._frozen_at is not None else self._figures()
+
+    def _figures(self) -> FirstRequest | None:
+        first, control = self._pair if self._pair is not None else (0, None)
+        return first_request(self.gate_probes, first, control)
 
     @property
     def ttfts(self) -> list[float]:

@@ -50,11 +50,40 @@ def parse_adapters(spec: str | None) -> list[tuple[str, str]]:
     return [(n.strip(), p.strip()) for n, p in (part.split("=", 1) for part in spec.split(","))]
 
 
-def server_env(base: dict[str, str] | os._Environ, data_dir: str, host: str, lora_adapters: str | None) -> dict[str, str]:
+def server_name_of(command: list[str] | None) -> str | None:
+    """What server a command starts ("transformers serve", "llama.cpp", "vllm", "sglang",
+    "tgi"), for remedies and log lines; None: unknown."""
+    words = [os.path.basename(w) for w in (command or [])[:4]]
+    text = " ".join(words)
+    if "transformers" in words and "serve" in words:
+        return "transformers serve"
+    for needle, name in (("llama-server", "llama.cpp"), ("llama_cpp", "llama.cpp"), ("vllm", "vllm"),
+                         ("sglang", "sglang"), ("text-generation-launcher", "tgi")):
+        if needle in text:
+            return name
+    return None
+
+
+#: The environment that removes a per-sequence-length cost the per-length test finds,
+#: by server: PyTorch's cuDNN attention builds a plan per sequence length, so a warm
+#: `transformers serve` paid 63-67 ms more at every new prompt length without it.
+SERVER_REMEDIES = {"transformers serve": {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}}
+
+
+def server_remedy(command: list[str] | None) -> dict[str, str]:
+    """The remedy environment for the server `command` starts ({} where none is known)."""
+    return dict(SERVER_REMEDIES.get(server_name_of(command) or "", {}))
+
+
+def server_env(base: dict[str, str] | os._Environ, data_dir: str, host: str, lora_adapters: str | None,
+               remedy: dict[str, str] | None = None) -> dict[str, str]:
     """A supervised server's environment: `base` plus the caches pointed at the
-    agent's cache directories (solidify keeps them) and the vLLM CPU workarounds.
+    agent's cache directories (solidify keeps them), the vLLM CPU workarounds and
+    `remedy` (openai.apply_server_remedy; a setting already in `base` wins).
     Makes those directories."""
     env = dict(base)
+    for var, value in (remedy or {}).items():
+        env.setdefault(var, value)
     for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                      ("TRITON_CACHE_DIR", "triton")):
         env.setdefault(var, os.path.join(data_dir, "cache", sub))

@@ -170,6 +170,9 @@ class Engine(abc.ABC):
     text: TextPrompts | None = None
     #: What the engine learned its server accepts (recorded with the profile).
     capabilities: Mapping[str, Any] = MappingProxyType({})
+    #: Requests the engine serves at once (llama.cpp's slots, vLLM's batch): the
+    #: profile warmup sends that many of its paths' calls together.  Default 1.
+    concurrency: int = 1
 
     @property
     def server_start_seconds(self) -> float | None:
@@ -182,6 +185,12 @@ class Engine(abc.ABC):
         """What server the engine talks to, from its command line ("transformers serve",
         "llama.cpp", "vllm", "sglang"), for remedies in log lines.  None: unknown."""
         return None
+
+    @property
+    def applied_remedy(self) -> dict[str, str]:
+        """The environment the engine gave its supervised server to remove a known
+        per-sequence-length cost (openai.apply_server_remedy).  Default: none."""
+        return {}
 
     def others_served_within(self, seconds: float) -> float | None:
         """Seconds since the server last took a request from another client, when that

@@ -16,6 +16,11 @@ from warmup_agent.gpu import sizing
 from warmup_agent.server_command import parse_adapters
 
 
+#: Requests at once where the server batches them but does not say how many: by the
+#: `owned_by` its /v1/models gives the model (openai.concurrency overrides).
+SERVER_CONCURRENCY = {"vllm": 4, "sglang": 4}
+
+
 class Discovery(StreamingClient):
     """Discovery and capabilities (the middle layer of OpenAIEngine)."""
 
@@ -103,10 +108,27 @@ class Discovery(StreamingClient):
                 self.token_id_prompts = True
             except EngineError:
                 self.token_id_prompts = False
+        self.concurrency = self._concurrency()
         self.capabilities = {"apis": list(self.apis), "model": self.model, "token_id_prompts": self.token_id_prompts,
-                             "rejected_fields": sorted(self.rejected_fields), "chat_template": bool(self.text and self.text.has_chat_template)}
+                             "concurrency": self.concurrency,
+                             "rejected_fields": sorted(self.rejected_fields),
+                             "chat_template": bool(self.text and self.text.has_chat_template)}
         self.log.info("server %s: model %s, APIs %s, token-id prompts %s, rejected optional fields %s",
                       self.url, self.model, ", ".join(self.apis), self.token_id_prompts, sorted(self.rejected_fields) or "none")
+
+    def _concurrency(self) -> int:
+        """Requests the server serves at once: openai.concurrency when set, else
+        llama-server's slots (its /props), else 4 where /v1/models says vLLM or SGLang
+        owns the model (they batch), else 1."""
+        if self.cfg.openai.concurrency > 0:
+            return self.cfg.openai.concurrency
+        try:
+            slots = int(self._get_json("/props").get("total_slots") or 0)
+            if slots > 0:
+                return slots
+        except Exception:  # noqa: BLE001 - not llama.cpp (404), or an old one
+            pass
+        return SERVER_CONCURRENCY.get(str(self._models_info.get("owned_by", "")), 1)
 
     def _ask(self, api: str) -> None:
         """One marked 1-token request on `api`; raises EngineError when it is not answered."""

@@ -10,7 +10,7 @@ from typing import Callable
 
 from warmup_agent.engines.base import EngineError
 from warmup_agent.engines.openai_discovery import Discovery
-from warmup_agent.server_command import is_vllm, option, server_env
+from warmup_agent.server_command import is_vllm, option, server_env, server_name_of, server_remedy
 
 # vLLM's start-up log lines that say how long its own compile / graph capture took.
 _STARTUP_PATTERNS = {
@@ -29,7 +29,7 @@ class ServerGlue(Discovery):
         """The server's environment: ours plus the agent's cache directories
         (server_command.server_env)."""
         return server_env(os.environ if self.base_env is None else self.base_env, self.cfg.data_dir, self.host,
-                          self.cfg.lora.adapters)
+                          self.cfg.lora.adapters, self.applied_remedy)
 
     def server_command(self) -> list[str]:
         """The command as started: a vLLM command that sets no memory budget gets
@@ -60,15 +60,14 @@ class ServerGlue(Discovery):
 
     @property
     def server_name(self) -> str | None:
-        words = [os.path.basename(w) for w in (self.command or [])[:4]]
-        text = " ".join(words)
-        if "transformers" in words and "serve" in words:
-            return "transformers serve"
-        for needle, name in (("llama-server", "llama.cpp"), ("llama_cpp", "llama.cpp"), ("vllm", "vllm"),
-                             ("sglang", "sglang"), ("text-generation-launcher", "tgi")):
-            if needle in text:
-                return name
-        return None
+        return server_name_of(self.command)
+
+    @property
+    def applied_remedy(self) -> dict[str, str]:
+        """The remedy environment given to the supervised server (openai.apply_server_remedy)."""
+        if not (self.cfg.openai.apply_server_remedy and self.command):
+            return {}
+        return server_remedy(self.command)
 
     def _on_log_line(self, line: str) -> None:
         self.traffic.log_line(line)

@@ -21,6 +21,7 @@ the validation check that failed).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
@@ -99,6 +100,10 @@ class StageContext:
     #: prewarm: output tokens of the first readiness probe (the profile's longest
     #: answer).  None: readiness.probe_max_tokens like the others.
     first_probe_tokens: int | None = None
+    #: prewarm: given a probe's prompt length and requests at once, what re-sends the
+    #: last warmup requests before the first probe's control, where they were a harder
+    #: predecessor than a probe (a longer prompt, more at once); None from it: no replay.
+    replay_for: Callable[[int, int], Callable[[], None] | None] | None = None
     #: after SERVING: watch probes not sent because the supervised server was serving
     #: other clients (Agent._server_busy_with_others); the run record's `watch_probes_skipped`.
     watch_skipped: int = 0

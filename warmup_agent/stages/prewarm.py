@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from warmup_agent import benefit, memory_budget, shape_warmup, traffic
@@ -117,7 +117,7 @@ def _refused(e: EngineError) -> bool:
 
 
 # Why a prompt-length path got no call (the run record, /startupz).
-NEW_LENGTHS_WARM = "the per-length test's fresh prompt lengths prefilled at steady speed"
+NEW_LENGTHS_WARM = "the per-length test's fresh prompt lengths prefilled no slower than their controls"
 
 
 def remedy_for(server: str | None) -> str:
@@ -148,24 +148,29 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     """Warm the traffic profile by measured benefit (warmup_agent/benefit.py):
     1. the anchor path (the probe family on the main endpoint, smallest batch, the
        longest profile prompt) until it stops getting faster: the steady level;
-    2. the per-length test: two calls at sequence lengths no request reached; decode
-       slower than steady by more than prewarm.per_length_ratio means the server
-       pays per length (logged with its remedy, exported);
-    3. every other family and endpoint, then every profile length (prefill only;
-       none when the per-length test's fresh lengths prefilled at steady speed),
-       then every larger batch size, each until warm;
+    2. the per-length test: two sequence lengths no request reached, sent at once, then
+       again as their controls; decode slower than its control by more than
+       prewarm.per_length_ratio means the server pays per length (logged with its
+       remedy, exported), a first token slower than its control that prefill does;
+    3. every other family and endpoint, every profile length (prefill only; none when
+       the per-length test's fresh lengths prefilled no slower than their controls)
+       and every larger batch size: one call each, as many at once as the server takes
+       (engine.concurrency), then the same again as their controls; only a path whose
+       first call was cold beyond its control gets more (benefit.warm_wave);
     4. decode coverage of the profile's lengths, when the server pays per length
        (prewarm.decode_coverage auto) or always.
     All under one time budget; a path the budget did not reach is skipped, and the
     record says so.  A family the server refuses (HTTP 4xx) is skipped too: user
-    requests of that family fail on it as well, warm or not."""
+    requests of that family fail on it as well, warm or not.  The readiness probes
+    come next and are the last warmup: the first of them is judged against its own
+    control (stages/ready.py)."""
     from warmup_agent.benefit import Path
     w = _ProfileWarmup(ctx, load_profile(ctx, lengths), lengths, batches)
     # 1. the anchor: the steady level every other path is compared with
     w.warm(Path(w.ep0, w.fam0, w.b0, w.hi))
     # 2. does the server pay per sequence length?
     per_length = w.per_length_test()
-    # 3. the other paths, each until warm
+    # 3. the other paths, one call each, at once, then their controls
     w.other_paths(per_length, batches)
     # 4. decode coverage over the profile's lengths
     coverage = w.decode_coverage(per_length)
@@ -197,18 +202,70 @@ class _ProfileWarmup:
         self.decoded: list[tuple[int, int]] = []     # (prompt, prompt + answer) ranges decoded so far
         self.outcomes: list[benefit.Outcome] = []
         self.sent = 0
+        #: How many requests the server serves at once: a wave's calls go out in chunks of it.
+        self.concurrency = max(1, int(ctx.engine.concurrency))
+        #: The last requests sent together: the predecessor a control must follow too.
+        self.last: list[traffic.WarmRequest] = []
+        self.replayed = 0       # requests re-sent as predecessors of controls
+
+    def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
+        from warmup_agent.traffic import WarmRequest, _frozen
+        tokens = self.answer if tokens is None else tokens
+        return WarmRequest(path.endpoint, path.prompt_tokens, tokens, path.family,
+                           _frozen(self.profile.families[path.family]))
+
+    def send_requests(self, reqs: list[traffic.WarmRequest], label: str) -> list:
+        """Send `reqs` together (fresh prompts every time); they become the predecessor.
+        (The record's paths, per-length test, decode tiles and replays account for
+        every request sent here: tests/helpers/warmup_record.py adds them up.)"""
+        self.ctx.checkpoint()
+        results = self.ctx.driver.send(reqs, "warmup")
+        self.decoded += [(r.prompt_tokens, r.prompt_tokens + r.max_tokens) for r in reqs]
+        self.last = list(reqs)
+        self.sent += 1
+        self.ctx.progress.step(self.sent, self.sent + 1, label)
+        return results
 
     def send(self, path: benefit.Path, tokens: int | None = None) -> benefit.Call:
-        from warmup_agent.traffic import WarmRequest, _frozen
-        ctx, profile = self.ctx, self.profile
-        tokens = self.answer if tokens is None else tokens
-        ctx.checkpoint()
-        req = WarmRequest(path.endpoint, path.prompt_tokens, tokens, path.family, _frozen(profile.families[path.family]))
-        results = ctx.driver.send([req] * path.batch, "warmup")
-        self.decoded.append((path.prompt_tokens, path.prompt_tokens + tokens))
-        self.sent += 1
-        ctx.progress.step(self.sent, self.sent + 1, f"{path.label} out={tokens}")
-        return benefit.call_of(results)
+        req = self.request(path, tokens)
+        return benefit.call_of(self.send_requests([req] * path.batch, f"{path.label} out={req.max_tokens}"))
+
+    def send_wave(self, paths: Sequence[benefit.Path], tokens: dict[benefit.Path, int]) -> list[benefit.Call]:
+        """One call per path, in chunks of as many requests as the server takes at once
+        (a path's batch stays in one chunk); the Call of each path, in order."""
+        calls: dict[int, benefit.Call] = {}
+        chunk: list[int] = []
+
+        def flush() -> None:
+            if not chunk:
+                return
+            reqs = [self.request(paths[i], tokens.get(paths[i])) for i in chunk for _ in range(paths[i].batch)]
+            results = self.send_requests(reqs, f"{len(chunk)} path(s) at once")
+            at = 0
+            for i in chunk:
+                calls[i] = benefit.call_of(results[at:at + paths[i].batch])
+                at += paths[i].batch
+            chunk.clear()
+        for i, p in enumerate(paths):
+            if chunk and sum(paths[j].batch for j in chunk) + p.batch > self.concurrency:
+                flush()
+            chunk.append(i)
+        flush()
+        return [calls[i] for i in range(len(paths))]
+
+    def replay_for(self, length: int, batch: int) -> Callable[[], None] | None:
+        """What re-sends the last requests before a control, where a call of `length`
+        tokens, `batch` at once, would not be as good a predecessor: the last ones had a
+        longer prompt or more requests at once (on llama.cpp those cost the next request
+        60-100 ms in its slot, warm or not).  None: no replay needed."""
+        last = list(self.last)
+        if not last or (len(last) <= batch and max(r.prompt_tokens for r in last) <= length):
+            return None
+
+        def replay() -> None:
+            self.send_requests(last, f"replay of {len(last)} request(s) before a control")
+            self.replayed += len(last)
+        return replay
 
     def warm(self, path: benefit.Path, tokens: int | None = None) -> None:
         profile = self.profile
@@ -217,86 +274,97 @@ class _ProfileWarmup:
             return
         try:
             self.outcomes.append(benefit.warm_path(path, lambda p: self.send(p, tokens), self.steady, self.budget,
-                                                   self.tol, self.max_calls))
+                                                   self.tol, self.max_calls,
+                                                   replay=self.replay_for(path.prompt_tokens, path.batch)))
         except EngineError as e:
             if not _refused(e) or path.family == self.fam0:
                 raise
-            self.refused[path.family] = e.message
-            line = profile.family_lines.get(path.family)
-            src = f" (first seen at {profile.source}:{line})" if line else ""
-            log.warning(f"the server refuses sampling family {path.family}{src}: {e.message}")
+            self.refuse(path.family, e)
             self.outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
 
+    def refuse(self, family: str, e: EngineError) -> None:
+        self.refused[family] = e.message
+        line = self.profile.family_lines.get(family)
+        src = f" (first seen at {self.profile.source}:{line})" if line else ""
+        log.warning(f"the server refuses sampling family {family}{src}: {e.message}")
+
+    def warm_together(self, paths: list[benefit.Path], tokens: dict[benefit.Path, int]) -> None:
+        """benefit.warm_wave over `paths`; a family the server refuses is found one path
+        at a time (the wave cannot tell whose request was refused) and skipped."""
+        paths = [p for p in paths if p.family not in self.refused]
+        try:
+            self.outcomes += benefit.warm_wave(paths, lambda ps: self.send_wave(ps, tokens),
+                                               lambda p: self.send(p, tokens.get(p)), self.steady, self.budget,
+                                               self.tol, self.max_calls)
+        except EngineError as e:
+            if not _refused(e):
+                raise
+            for p in paths:
+                self.warm(p, tokens.get(p))
+
     def per_length_test(self) -> dict:
-        """Two calls at fresh sequence lengths against the anchor's steady decode and prefill."""
-        from warmup_agent.benefit import Path
+        """Two fresh sequence lengths, sent at once, then again as their controls (the
+        same lengths, fresh prompts, after the same predecessor: the first pair)."""
+        from warmup_agent.benefit import Controlled, Path
         ctx, steady, b0 = self.ctx, self.steady, self.b0
         per_length: dict = {"tested": False}
-        steady_tpot = steady.tpot_ref(b0)
-        if steady_tpot is None or self.budget.exhausted():
+        if self.budget.exhausted():
             return per_length
-        fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 2, self.answer)
+        tokens = self.pc.per_length_tokens
+        fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 2, tokens)
+        paths = [Path(self.ep0, self.fam0, b0, n) for n in fresh]
         try:
-            calls = [self.send(Path(self.ep0, self.fam0, b0, n)) for n in fresh]
+            firsts = self.send_wave(paths, dict.fromkeys(paths, tokens))
+            controls = self.send_wave(paths, dict.fromkeys(paths, tokens))
         except EngineError as e:
             # A server that refuses a length (its context is shorter, say): not a reason
             # to fail the start; the finding is "not measured" and says why.
             if not _refused(e):
                 raise
             log.warning(f"the per-length test could not run: {e.message}")
-            calls = []
-            per_length = {"tested": False, "error": e.message}
-        pays, ratios = benefit.pays_per_length(calls, steady_tpot, self.pc.per_length_ratio)
-        if calls:
-            prefill_pays = not benefit.prefill_warm(list(zip(fresh, calls, strict=False)), steady, b0, self.tol)
-            per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [c.prompt_tokens for c in calls],
-                          "steady_tpot_ms": round(steady_tpot * 1e3, 3), "prefill_pays": prefill_pays,
-                          "ttft_ms": [round(c.ttft * 1e3, 2) for c in calls],
-                          "steady_ttft_ms": round((steady.ttft_ref(b0, self.hi) or 0) * 1e3, 2)}
-            server = [c.server_prefill for c in calls if c.server_prefill is not None]
-            server_ref = steady.prefill_ref(b0, self.hi)
-            if len(server) == len(calls) and server_ref is not None:
-                # the server's own prefill clock decided prefill_pays (benefit.prefill_warm),
-                # against the anchor's steady prefill scaled to each length
-                per_length["server_prefill_ms"] = [round(v * 1e3, 3) for v in server]
-                per_length["steady_server_prefill_ms"] = round(server_ref * 1e3, 3)
-                per_length["server_prefill_ref_ms"] = [round((steady.prefill_ref_at(b0, n) or 0) * 1e3, 3)
-                                                       for n in fresh]
+            return {"tested": False, "error": e.message}
+        for p, c in zip(paths, controls, strict=True):
+            steady.add(p, c)      # the controls are warm calls at those lengths
+        pairs = [Controlled(f, c) for f, c in zip(firsts, controls, strict=True)]
+        pays, ratios = benefit.pays_per_length(pairs, self.pc.per_length_ratio)
+        prefill_pays = any(benefit.prefill_cold(pair, self.tol) for pair in pairs)
+        per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [f.prompt_tokens for f in firsts],
+                      "prefill_pays": prefill_pays, "at_once": min(2, self.concurrency),
+                      "pairs": [pair.as_dict() for pair in pairs]}
+        if all(f.server_prefill is not None and c.server_prefill is not None for f, c in zip(firsts, controls, strict=True)):
+            per_length["server_prefill_ms"] = [[round(f.server_prefill * 1e3, 3), round(c.server_prefill * 1e3, 3)]  # type: ignore[operator]
+                                               for f, c in zip(firsts, controls, strict=True)]
         if ratios:
             ctx.metrics.warmup_per_length_decode_ratio.set(min(ratios))
         if pays:
             remedy = remedy_for(ctx.engine.server_name)
             per_length["remedy"] = remedy
             ctx.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
-            # over the same references benefit.prefill_warm judged prefill_pays by
-            first = [c.ttft / ref for n, c in zip(fresh, calls, strict=False)
-                     if (ref := steady.ttft_ref(b0, n))] if per_length.get("prefill_pays") else []
+            first = [pair.first.ttft / pair.control.ttft for pair in pairs] if prefill_pays else []
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
 
     def other_paths(self, per_length: dict, batches: list[int]) -> None:
-        """Every other family and endpoint, every profile length (prefill), every larger batch."""
+        """Every other family and endpoint, every profile length (prefill), every larger
+        batch: one call each, together (benefit.warm_wave)."""
         from warmup_agent.benefit import Path
         profile, ep0, fam0, b0, hi = self.profile, self.ep0, self.fam0, self.b0, self.hi
-        for fam in profile.families:
-            if fam != fam0:
-                self.warm(Path(ep0, fam, b0, hi))
+        paths: list[Path] = [Path(ep0, fam, b0, hi) for fam in profile.families if fam != fam0]
         for ep in profile.endpoints:
             if ep != ep0:
-                for fam in profile.families:
-                    if not (fam == "json_schema" and ep != "chat"):
-                        self.warm(Path(ep, fam, b0, hi))
+                paths += [Path(ep, fam, b0, hi) for fam in profile.families if not (fam == "json_schema" and ep != "chat")]
+        tokens: dict[Path, int] = {}
         for n in reversed(self.plens[:-1]):
             if per_length.get("prefill_pays") is False:
-                # Two lengths nothing had reached already prefilled at the anchor's steady
-                # speed: this server pays nothing per prompt length, so these calls would
-                # only cost time (on llama.cpp, 5 of its 9 warmup calls).
+                # Two lengths nothing had reached prefilled no slower than their controls:
+                # this server pays nothing per prompt length, so these calls would only
+                # cost time (on llama.cpp, 5 of its 9 warmup calls).
                 self.outcomes.append(benefit.Outcome(Path(ep0, fam0, b0, n), "skipped", NEW_LENGTHS_WARM))
                 continue
-            self.warm(Path(ep0, fam0, b0, n), tokens=1)      # prefill at this length; decode is the anchor's
-        for b in sorted(set(batches)):
-            if b != b0:
-                self.warm(Path(ep0, fam0, b, hi))
+            paths.append(Path(ep0, fam0, b0, n))
+            tokens[paths[-1]] = 1          # prefill at this length; decode is the anchor's
+        paths += [Path(ep0, fam0, b, hi) for b in sorted(set(batches)) if b != b0]
+        self.warm_together(paths, tokens)
 
     def decode_coverage(self, per_length: dict) -> dict:
         """Decode over the profile's lengths, when the server pays per length (auto) or always."""
@@ -326,7 +394,11 @@ class _ProfileWarmup:
         while probe_length in used:
             probe_length += 1
         ctx.probe_length = probe_length
-        ctx.first_probe_tokens = profile.max_tokens
+        # The first probe asks for the profile's longest answer where decode pays per
+        # sequence length (its whole answer is then what the first user meets); else the
+        # probes' usual answer: its first token and decode speed tell the same, sooner.
+        ctx.first_probe_tokens = profile.max_tokens if per_length.get("pays") else None
+        ctx.replay_for = self.replay_for
         ctx.decoded_ranges, ctx.profile_lengths = list(self.decoded), list(self.plens)
         counts = Counter(o.result for o in outcomes)
         for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
@@ -334,7 +406,8 @@ class _ProfileWarmup:
         skipped = [{"path": o.path.label, "reason": o.reason} for o in outcomes if o.result == "skipped"]
         ctx.warmup_summary = summary = {
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
-            "skipped": skipped, "requests": self.sent, "probe_length": probe_length}
+            "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
+            "replayed_requests": self.replayed}
         if budget.exhausted():
             unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
             log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "
@@ -364,16 +437,24 @@ def run(ctx: StageContext, detail: dict) -> None:
     clock = time.perf_counter
     # Weights before the tokenizer: the engine reads them while transformers is
     # still being imported in the background (torch engine), so the import is
-    # paid once, overlapped, instead of before the weights.
-    t0 = clock()
-    engine.load_weights()
-    ctx.checkpoint()
-    if server:
-        _start_ramp(ctx)
-    t1 = clock()
-    engine.load_tokenizer()
-    ctx.checkpoint()
-    t2 = clock()
+    # paid once, overlapped, instead of before the weights.  A server engine's
+    # tokenizer comes first: it loads while the server (spawned before the stages)
+    # starts, instead of after it is healthy, on the way to the first request.
+    steps = {"tokenizer": engine.load_tokenizer, "weights": engine.load_weights}
+    seconds: dict[str, float] = {}
+    for name in (("tokenizer", "weights") if server else ("weights", "tokenizer")):
+        t = clock()
+        steps[name]()
+        ctx.checkpoint()
+        seconds[name] = clock() - t
+        if server and name == "weights":
+            _start_ramp(ctx)
+    remedy = " ".join(f"{k}={v}" for k, v in sorted(engine.applied_remedy.items()))
+    if remedy:
+        log.info(f"openai.apply_server_remedy: the server was started with {remedy} "
+                 f"({engine.server_name} pays per sequence length without it)")
+        ctx.metrics.warmup_server_remedy_applied_info.labels(remedy=remedy).set(1)
+        detail["server_remedy_applied"] = remedy
     facts = engine.facts()
     ctx.engine_facts = vars(facts)
     quant = engine.quantization     # warmup_agent/quantization/ (issue 16)
@@ -388,7 +469,9 @@ def run(ctx: StageContext, detail: dict) -> None:
     if engine.skeleton_wait_seconds is not None:
         # the wait for the background import + skeleton: transformers' on that path, torch alone on the native one
         detail["waited_for_skeleton_seconds"] = engine.skeleton_wait_seconds
+    t = clock()
     ctx.sm.record_fingerprint(engine.weight_fingerprint())
+    seconds["fingerprint"] = clock() - t
     t3 = clock()
 
     prompts = ctx.driver.start_prompts()
@@ -397,7 +480,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     max_new = cfg.prewarm.max_new_tokens
     if engine.speaks_profile:
         warm_profile(ctx, lengths, batches, detail, t3)
-        detail["seconds"].update(weights=t1 - t0, tokenizer=t2 - t1, fingerprint=t3 - t2)
+        detail["seconds"].update(seconds)
         ctx.move(State.PRIME)
         return
     try:
@@ -408,6 +491,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         # (warmup_agent/shape_warmup.py, issue 25); requests_per_shape raises the cap.
         cap = max(cfg.prewarm.requests_per_shape, cfg.prewarm.max_calls_per_path)
         done = 0
+        last: list[Shape] = []        # the predecessor of the first probe
 
         def send_shape(shape: Shape) -> shape_warmup.Call:
             nonlocal done
@@ -415,6 +499,7 @@ def run(ctx: StageContext, detail: dict) -> None:
             results = backoff.run(shape.batch, lambda: ctx.driver.send(prompts.batch(shape), "warmup", max_new_tokens=max_new))
             if results is None:
                 raise shape_warmup.Dropped(f"batch {shape.batch} dropped: out of memory")
+            last[:] = [shape]
             done += 1
             ctx.progress.step(done, max(len(shapes), done + 1), f"len={shape.prompt_tokens} batch={shape.batch}")
             return benefit.call_of(results)
@@ -425,6 +510,12 @@ def run(ctx: StageContext, detail: dict) -> None:
         ctx.fail(e.reason, str(e))
     detail.update(shapes=len(warmed), requests=ctx.driver.warmup_requests, lengths=lengths, batches=batches,
                   dropped_batches=sorted({s.batch for s in shapes} - {s.batch for s in warmed}),
-                  seconds={"weights": t1 - t0, "tokenizer": t2 - t1, "fingerprint": t3 - t2, "traffic": clock() - t3})
+                  seconds={**seconds, "traffic": clock() - t3})
     ctx.warmed_shapes = [(s.prompt_tokens, s.batch) for s in warmed]
+
+    def replay_for(length: int, batch: int) -> Callable[[], None] | None:
+        if not last or (last[0].batch <= batch and last[0].prompt_tokens <= length):
+            return None
+        return lambda: send_shape(last[0]) and None
+    ctx.replay_for = replay_for
     ctx.move(State.PRIME)

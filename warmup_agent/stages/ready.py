@@ -64,15 +64,23 @@ def run(ctx: StageContext, detail: dict) -> None:
         return not gate_decode or decode_converged(ctx.probe_log.decode, min_probes,
                                                    cfg.readiness.tpot_p90_threshold_seconds,
                                                    cfg.readiness.tpot_convergence_ratio)
-    for i in range(max_probes):
+    sent = 0
+
+    def probe(max_tokens: int | None) -> None:
+        nonlocal sent
         ctx.checkpoint()
-        ttft = ctx.probe(max_tokens=ctx.first_probe_tokens if i == 0 and profile_probes else None)
-        ctx.progress.probe(i + 1, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
+        ttft = ctx.probe(max_tokens=max_tokens)
+        sent += 1
+        ctx.progress.probe(sent, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
+
+    detail["first_probe_pairs"] = first_probe_pairs(ctx, probe, max_probes)
+    for _ in range(sent, max_probes):
         if rd.thresholds.met(ctx.readiness.window) and decode_ok():
             break
         if cfg.readiness.probe_interval_seconds:
             time.sleep(cfg.readiness.probe_interval_seconds)
-    else:
+        probe(None)
+    if not (rd.thresholds.met(ctx.readiness.window) and decode_ok()):
         q = ctx.readiness.window.quantiles((0.5, 0.9))
         if rd.thresholds.met(ctx.readiness.window):
             t = ctx.probe_log.decode.quantiles((0.5, 0.9))
@@ -104,6 +112,39 @@ def run(ctx: StageContext, detail: dict) -> None:
         fingerprint = ctx.engine.weight_fingerprint()
     if not ctx.sm.serve(fingerprint):
         ctx.checkpoint()
+
+
+def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], max_probes: int) -> list[dict]:
+    """The gate's first probe and its control (benefit.Controlled): the same shape, a
+    fresh prompt, after the same predecessor (the last warmup requests are re-sent
+    first where they were a harder predecessor than a probe: StageContext.replay_for).
+    A first probe that was cold beyond its control means the warmup left something
+    cold, which it has now paid: another pair follows, up to
+    prewarm.max_calls_per_path pairs, and the figures are the last pair's (the state
+    the users' first request meets).  Probes double as the last warmup."""
+    cfg = ctx.cfg
+    profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
+    tokens = ctx.first_probe_tokens if profile_probes else None
+    tol, pairs = cfg.prewarm.converge_tolerance, []
+    while len(pairs) < cfg.prewarm.max_calls_per_path and len(ctx.probe_log.gate_probes) + 2 <= max_probes:
+        at = len(ctx.probe_log.gate_probes)
+        probe(tokens)
+        replay = ctx.replay_for(ctx.probe_length or cfg.readiness.probe_prompt_length, 1) \
+            if ctx.replay_for is not None and not pairs else None
+        before = ctx.driver.warmup_requests
+        if replay is not None:
+            replay()
+        probe(tokens)
+        pair = ctx.probe_log.pair(at, at + 1)
+        pairs.append({**pair.as_dict(), "cold": pair.cold(tol),
+                      "replayed_requests": ctx.driver.warmup_requests - before})
+        if not pairs[-1]["cold"]:
+            break
+    if pairs and pairs[-1]["cold"]:
+        log.warning(f"the first probe was still slower than its control after {len(pairs)} pair(s) "
+                    f"({pairs[-1]['first_ttft_ms']:.1f} ms against {pairs[-1]['control_ttft_ms']:.1f} ms): "
+                    "something a first request meets stays cold; the exported first-request tax says how much")
+    return pairs
 
 
 def cold_decode_of(ctx: StageContext) -> Callable[[FirstRequest, list[Probe]], dict | None] | None:

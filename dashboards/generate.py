@@ -296,11 +296,7 @@ def cold_start_overview(th: Thresholds) -> dashboard_b.Dashboard:
             "(warmup_stage_duration_seconds histogram buckets, increase per interval).",
             "s", [target(f"sum by (le) (increase({m('warmup_stage_duration_seconds_bucket')}[{RATE}]))",
                          "{{le}}", fmt="heatmap")]),
-        stat("First-request tax",
-             "Time to first token of the first probe after warmup divided by the steady (median) probe "
-             f"(warmup_first_request_tax_ratio). 1.0 = no cold-start tax; the alert fires above {tax:g}.",
-             "none", [target(f"max by (namespace, pod) ({m('warmup_first_request_tax_ratio')})", "{{pod}}")],
-             thresholds=_thresholds((tax * 0.75, "yellow"), (tax, "red")), decimals=2),
+        first_request_tax_panel(tax),
         timeseries(
             "Time to first token vs readiness thresholds",
             "Exact p50/p90/p99 of probe time to first token over the readiness sliding window "
@@ -383,6 +379,40 @@ def cold_start_overview(th: Thresholds) -> dashboard_b.Dashboard:
     return dashboard("warmup-cold-start", "Warmup agent / Cold start overview",
                      "Where each pod is in its warmup, how long stages take, and whether the first request is as fast as the thousandth.",
                      panels)
+
+
+def first_request_tax_panel(tax: float) -> Panel:
+    """The first request's tax the agent predicts from its first probe and, once the
+    catalogue has them, the users' real first request beside it (through the proxy)."""
+    predicted = "warmup_first_request_tax_ratio"
+    if not has("warmup_first_user_request_tax_ratio"):
+        return stat(
+            "First-request tax",
+            "Time to first token of the first probe after warmup divided by the steady (median) probe "
+            f"(warmup_first_request_tax_ratio). 1.0 = no cold-start tax; the alert fires above {tax:g}.",
+            "none", [target(f"max by (namespace, pod) ({m(predicted)})", "{{pod}}")],
+            thresholds=_thresholds((tax * 0.75, "yellow"), (tax, "red")), decimals=2)
+    # the users' figures are 0 until a user's first request was measured: shown from then on
+    pairs = [(predicted, "warmup_first_user_request_tax_ratio", "first token")]
+    total = "warmup_first_request_total_tax_ratio", "warmup_first_user_request_total_tax_ratio"
+    if has(*total):
+        pairs.append((*total, "whole answer"))
+    targets = []
+    for predicted_name, real_name, what in pairs:
+        targets += [target(f"max by (namespace, pod) ({m(predicted_name)})", f"{{{{pod}}}} {what} predicted"),
+                    target(f"max by (namespace, pod) ({m(real_name)} > 0)", f"{{{{pod}}}} {what} real")]
+    return stat(
+        "First-request tax",
+        "The first request after warmup over the steady level, predicted and real. Predicted: the first probe's "
+        "time to first token over the steady (median) probe (warmup_first_request_tax_ratio)"
+        + (", and its whole answer over the steady whole answer (warmup_first_request_total_tax_ratio)"
+           if len(pairs) > 1 else "")
+        + ". Real: the users' first request through the readiness proxy over the users' answers after it "
+        "(warmup_first_user_request_tax_ratio"
+        + (", warmup_first_user_request_total_tax_ratio" if len(pairs) > 1 else "")
+        + "), shown once measured. "
+        f"1.0 = no cold-start tax; the alert fires above {tax:g}.",
+        "none", targets, thresholds=_thresholds((tax * 0.75, "yellow"), (tax, "red")), decimals=2)
 
 
 def ramp_slope_panel() -> Panel:

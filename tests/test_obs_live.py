@@ -47,6 +47,8 @@ MAY_BE_EMPTY = {
     ("cold-start-overview.json", "State transitions", "B"): "no illegal transition happens in a healthy warmup",
     ("cold-start-overview.json", "Cold-start failures and deadlines", "A"): "a healthy warmup has no failures",
     ("cold-start-overview.json", "Cold-start failures and deadlines", "B"): "no state deadline passes",
+    ("cold-start-overview.json", "First-request tax", "B"): "no user request through a proxy: the real first token is 0",
+    ("cold-start-overview.json", "First-request tax", "D"): "no user request through a proxy: the real whole answer is 0",
     ("warmup-economics.json", "Warmup benefit curve", "B"): "a healthy warmup has no failures",
     ("warmup-economics.json", "Warmup benefit curve", "C"): "the first request tax is under the threshold after warmup",
     ("kernel-cache.json", "Hit ratio by tier", "A"): "no compile on the CPU default run (solidify replays), so no cache lookups",

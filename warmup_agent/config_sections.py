@@ -69,8 +69,8 @@ class PrewarmSection:
     converge_tolerance: float
     max_calls_per_path: int
     warm_answer_tokens: int
-    per_length_tokens: int
     per_length_ratio: float
+    per_length_tokens: int
     max_output_tokens: int
 
 
@@ -136,9 +136,9 @@ class OpenaiSection:
     restart_backoff_max_seconds: float
     drain_seconds: float
     health_path: str
+    api: str
     concurrency: int
     apply_server_remedy: bool
-    api: str
 
 
 @dataclass(frozen=True)

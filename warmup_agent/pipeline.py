@@ -27,7 +27,7 @@ from warmup_agent.periodic import Periodic
 from warmup_agent.probes import ProbeLog
 from warmup_agent.progress import Progress, coldstart
 from warmup_agent.readiness.breaker import BreakerState
-from warmup_agent.readiness.runtime import Readiness
+from warmup_agent.readiness.runtime import Readiness, failure_cause
 from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.run_record import RunRecord, StageTiming
 from warmup_agent.stages import prewarm, ready, reserve, solidify
@@ -298,12 +298,33 @@ class Agent:
                 return
 
     def _one_watch_probe(self) -> bool:
-        """One probe after SERVING, on a thread of its own so that a server that stops
-        answering is judged after readiness.watch_probe_timeout_seconds, not after the
-        engine's request timeout.  A failure (unreachable, timeout, HTTP 5xx, an answer
-        without a token) goes to the breaker with its reason (Readiness.probe_failed),
-        which logs one line per change, never a traceback per probe.  True when the
-        probe answered."""
+        """One probe after SERVING; a failure other than a timeout is confirmed at once
+        by a second probe, whose outcome counts: a server killed while it answered a
+        probe cuts that answer short (a "bad answer") and refuses the next connection
+        (unreachable, the cause that matters), and a single error a retry does not
+        repeat leaves the pod in its Service.  True when the (last) probe answered."""
+        error = self._send_watch_probe()
+        if error is None:
+            return True
+        cause = failure_cause(error)[0] if isinstance(error, BaseException) else "timeout"
+        if cause not in ("timeout", "unreachable"):
+            self.metrics.warmup_watch_probe_failures_total.labels(reason=cause).inc()
+            log.debug("probe after SERVING failed (%s): %s; probing again at once", cause, error)
+            error = self._send_watch_probe()
+            if error is None:
+                return True
+        if isinstance(error, BaseException):
+            self.readiness.probe_failed(error)
+        else:
+            self.readiness.probe_failure("timeout", error)
+        return False
+
+    def _send_watch_probe(self) -> BaseException | str | None:
+        """One probe on a thread of its own, so that a server that stops answering is
+        judged after readiness.watch_probe_timeout_seconds, not after the engine's
+        request timeout.  None when it answered, its exception when it failed, a
+        message when it timed out.  The failure goes to the breaker with its reason
+        (Readiness.probe_failed), which logs one line per change, never a traceback."""
         done = threading.Event()
         failed: list[BaseException] = []
 
@@ -318,12 +339,8 @@ class Agent:
         thread.start()
         timeout = self.readiness.probe_timeout
         if not done.wait(timeout):
-            self.readiness.probe_failure("timeout", f"no answer to a probe within {timeout:g} s")
-            return False
-        if failed:
-            self.readiness.probe_failed(failed[0])
-            return False
-        return True
+            return f"no answer to a probe within {timeout:g} s"
+        return failed[0] if failed else None
 
     def _server_busy_with_others(self) -> bool:
         """Whether the supervised server took another client's request in the last two

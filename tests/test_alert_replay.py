@@ -66,6 +66,23 @@ def test_a_recorded_pod_whose_first_request_was_slow_fires_only_that_alert():
     assert {a for a, _, _ in replay.replay(path, minutes=40)} == {"WarmupAgentFirstRequestTaxHigh"}
 
 
+@pytest.mark.parametrize("real, fires", [(None, True), (0.0, True), (1.05, False), (3.1, True)])
+def test_the_first_request_alert_reads_the_users_real_figure_when_there_is_one(tmp_path, real, fires):
+    """Issue 41: the same sick pod (its first probe predicted 2.49x) with the users' real
+    first request exported beside it.  Not measured (absent, or 0): the prediction fires.
+    The users' first request met 1.05x: quiet, that is what users met.  It met 3.1x: fires."""
+    src = os.path.join(ROOT, "alerts", "tests", "recorded_sick", "h200_transformers_serve_defaults_first_request_slow.prom")
+    path = tmp_path / "pod.prom"
+    text = open(src).read()
+    if real is not None:
+        text += ("# HELP warmup_first_user_request_tax_ratio users' real first request\n"
+                 "# TYPE warmup_first_user_request_tax_ratio gauge\n"
+                 f"warmup_first_user_request_tax_ratio {real}\n")
+    path.write_text(text)
+    got = {a for a, _, _ in replay.replay(str(path), minutes=40)}
+    assert got == ({"WarmupAgentFirstRequestTaxHigh"} if fires else set()), got
+
+
 def test_the_replay_evolves_like_a_serving_pod():
     samples = replay.parse(H200)
     series = replay.evolve(samples, minutes=40)

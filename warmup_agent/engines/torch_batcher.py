@@ -278,7 +278,6 @@ class Batcher:
         self._closing = False
         self._running_since: float | None = None
         self._last_end: float | None = None
-        self._sampler_warm = False
         self._thread = threading.Thread(target=self._loop, name="torch-serving", daemon=True)
         self._thread.start()
 
@@ -331,7 +330,6 @@ class Batcher:
             try:
                 first = self._queue.get(timeout=0.5)
             except queue.Empty:
-                self._warm_sampler()
                 continue
             if first is None:
                 break
@@ -480,25 +478,29 @@ class Batcher:
             g.seed()
         return g
 
-    def _warm_sampler(self) -> None:
-        """Run the sampling kernels once (softmax, sort, cumsum, multinomial) on the
-        model's device before the first user: warmup itself decodes greedily."""
-        engine = self.engine
-        if self._sampler_warm or engine.model is None or engine.device is None:
-            return
-        if not self.lock.acquire(blocking=False):
-            return                     # the agent is using the engine; next idle tick
-        try:
-            import torch
-            vocab = int(engine.model.lm_head.weight.shape[0])   # Llama, Qwen2 and the other causal LMs
-            logits = torch.randn(vocab, device=engine.device)
-            g = torch.Generator(device=engine.device)
-            g.manual_seed(0)
-            sample(logits, 0.7, 0.9, g).tolist()
-            sample(logits, 1.0, 1.0, g).tolist()
-            self._sampler_warm = True
-        except Exception:  # noqa: BLE001 - a warm-up that fails costs the first user a little, no more
-            log.debug("sampler warm-up failed", exc_info=True)
-            self._sampler_warm = True
-        finally:
-            self.lock.release()
+
+def warm_user_paths(engine: ServedEngine, shapes: list[tuple[int, int]]) -> None:
+    """Run once, before SERVING, what users' batches run beyond the agent's own warmup
+    (TorchEngine.solidify calls it, under the engine lock it already holds): the
+    eager path with left padding and its attention mask, at each warmed (length,
+    batch) with a batch of two or more, and the sampling kernels (warmup decodes
+    greedily).  On the H200 a first batch of three prompts of different lengths
+    took 0.5-1.9 s against a few ms once warm."""
+    import torch
+    model, tokenizer, device = engine.serving_model(), engine.tokenizer, engine.device
+    if model is None or tokenizer is None:
+        return
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sample_ids = tokenizer.encode("warm " * 8, add_special_tokens=False) or [0]
+    generator = torch.Generator(device=device)
+    generator.manual_seed(0)
+    with torch.inference_mode():
+        for length, batch in sorted(set(shapes)):
+            if batch < 2 or length < 2:
+                continue
+            prompts = [(sample_ids * (length // len(sample_ids) + 1))[:length - (i % 2)] for i in range(batch)]
+            run = _EagerRun(model, prompts, pad, device)
+            run.step(run.logits.argmax(dim=-1)[:, None])
+        logits = torch.randn(int(model.lm_head.weight.shape[0]), device=device)
+        sample(logits, 0.7, 0.9, generator).tolist()
+        sample(logits, 1.0, 1.0, generator).tolist()

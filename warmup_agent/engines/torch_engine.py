@@ -564,6 +564,12 @@ class TorchEngine(Engine):
             # probe was the first request on that path and took 5.0-5.7 ms on the H200
             # against 4.8 ms for the next nine (1.5B): an exported tax of up to 1.20.
             replay()
+        # Users' batches (engines/torch_batcher.py) also run prompts of different lengths
+        # together, left-padded, and sample: paid here rather than by the first such batch.
+        from warmup_agent.engines import torch_batcher
+        t1 = time.perf_counter()
+        torch_batcher.warm_user_paths(self, shapes)
+        detail["user_paths_seconds"] = time.perf_counter() - t1
         return SolidifyReport(method=method, shapes=len(shapes), seconds=time.perf_counter() - t0, detail=detail)
 
     # -- integrity ---------------------------------------------------------------------

@@ -278,6 +278,7 @@ class Batcher:
         self._closing = False
         self._running_since: float | None = None
         self._last_end: float | None = None
+        self._current: list[Job] = []     # the running batch's requests (close() cancels them)
         self._thread = threading.Thread(target=self._loop, name="torch-serving", daemon=True)
         self._thread.start()
 
@@ -310,6 +311,8 @@ class Batcher:
         cancelled and it ends at its next step.  Joined, so no forward pass is in
         flight when the interpreter finalises (that aborts the process)."""
         self._closing = True
+        for running in list(self._current):
+            running.cancel()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -377,6 +380,7 @@ class Batcher:
 
     def _run(self, jobs: list[Job]) -> None:
         with self.lock:
+            self._current = jobs
             self._running_since = time.monotonic()
             self.counters.running = len(jobs)
             record = BatchRecord(size=len(jobs), padded=len(jobs), path="eager")
@@ -391,10 +395,11 @@ class Batcher:
                 self.counters.batches += 1
                 self.counters.recent.append(record)
                 self.counters.running = 0
+                self._current = []
                 self._running_since = None
                 self._last_end = time.monotonic()
-        log.debug("user batch: %d requests at batch size %d, %s path, %d steps, %.1f ms", record.size,
-                  record.padded, record.path, record.steps, record.seconds * 1e3)
+        log.debug("user batch: %d requests at batch size %d, %s path, %d steps, %d cancelled, %.1f ms", record.size,
+                  record.padded, record.path, record.steps, record.cancelled, record.seconds * 1e3)
 
     def _decode(self, jobs: list[Job], record: BatchRecord) -> None:
         import torch

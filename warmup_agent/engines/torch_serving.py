@@ -130,6 +130,7 @@ class ChatTemplate:
     transformers gives templates (raise_exception, tojson via the environment)."""
 
     def __init__(self, model_dir: str):
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         self.source = read_chat_template(model_dir)
         self.fallback = self.source is None
@@ -138,11 +139,19 @@ class ChatTemplate:
             raise BadRequest(f"the chat template refused the messages: {message}", "messages")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(self.source or FALLBACK_TEMPLATE)
         self._special = _special(model_dir)
+        self._broken: str | None = None
+        try:
+            self._template = env.from_string(self.source or FALLBACK_TEMPLATE)
+        except TemplateError as e:
+            # The model's own file is broken: chat answers 500 saying so; completions still work.
+            self._broken = f"the model's chat template does not compile: {e}"
+            self._template = env.from_string(FALLBACK_TEMPLATE)
 
     def render(self, messages: list[dict]) -> str:
         from jinja2 import TemplateError
+        if self._broken:
+            raise BadRequest(self._broken, status=500, kind="server_error")
         try:
             return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
         except TemplateError as e:

@@ -78,6 +78,11 @@ def test_warmup_traffic_covers_the_grid_and_is_counted(served):
     assert all(p["calls"] >= 1 for p in paths) and paths[0]["calls"] >= 2
     calls = sum(p["calls"] for p in paths)
     prompts = sum(p["calls"] * (1 if "batch1" in p["path"] else 2) for p in paths)
+    # the last shape re-sent before the first probe's control, where it was a harder predecessor
+    pairs = agent.stages[-1].detail["first_probe_pairs"]
+    replayed = sum(p["replayed_requests"] for p in pairs)
+    calls += sum(1 for p in pairs if p["replayed_requests"])
+    prompts += replayed
     assert agent.warmup_requests == prompts
     assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "warmup"}) == prompts
     assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "probe"}) == len(agent.probes)
@@ -184,11 +189,12 @@ def test_preload_deadline_fails_the_run(embedded_model):
     assert agent.metrics.registry.get_sample_value("warmup_state_deadline_exceeded_total", {"state": "PRELOAD"}) == 1
 
 
-def test_first_request_tax_gauge_is_first_probe_over_median_of_the_rest(served):
+def test_first_request_tax_gauge_is_the_first_probe_less_its_control_over_median_of_the_rest(served):
+    """1 + (first probe - its control) / median of the probes after the first (probes.py)."""
     import statistics
     agent, _, _, _ = served
     probes = agent.probes[:agent.stages[-1].detail["probes"]]   # the gate's probes, before any watch probe
-    expected = probes[0] / statistics.median(probes[1:])
+    expected = 1 + (probes[0] - probes[1]) / statistics.median(probes[1:])
     assert agent.metrics.registry.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(expected, rel=1e-12)
 
 

@@ -15,8 +15,9 @@ more in its slot, warm or not.  The probes after the control give the steady lev
                             probes' whole answers when they have as many output
                             tokens, else steady TTFT + (tokens - 1) x median steady
                             time per output token
-Where a first probe was cold beyond its control, the gate sends another pair: the
-figures are those of the pair that let the gate open (`pair`), the state users meet.
+Where a first probe was cold beyond its control, the gate sends another pair, but
+the figures stay the first pair's: a user's first request comes at a prompt length
+no request has reached, as the first probe did, and meets what it met.
 Without a control (a gate of one probe), the first probe over the steady level.
 On a server that pays per decode length, the whole-answer tax is the one a
 user's first request meets after the probes have warmed their own lengths
@@ -132,10 +133,11 @@ class ProbeLog:
         self._frozen = None
         self._frozen_at = None
 
-    def pair(self, first: int, control: int) -> Controlled:
+    def pair(self, first: int, control: int, figures: bool = True) -> Controlled:
         """The gate's probes `first` and `control` (indices within gate_probes) are a
-        first and its control: the figures are theirs from now on."""
-        self._pair = (first, control)
+        first and its control; with `figures`, the first-request figures are theirs."""
+        if figures:
+            self._pair = (first, control)
         probes = self.gate_probes
         return Controlled(probes[first], probes[control])
 

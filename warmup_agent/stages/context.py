@@ -104,6 +104,10 @@ class StageContext:
     #: last warmup requests before the first probe's control, where they were a harder
     #: predecessor than a probe (a longer prompt, more at once); None from it: no replay.
     replay_for: Callable[[int, int], Callable[[], None] | None] | None = None
+    #: prewarm, engines that speak the traffic profile: sends the settle wave (one short
+    #: request per request the server serves at once), after the warmup and again just
+    #: before SERVING, so that the first probe and the users' first request follow the same.
+    settle: Callable[[], None] | None = None
     #: after SERVING: watch probes not sent because the supervised server was serving
     #: other clients (Agent._server_busy_with_others); the run record's `watch_probes_skipped`.
     watch_skipped: int = 0

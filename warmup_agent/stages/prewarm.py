@@ -116,6 +116,9 @@ def _refused(e: EngineError) -> bool:
     return e.reason == "request_failed" and "HTTP 4" in e.message
 
 
+#: Prompt tokens of a settle-wave request (`_ProfileWarmup.settle`): a short chat turn.
+SETTLE_PROMPT_TOKENS = 32
+
 # Why a prompt-length path got no call (the run record, /startupz).
 NEW_LENGTHS_WARM = "the per-length test's fresh prompt lengths prefilled no slower than their controls"
 
@@ -174,6 +177,8 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     w.other_paths(per_length, batches)
     # 4. decode coverage over the profile's lengths
     coverage = w.decode_coverage(per_length)
+    # 5. leave the server as a plain start leaves it, for the probes and the users
+    w.settle()
     w.record(per_length, coverage, batches, detail, t_start)
 
 
@@ -207,6 +212,7 @@ class _ProfileWarmup:
         #: The last requests sent together: the predecessor a control must follow too.
         self.last: list[traffic.WarmRequest] = []
         self.replayed = 0       # requests re-sent as predecessors of controls
+        self.settled = 0        # requests of the settle waves
 
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
         from warmup_agent.traffic import WarmRequest, _frozen
@@ -266,6 +272,19 @@ class _ProfileWarmup:
             self.send_requests(last, f"replay of {len(last)} request(s) before a control")
             self.replayed += len(last)
         return replay
+
+    def settle(self) -> None:
+        """The settle wave: one short request (SETTLE_PROMPT_TOKENS, one output token) per
+        request the server serves at once.  The warmup leaves long prompts in the
+        server's slots; on llama.cpp the next request after much longer ones pays 60-100
+        ms in its slot, warm or not (H200: the first user request after the warmup's
+        854-928-token prompts came at 1.57x steady, after a plain start's one short
+        request at 1.12x).  This wave pays that instead, and the probes and the users'
+        first request then follow the same short requests (the ready stage sends it again
+        just before SERVING)."""
+        req = self.request(benefit.Path(self.ep0, self.fam0, 1, SETTLE_PROMPT_TOKENS), 1)
+        self.send_requests([req] * self.concurrency, f"settle: {self.concurrency} short request(s)")
+        self.settled += self.concurrency
 
     def warm(self, path: benefit.Path, tokens: int | None = None) -> None:
         profile = self.profile
@@ -399,6 +418,7 @@ class _ProfileWarmup:
         # probes' usual answer: its first token and decode speed tell the same, sooner.
         ctx.first_probe_tokens = profile.max_tokens if per_length.get("pays") else None
         ctx.replay_for = self.replay_for
+        ctx.settle = self.settle
         ctx.decoded_ranges, ctx.profile_lengths = list(self.decoded), list(self.plens)
         counts = Counter(o.result for o in outcomes)
         for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
@@ -407,7 +427,7 @@ class _ProfileWarmup:
         ctx.warmup_summary = summary = {
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
             "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
-            "replayed_requests": self.replayed}
+            "replayed_requests": self.replayed, "settle_requests": self.settled}
         if budget.exhausted():
             unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
             log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "

@@ -108,6 +108,10 @@ def run(ctx: StageContext, detail: dict) -> None:
     detail.update(probes=len(ctx.probe_log.probes), probe_prompt_tokens=ctx.probe_length)
     if cfg.validation.enabled:
         validate(ctx, detail)
+    if ctx.settle is not None:
+        before = ctx.driver.warmup_requests
+        ctx.settle()        # the users' first request follows what the first probe followed
+        detail["settle_requests"] = ctx.driver.warmup_requests - before
     with ctx.driver.busy():
         fingerprint = ctx.engine.weight_fingerprint()
     if not ctx.sm.serve(fingerprint):
@@ -120,8 +124,8 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     first where they were a harder predecessor than a probe: StageContext.replay_for).
     A first probe that was cold beyond its control means the warmup left something
     cold, which it has now paid: another pair follows, up to
-    prewarm.max_calls_per_path pairs, and the figures are the last pair's (the state
-    the users' first request meets).  Probes double as the last warmup."""
+    prewarm.max_calls_per_path pairs; the figures stay the first pair's (probes.py).
+    Probes double as the last warmup."""
     cfg = ctx.cfg
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
     tokens = ctx.first_probe_tokens if profile_probes else None
@@ -135,7 +139,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
         if replay is not None:
             replay()
         probe(tokens)
-        pair = ctx.probe_log.pair(at, at + 1)
+        pair = ctx.probe_log.pair(at, at + 1, figures=not pairs)
         pairs.append({**pair.as_dict(), "cold": pair.cold(tol),
                       "replayed_requests": ctx.driver.warmup_requests - before})
         if not pairs[-1]["cold"]:

@@ -215,7 +215,11 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
     from warmup_agent import proxy as routing
     from warmup_agent import webconfig
     log = logging.getLogger("warmup_agent")
-    proxy = routing.from_config(agent, cfg)  # None unless proxy.listen is set
+    # An engine that answers OpenAI requests in this process (the torch engine's
+    # openai_backend()) is the proxy's main engine where no upstream URL is set.
+    local_backend = (getattr(engine, "openai_backend", lambda: None)()
+                     if cfg.proxy.listen and not cfg.proxy.upstream_url else None)
+    proxy = routing.from_config(agent, cfg, local_backend)  # None unless proxy.listen is set
     host, _, port = cfg.exporter.listen.rpartition(":")
     security = webconfig.resolve(cfg.exporter)   # TLS, basic auth, admin token: worked out here only
     try:
@@ -228,7 +232,7 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
                           "exporter.listen") from None
     if proxy is not None:
         proxy.start()
-        log.info("proxy on %s -> %s (fallback %s)", cfg.proxy.listen, cfg.proxy.upstream_url or cfg.openai.url,
+        log.info("proxy on %s -> %s (fallback %s)", cfg.proxy.listen, proxy.main_name,
                  cfg.proxy.fallback_url or "none: 503 + Retry-After")
     log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg.engine,
              model_path, "https" if cfg.exporter.tls_cert_file else "http", host, server.port)

@@ -194,6 +194,7 @@ class ProxySection:
     fallback_url: str | None
     retry_after_seconds: int
     timeout_seconds: float
+    max_body_bytes: int
 
 
 @dataclass(frozen=True)

@@ -14,24 +14,42 @@ counters, the window or the water level.
 
 For user requests routed to the main engine with `"stream": true`, the time to
 the first streamed byte is recorded into the readiness window (the same one the
-probes use), so real traffic feeds the breaker.  Stdlib only (http.server +
-http.client); one persistent upstream connection per handler thread.
+probes use), so real traffic feeds the breaker; every user request the main
+engine answers with 200 (streamed or not) is reported to the gate as
+`user_answer(ttft, total)`: the users' real first request.
+
+The stack is asynchronous (aiohttp, client and server, on uvloop where it is
+installed), on its own event loop in its own thread, so that the exporter's
+endpoints (a separate server) keep their own thread.  Where the main engine
+is:
+  - an HTTP server: `UpstreamBackend`, one pooled keep-alive `ClientSession`;
+  - in this process (the torch engine): any `Backend`, handed to `from_config`.
+A client that goes away cancels its upstream request (the upstream connection
+is closed, the local backend's iterator closed); request bodies are bounded
+(413); an upstream that sends nothing for proxy.timeout_seconds (neither its
+answer's head nor the next chunk) is answered 504 (or, mid-stream, ends the
+stream with an error event).  All answers the proxy makes itself are OpenAI
+error bodies: {"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import logging
 import math
+import re
 import socket
+import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
+    from aiohttp import ClientSession, web
+
     from exporter.metrics import AgentMetrics
     from warmup_agent.config import Config
 
@@ -43,6 +61,12 @@ WARMUP_HEADER = "X-Warmup"
 # Hop-by-hop headers (RFC 9110 §7.6.1) are the proxy's own business on each leg.
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
         "transfer-encoding", "upgrade", "host", "content-length"}
+# Pooled keep-alive connections to one upstream: enough for hundreds of concurrent streams.
+UPSTREAM_CONNECTIONS = 1024
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# The last `"completion_tokens": N` of an answer (the usage object ends OpenAI and vLLM
+# answers); a quote inside generated text is escaped, so it cannot match there.
+_COMPLETION_TOKENS = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
 
 
 class Gate(Protocol):
@@ -63,6 +87,12 @@ class Gate(Protocol):
     def observe(self, ttft: float) -> None:
         """A user request's time to first token on the main engine (the window, the breaker)."""
 
+    def user_answer(self, ttft: float, total: float) -> None:
+        """A user request the main engine answered with 200: seconds to its first body
+        chunk and to the end of its body; the users' real first request.  A gate whose
+        user_answer also takes `output_tokens` gets the answer's completion tokens where
+        its usage said (else None)."""
+
 
 class RoutedAgent(Protocol):
     """The agent as the proxy sees it (pipeline.Agent is one): its gate and its metrics."""
@@ -74,86 +104,253 @@ class RoutedAgent(Protocol):
     def metrics(self) -> AgentMetrics: ...
 
 
-def _no_delay(conn: http.client.HTTPConnection) -> None:
-    """Headers and body leave as separate small writes; with Nagle the second would
-    wait for the first one's ACK (up to 40 ms against a delayed ACK)."""
-    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+# -- backends -------------------------------------------------------------------------------
+
+@dataclass
+class BackendResponse:
+    """One answer of a backend: its status, its headers (content-type; a Content-Length
+    makes the proxy send one, else the answer is chunked) and its body chunks as they
+    come (SSE events for a stream), each relayed at once.  Closing `body` (aclose)
+    cancels the work behind it: the proxy does so when the client goes away."""
+    status: int
+    headers: dict[str, str]
+    body: AsyncIterator[bytes]
 
 
-class Upstream:
-    """Base URL of an OpenAI-compatible server, with a keep-alive connection per thread."""
+class Backend(Protocol):
+    """Where the proxy sends a request: an HTTP upstream (UpstreamBackend) or an engine
+    in this process.  Called on the proxy's event loop.  Raise BackendUnavailable (or
+    OSError) for 502, TimeoutError for 504; anything else is a 500 with its message."""
 
-    def __init__(self, url: str, timeout: float):
+    async def request(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> BackendResponse: ...
+
+    async def close(self) -> None: ...
+
+
+class BackendUnavailable(Exception):
+    """The backend could not take the request (the proxy answers 502 upstream_unavailable)."""
+
+
+def _timeout_errors() -> tuple[type[BaseException], ...]:
+    return (TimeoutError, asyncio.TimeoutError)
+
+
+class UpstreamBackend:
+    """An OpenAI-compatible server at `url`, over one aiohttp ClientSession whose
+    connector keeps up to UPSTREAM_CONNECTIONS connections alive.  `timeout`: the most
+    seconds without a byte from the server (its answer's head, or the next chunk)."""
+
+    # The stall timeout is aiohttp's own read timeout: the proxy needs no timer per chunk.
+    enforces_stall_timeout = True
+
+    def __init__(self, url: str, timeout: float, connections: int = UPSTREAM_CONNECTIONS):
         u = urllib.parse.urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
-        self.url, self.scheme, self.timeout = url, u.scheme, timeout
-        self.host = u.hostname
-        self.port = u.port or (443 if u.scheme == "https" else 80)
-        self.prefix = u.path.rstrip("/")
-        self._local = threading.local()
+        self.url, self.timeout, self.connections = url, timeout, connections
+        self.base = url.rstrip("/")
+        self._session: ClientSession | None = None
 
-    def connection(self, fresh: bool = False) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None or fresh:
-            if conn is not None:
-                conn.close()
-            cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-            conn = self._local.conn = cls(self.host, self.port, timeout=self.timeout)
-        return conn
+    def _open(self) -> ClientSession:
+        import aiohttp
+        connector = aiohttp.TCPConnector(limit=self.connections, limit_per_host=0, keepalive_timeout=30)
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False,   # bytes pass through as the server sent them
+            # No header the client did not send: the upstream sees the user's request.
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, self.timeout), sock_read=self.timeout))
+        return self._session
 
-    def drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
-
-    def request(self, method: str, path: str, body: bytes | None, headers: dict) -> http.client.HTTPResponse:
-        """Send one request; a keep-alive connection the server closed meanwhile is
-        retried once on a fresh connection (nothing was processed on it)."""
+    async def request(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> BackendResponse:
+        import aiohttp
+        session = self._session or self._open()
         for attempt in (0, 1):
-            conn = self.connection(fresh=attempt == 1)
             try:
-                if conn.sock is None:
-                    conn.connect()
-                    _no_delay(conn)
-                conn.request(method, self.prefix + path, body=body, headers=headers)
-                return conn.getresponse()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                resp = await session.request(method, self.base + path, data=body or None, headers=dict(headers),
+                                             allow_redirects=False)
+                break
+            except aiohttp.ServerDisconnectedError:
+                # A pooled keep-alive connection the server closed meanwhile: once more on a fresh one.
                 if attempt == 1:
-                    raise
-        raise AssertionError("unreachable")
+                    raise BackendUnavailable("the server closed the connection") from None
+            except _timeout_errors():
+                raise
+            except aiohttp.ClientError as e:
+                raise BackendUnavailable(str(e) or type(e).__name__) from None
+        # As the server spelt them (the parsed headers are canonicalised: Content-Type).
+        out: dict[str, str] = {}
+        for raw_key, raw_value in resp.raw_headers:
+            key = raw_key.decode("latin-1")
+            if key.lower() not in _HOP:
+                out[key] = raw_value.decode("latin-1")
+        if resp.headers.get("Content-Length") is not None and "chunked" not in resp.headers.get("Transfer-Encoding", ""):
+            out["Content-Length"] = resp.headers["Content-Length"]
+        return BackendResponse(resp.status, out, self._body(resp))
+
+    @staticmethod
+    async def _body(resp: Any) -> AsyncIterator[bytes]:
+        import aiohttp
+        done = False
+        try:
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except aiohttp.ClientPayloadError as e:
+                    raise BackendUnavailable(f"the answer broke off: {e}") from None
+                if not chunk:
+                    break
+                yield chunk
+            done = True
+        finally:
+            if done:
+                resp.release()     # the connection goes back to the pool
+            else:
+                resp.close()       # mid-answer (client gone, stall): the server sees the connection closed
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# -- the proxy ------------------------------------------------------------------------------
+
+def listen_backlog() -> int:
+    from exporter.server import listen_backlog as backlog
+    return backlog()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def _bind(listen: tuple[str, int]) -> socket.socket:
+    host, port = listen
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(listen_backlog())
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def _name(backend: Any) -> str:
+    return str(getattr(backend, "url", None) or type(backend).__name__)
 
 
 class RoutingProxy:
     """The proxy for `agent`: its readiness gate (a `Gate`) and its metrics.
 
-    upstream_url: the main engine; fallback_url: a smaller model server or None;
-    listen: (host, port), port 0 for any free port."""
+    upstream_url: the main engine, a base URL or a Backend; fallback_url: a smaller
+    model server (URL or Backend) or None; listen: (host, port), port 0 for any free
+    port (bound here, so an address in use fails at once).  start() runs it on its
+    own event loop in its own thread; stop() ends it and closes every backend."""
 
-    def __init__(self, agent: RoutedAgent, upstream_url: str, fallback_url: str | None = None,
+    def __init__(self, agent: RoutedAgent, upstream_url: str | Backend, fallback_url: str | Backend | None = None,
                  listen: tuple[str, int] = ("127.0.0.1", 0), metrics: AgentMetrics | None = None,
-                 retry_after_seconds: int = 5, timeout_seconds: float = 300.0):
+                 retry_after_seconds: int = 5, timeout_seconds: float = 300.0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.metrics = metrics if metrics is not None else agent.metrics
         self.gate = agent.readiness
-        self.main = Upstream(upstream_url, timeout_seconds)
-        self.fallback = Upstream(fallback_url, timeout_seconds) if fallback_url else None
+        self.timeout = timeout_seconds
+        self.main: Backend = (UpstreamBackend(upstream_url, timeout_seconds) if isinstance(upstream_url, str)
+                              else upstream_url)
+        self.fallback: Backend | None = (UpstreamBackend(fallback_url, timeout_seconds) if isinstance(fallback_url, str)
+                                         else fallback_url)
         self.retry_after_seconds = retry_after_seconds
-        self.httpd = ThreadingHTTPServer(listen, _make_handler(self))
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="routing-proxy", daemon=True)
+        self.max_body_bytes = max_body_bytes
+        # Readiness.user_answer takes the answer's output tokens where it can (they came later).
+        import inspect
+        try:
+            self._answer_tokens = "output_tokens" in inspect.signature(self.gate.user_answer).parameters
+        except (AttributeError, TypeError, ValueError):
+            self._answer_tokens = False
+        self.sock = _bind(listen)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
 
+    @property
+    def main_name(self) -> str:
+        return _name(self.main)
+
+    # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> RoutingProxy:
+        self._thread = threading.Thread(target=self._run, name="routing-proxy", daemon=True)
         self._thread.start()
-        log.info("routing proxy on %s:%d -> main %s, fallback %s", self.httpd.server_address[0], self.port,
-                 self.main.url, self.fallback.url if self.fallback else "none (503 while not SERVING)")
+        self._started.wait(30)
+        if self._start_error is not None:
+            raise self._start_error
+        log.info("routing proxy on %s:%d -> main %s, fallback %s", self.host, self.port, self.main_name,
+                 _name(self.fallback) if self.fallback else "none (503 while not SERVING)")
         return self
 
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def _run(self) -> None:
+        loop = self.loop = _new_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as e:  # noqa: BLE001 - handed to start()
+            self._start_error = e
+            self._started.set()
+            loop.close()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
+    async def _serve(self) -> None:
+        from aiohttp import web
+        app = web.Application(client_max_size=self.max_body_bytes + 1)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        # handler_cancellation: a client that disconnects cancels its handler at once,
+        # and with it the upstream request; no access log (one line per request).
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+        await self._runner.setup()
+        await web.SockSite(self._runner, self.sock, backlog=listen_backlog()).start()
+
+    def stop(self) -> None:
+        loop = self.loop
+        if loop is None or self._thread is None or not self._thread.is_alive():
+            self.sock.close()
+            return
+
+        async def shutdown() -> None:
+            try:
+                if self._runner is not None:
+                    await self._runner.cleanup()
+            finally:
+                for b in (self.main, self.fallback):
+                    if b is not None:
+                        try:
+                            await b.close()
+                        except Exception:  # noqa: BLE001 - stopping: one line, go on
+                            log.warning("closing backend %s failed", _name(b), exc_info=True)
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(30)
+        except Exception:  # noqa: BLE001 - the loop is stopped anyway
+            log.warning("routing proxy: unclean shutdown", exc_info=True)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(10)
+        self.sock.close()
+
+    # -- routing -------------------------------------------------------------------------------
     def route(self, warmup: bool) -> str:
         """main | fallback | rejected, for a request arriving now."""
         if warmup or self.gate.main_open():
@@ -168,160 +365,218 @@ class RoutingProxy:
             return self.retry_after_seconds
         return max(1, math.ceil(self.gate.retry_after(self.retry_after_seconds)))
 
+    # -- one request -----------------------------------------------------------------------------
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        from aiohttp import web
+        t0 = time.perf_counter()
+        path, method = request.path, request.method
+        if not ((method == "POST" and path in POST_PATHS) or (method == "GET" and path in GET_PATHS)):
+            return _error(404, "not_found", f"{method} {path} is not proxied")
+        body = b""
+        if method == "POST":
+            length = request.content_length
+            if length is not None and length > self.max_body_bytes:
+                return _too_large(self.max_body_bytes, length)
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return _too_large(self.max_body_bytes, None)
+        warmup = request.headers.get(WARMUP_HEADER, "").strip().lower() == "true"
+        route = self.route(warmup)
+        if not warmup:
+            self.gate.user_request()
+        # Metrics are recorded before the client can have the whole answer, so a
+        # client (or test) that read the response sees them.
+        if route == "rejected":
+            retry = self.retry_after()
+            self._count(route, 503, warmup)
+            return _error(503, "warming_up", f"the model server is {self.gate.state_name}; retry in {retry} s",
+                          {"Retry-After": str(retry)})
+        backend = self.main if route == "main" else self.fallback
+        assert backend is not None, "route() answers fallback only when there is one"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        stall = None if getattr(backend, "enforces_stall_timeout", False) else self.timeout
+        try:
+            answer = await _within(backend.request(method, request.path_qs, body, headers), stall)
+        except _timeout_errors():
+            self._count(route, 504, warmup)
+            return _error(504, "upstream_timeout", f"{route} upstream {_name(backend)} sent nothing for "
+                          f"{self.timeout:g} s (proxy.timeout_seconds)")
+        except (OSError, BackendUnavailable) as e:
+            self._count(route, 502, warmup)
+            return _error(502, "upstream_unavailable", f"{route} upstream {_name(backend)}: {e}")
+        except Exception as e:  # noqa: BLE001 - a local backend's bug: the client gets a 500, we a traceback
+            log.exception("%s backend %s failed", route, _name(backend))
+            self._count(route, 500, warmup)
+            return _error(500, "internal_error", f"{route} backend failed: {type(e).__name__}: {e}")
+        measured = not warmup and answer.status == 200
+        return await self._relay(request, answer, route, backend, warmup, t0, stall,
+                                 stream=measured and _is_stream(body), answered=measured and route == "main")
 
-def from_config(agent: RoutedAgent, cfg: Config) -> RoutingProxy | None:
+    async def _relay(self, request: web.Request, answer: BackendResponse, route: str, backend: Backend, warmup: bool,
+                     t0: float, stall: float | None, stream: bool, answered: bool) -> web.StreamResponse:
+        """Pass status, headers and body through, each chunk as it comes.  The response
+        head waits for the first chunk, so an upstream that stalls before it is a clean 504."""
+        from aiohttp import web
+        body = answer.body
+        headers = dict(answer.headers)
+        length = None
+        for k in list(headers):
+            if k.lower() == "content-length":
+                length = headers.pop(k)
+        resp = web.StreamResponse(status=answer.status, headers=headers)
+        if length is not None:
+            resp.content_length = int(length)
+        else:
+            resp.enable_chunked_encoding()
+        first: float | None = None
+        prev = last = b""
+        nxt = body.__aiter__().__anext__
+        try:
+            while True:
+                try:
+                    chunk = await (nxt() if stall is None else _within(nxt(), stall))
+                except StopAsyncIteration:
+                    break
+                if first is None:
+                    first = time.perf_counter()
+                    self._count(route, answer.status, warmup)
+                    await resp.prepare(request)
+                    await resp.write(chunk)
+                    if stream:
+                        self._first_token(route, first - t0)
+                else:
+                    await resp.write(chunk)
+                if answered:
+                    prev, last = last, chunk
+            end = time.perf_counter()
+            if first is None:       # an empty body
+                self._count(route, answer.status, warmup)
+                await resp.prepare(request)
+            elif answered:
+                self._user_answer(first - t0, end - t0, prev + last)
+            await resp.write_eof()
+            return resp
+        except _timeout_errors():
+            message = f"{route} upstream {_name(backend)} sent nothing for {self.timeout:g} s (proxy.timeout_seconds)"
+            log.warning("%s", message)
+            if first is None:
+                self._count(route, 504, warmup)
+                return _error(504, "upstream_timeout", message)
+            if headers.get("content-type", headers.get("Content-Type", "")).startswith("text/event-stream"):
+                # Mid-stream: the status is gone; an error event is what OpenAI clients read.
+                await resp.write(b"data: " + _error_body(504, "upstream_timeout", message) + b"\n\n")
+                await resp.write_eof()
+            resp.force_close()
+            _hang_up(request)
+            return resp
+        except (OSError, BackendUnavailable) as e:
+            # A client that went away (a failed write) or an answer that broke off.
+            if isinstance(e, BackendUnavailable):
+                log.warning("%s upstream: %s", route, e)
+                if first is None:
+                    self._count(route, 502, warmup)
+                    return _error(502, "upstream_unavailable", f"{route} upstream: {e}")
+            resp.force_close()
+            _hang_up(request)
+            return resp
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()     # the work behind it ends (a no-op once the body is done)
+
+    def _first_token(self, route: str, ttft: float) -> None:
+        """A user request's time to first token: histogram, and the readiness window."""
+        self.metrics.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
+        if route == "main":
+            self.gate.observe(ttft)    # the window and the breaker; never the probe log
+
+    def _user_answer(self, ttft: float, total: float, tail: bytes) -> None:
+        """A user request the main engine answered with 200 (the users' real first request)."""
+        found = _COMPLETION_TOKENS.findall(tail)
+        tokens = int(found[-1]) if found else None
+        try:
+            if self._answer_tokens:
+                cast(Any, self.gate).user_answer(ttft, total, output_tokens=tokens)
+            else:
+                self.gate.user_answer(ttft, total)
+        except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
+            log.exception("gate.user_answer failed")
+
+    def _count(self, route: str, code: int, warmup: bool) -> None:
+        if not warmup:
+            self.metrics.warmup_proxy_requests_total.labels(route=route, code=str(code)).inc()
+
+
+def from_config(agent: RoutedAgent, cfg: Config, local_backend: Backend | None = None) -> RoutingProxy | None:
     """The proxy `proxy.*` asks for (None when proxy.listen is empty), not started.
-    Raises ConfigError (one line) for a missing upstream or an address in use."""
+    The main engine: proxy.upstream_url, else `local_backend` (an engine in this process,
+    e.g. the torch engine's openai_backend()), else openai.url.  Raises ConfigError (one
+    line) for a missing upstream or an address in use."""
     from warmup_agent.config import ConfigError
     pc = cfg.proxy
     if not pc.listen:
         return None
-    upstream = pc.upstream_url or cfg.openai.url
+    upstream: str | Backend | None = pc.upstream_url or local_backend or cfg.openai.url
     if not upstream:
         raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL "
                           "(proxy.upstream_url, or openai.url with --engine openai)", "proxy.upstream_url")
-    if not upstream.startswith(("http://", "https://")):
+    if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
         raise ConfigError(f"key 'proxy.upstream_url': got {upstream!r}; expected a URL starting with http:// or https://",
                           "proxy.upstream_url")
     host, _, port = pc.listen.rpartition(":")
     try:
         return RoutingProxy(agent, upstream, pc.fallback_url, (host.strip("[]"), int(port)),
-                            retry_after_seconds=pc.retry_after_seconds, timeout_seconds=pc.timeout_seconds)
+                            retry_after_seconds=pc.retry_after_seconds, timeout_seconds=pc.timeout_seconds,
+                            max_body_bytes=pc.max_body_bytes)
     except OSError as e:
         raise ConfigError(f"key 'proxy.listen': cannot listen on {pc.listen}: {e.strerror}",
                           "proxy.listen") from None
 
 
+# -- helpers ----------------------------------------------------------------------------------
+
+async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
+    """`aw`, or TimeoutError after `seconds` (None: no limit of ours)."""
+    if seconds is None:
+        return await aw
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)
+
+
 def _is_stream(body: bytes) -> bool:
+    if b'"stream"' not in body:
+        return False
     try:
         return bool(json.loads(body).get("stream"))
     except (ValueError, AttributeError):
         return False
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """One client connection of the proxy; `proxy` is set on the subclass `_make_handler` makes."""
-    proxy: RoutingProxy
-
-    protocol_version = "HTTP/1.1"     # keep-alive to clients: no connect per request
-    # Each SSE chunk is its own small write: with Nagle on, the second one waits
-    # for the client's delayed ACK (40 ms on Linux).
-    disable_nagle_algorithm = True
-    server_version = "warmup-agent-proxy"
-
-    def log_message(self, fmt: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), fmt % args)
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path not in GET_PATHS:
-            return self._error(404, "not_found", f"{path} is not proxied")
-        self._proxy(b"")
-
-    def do_POST(self) -> None:
-        path = self.path.split("?", 1)[0]
-        length = self.headers.get("Content-Length")
-        if length is None:
-            return self._error(411, "length_required", "a Content-Length is required")
-        body = self.rfile.read(int(length))
-        if path not in POST_PATHS:
-            return self._error(404, "not_found", f"{path} is not proxied")
-        self._proxy(body)
-
-    # -- one request ---------------------------------------------------------------
-    def _proxy(self, body: bytes) -> None:
-        t0 = time.perf_counter()
-        warmup = self.headers.get(WARMUP_HEADER, "").strip().lower() == "true"
-        route = self.proxy.route(warmup)
-        if not warmup:
-            self.proxy.gate.user_request()
-        # Metrics are recorded before the client can have the whole answer, so a
-        # client (or test) that read the response sees them.
-        if route == "rejected":
-            retry = self.proxy.retry_after()
-            self._count(route, 503, warmup)
-            return self._error(503, "warming_up",
-                               f"the model server is {self.proxy.gate.state_name}; retry in {retry} s",
-                               {"Retry-After": str(retry)})
-        upstream = self.proxy.main if route == "main" else self.proxy.fallback
-        assert upstream is not None, "route() answers fallback only when there is one"
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-        headers["Host"] = f"{upstream.host}:{upstream.port}"
-        if body:
-            headers["Content-Length"] = str(len(body))
-        try:
-            resp = upstream.request(self.command, self.path, body or None, headers)
-        except (OSError, http.client.HTTPException) as e:
-            upstream.drop()
-            self._count(route, 502, warmup)
-            return self._error(502, "upstream_unavailable", f"{route} upstream {upstream.url}: {e}")
-        self._count(route, resp.status, warmup)
-        measured = not warmup and resp.status == 200 and _is_stream(body)
-        self._relay(resp, upstream, (lambda first: self._first_token(route, first - t0)) if measured else None)
-
-    def _first_token(self, route: str, ttft: float) -> None:
-        """A user request's time to first token: histogram, and the readiness window."""
-        self.proxy.metrics.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
-        if route == "main":
-            self.proxy.gate.observe(ttft)    # the window and the breaker; never the probe log
-
-    def _relay(self, resp: http.client.HTTPResponse, upstream: Upstream, on_first: Callable[[float], None] | None = None) -> float | None:
-        """Pass status, headers and body through; return when the first body byte
-        arrived.  `on_first(t)` runs once the first chunk is out, before the rest."""
-        length = resp.getheader("Content-Length")
-        self.send_response(resp.status, resp.reason)
-        for k, v in resp.getheaders():
-            if k.lower() not in _HOP:
-                self.send_header(k, v)
-        if length is not None:
-            self.send_header("Content-Length", length)
-        else:
-            self.send_header("Transfer-Encoding", "chunked")
-        if resp.will_close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        first = None
-        try:
-            while True:
-                chunk = resp.read1(65536)
-                if not chunk:
-                    break
-                if first is None:
-                    first = time.perf_counter()
-                if length is None:
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                else:
-                    self.wfile.write(chunk)
-                self.wfile.flush()
-                if on_first is not None:
-                    on_first(first)
-                    on_first = None
-            if length is None:
-                self.wfile.write(b"0\r\n\r\n")
-                self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            # The client went away mid-stream: the upstream connection is mid-response.
-            upstream.drop()
-            self.close_connection = True
-        if resp.will_close:
-            upstream.drop()
-        return first
-
-    def _count(self, route: str, code: int, warmup: bool) -> None:
-        if not warmup:
-            self.proxy.metrics.warmup_proxy_requests_total.labels(route=route, code=str(code)).inc()
-
-    def _error(self, code: int, kind: str, message: str, extra: dict | None = None) -> None:
-        body = json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(body)
+def _error_body(code: int, kind: str, message: str, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
 
-def _make_handler(proxy: RoutingProxy) -> type[_Handler]:
-    return type("Handler", (_Handler,), {"proxy": proxy})
+def _error(code: int, kind: str, message: str, extra: dict[str, str] | None = None,
+           param: str | None = None) -> web.Response:
+    from aiohttp import web
+    return web.Response(status=code, body=_error_body(code, kind, message, param), headers=extra,
+                        content_type="application/json")
+
+
+def _too_large(limit: int, length: int | None) -> web.Response:
+    size = f"{length} bytes" if length is not None else "more"
+    resp = _error(413, "request_too_large", f"the request body is {size}; the proxy takes at most {limit} bytes "
+                  "(proxy.max_body_bytes)")
+    resp.force_close()    # the rest of the body is not read: this connection ends with the answer
+    return resp
+
+
+def _hang_up(request: web.Request) -> None:
+    """End the client's connection now: a broken answer must not look complete."""
+    transport = request.transport
+    if transport is not None:
+        transport.close()
+

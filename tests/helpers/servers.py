@@ -18,6 +18,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 
 def free_port() -> int:
@@ -202,3 +203,248 @@ def running(server):
         yield server
     finally:
         server.stop()
+
+
+# -- a stand-in OpenAI-compatible upstream on asyncio ----------------------------------------
+
+def _stand_in_loop():
+    import asyncio
+    try:
+        import uvloop
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class OpenAIStandIn:
+    """A stand-in OpenAI-compatible upstream (named as such: it generates nothing; for the
+    proxy's own costs, where a real engine's spread would hide them), on asyncio (uvloop
+    where installed) in its own thread, or as its own process (`python -m
+    tests.helpers.servers openai-stand-in --port N`, what bench/bench_proxy.py runs).
+
+    POST /v1/chat/completions and /v1/completions: with "stream": true a chunked
+    text/event-stream, the first event `first_token_s` after the request, then
+    `chunks - 1` more `interval_s` apart (the last with finish_reason and usage), then
+    [DONE]; without it the same answer as one JSON body after the same time.  GET
+    /v1/models lists `model`; GET /health is 200; POST /tokenize gives one token per
+    character (what the agent's warmup needs of a server without a local tokenizer).  With `stall` set, a POST gets its
+    response head and then nothing.  HTTP/1.1 keep-alive, no pipelining.
+
+    What the upstream saw: `started` (request bodies), `finished` (answers written to
+    the end) and `aborted` (answers whose connection closed before their end: the
+    client, or the proxy in front, went away)."""
+
+    def __init__(self, first_token_s: float = 0.02, chunks: int = 32, interval_s: float = 0.005,
+                 model: str = "stand-in", stall: bool = False, port: int = 0, host: str = "127.0.0.1",
+                 thread: bool = True):
+        self.first_token_s, self.chunks, self.interval_s = first_token_s, chunks, interval_s
+        self.model, self.stall = model, stall
+        self.started: list[bytes] = []
+        self.finished: list[bytes] = []
+        self.aborted: list[bytes] = []
+        self.host = host
+        self.loop = _stand_in_loop()
+        self._server: Any = None
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(4096)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._thread = None
+        if thread:
+            ready = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(ready,), name="openai-stand-in", daemon=True)
+            self._thread.start()
+            ready.wait(10)
+
+    def _run(self, ready=None):
+        import asyncio
+        asyncio.set_event_loop(self.loop)
+        self._server = self.loop.run_until_complete(
+            self.loop.create_server(lambda: _StandInProtocol(self), sock=self._sock, backlog=4096))
+        if ready is not None:
+            ready.set()
+        self.loop.run_forever()
+
+    def serve_forever(self):
+        """Run in this thread (the stand-in's own process)."""
+        self._run()
+
+    def stop(self):
+        if self._thread is None:
+            return
+
+        async def close():
+            self._server.close()
+        import asyncio
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self._thread = None
+
+    # -- the answers -----------------------------------------------------------------------
+    def event(self, path: str, i: int, last: bool) -> bytes:
+        if path.endswith("/chat/completions"):
+            choice = {"index": 0, "delta": {"content": f" tok{i}"}, "finish_reason": "length" if last else None}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": f" tok{i}", "finish_reason": "length" if last else None}
+            obj = "text_completion"
+        msg = {"id": "stand-in", "object": obj, "created": 0, "model": self.model, "choices": [choice]}
+        if last:
+            msg["usage"] = {"prompt_tokens": 8, "completion_tokens": self.chunks, "total_tokens": 8 + self.chunks}
+        return b"data: " + json.dumps(msg, separators=(",", ":")).encode() + b"\n\n"
+
+    def whole(self, path: str) -> bytes:
+        text = "".join(f" tok{i}" for i in range(self.chunks))
+        if path.endswith("/chat/completions"):
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length"}
+            obj = "text_completion"
+        return json.dumps({"id": "stand-in", "object": obj, "created": 0, "model": self.model, "choices": [choice],
+                           "usage": {"prompt_tokens": 8, "completion_tokens": self.chunks,
+                                     "total_tokens": 8 + self.chunks}}).encode()
+
+
+class _StandInProtocol:
+    """One connection of OpenAIStandIn: a minimal HTTP/1.1 server (asyncio.Protocol)."""
+
+    def __init__(self, owner: OpenAIStandIn):
+        self.owner = owner
+        self.buf = b""
+        self.transport: Any = None
+        self.task: Any = None
+        self.closed = False
+        self.close_after = False
+
+    def connection_made(self, transport):
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data):
+        self.buf += data
+        if self.task is None:
+            self._next()
+
+    def eof_received(self):
+        return False
+
+    def connection_lost(self, exc):
+        self.closed = True
+        if self.task is not None:
+            self.task.cancel()
+
+    def pause_writing(self):
+        pass
+
+    def resume_writing(self):
+        pass
+
+    def _next(self):
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buf[:end].decode("latin-1").split("\r\n")
+        method, path = head[0].split(" ")[:2]
+        headers = {}
+        for line in head[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        length = int(headers.get("content-length") or 0)
+        if len(self.buf) < end + 4 + length:
+            return
+        body = self.buf[end + 4:end + 4 + length]
+        self.buf = self.buf[end + 4 + length:]
+        self.close_after = headers.get("connection", "").lower() == "close"
+        self.task = self.owner.loop.create_task(self._answer(method, path, body))
+
+    def _write(self, data: bytes):
+        if self.closed or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self.transport.write(data)
+
+    def _simple(self, code: int, body: bytes, ctype: str = "application/json"):
+        reason = {200: "OK", 404: "Not Found"}.get(code, "Error")
+        self._write(b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                    % (code, reason.encode(), ctype.encode(), len(body), body))
+
+    async def _answer(self, method: str, path: str, body: bytes):
+        import asyncio
+        owner = self.owner
+        try:
+            if method == "GET":
+                if path == "/v1/models":
+                    self._simple(200, json.dumps({"object": "list", "data": [
+                        {"id": owner.model, "object": "model", "created": 0, "owned_by": "stand-in"}]}).encode())
+                elif path == "/health":
+                    self._simple(200, b"")
+                else:
+                    self._simple(404, b'{"error": {"message": "not found", "type": "not_found", "param": null, "code": 404}}')
+            elif path == "/tokenize":
+                # One token per character: enough for a client that sizes its prompts (the agent's warmup).
+                text = json.loads(body or b"{}").get("prompt") or ""
+                self._simple(200, json.dumps({"tokens": [ord(c) % 32000 for c in text], "count": len(text),
+                                              "max_model_len": 4096}).encode())
+            elif path not in ("/v1/chat/completions", "/v1/completions"):
+                self._simple(404, b'{"error": {"message": "not found", "type": "not_found", "param": null, "code": 404}}')
+            else:
+                owner.started.append(body)
+                try:
+                    stream = bool(json.loads(body or b"{}").get("stream"))
+                except ValueError:
+                    stream = False
+                if owner.stall:
+                    self._write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    await asyncio.sleep(3600)
+                if not stream:
+                    await asyncio.sleep(owner.first_token_s + owner.interval_s * (owner.chunks - 1))
+                    self._simple(200, owner.whole(path))
+                else:
+                    self._write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    await asyncio.sleep(owner.first_token_s)
+                    for i in range(owner.chunks):
+                        if i:
+                            await asyncio.sleep(owner.interval_s)
+                        ev = owner.event(path, i, i == owner.chunks - 1)
+                        if i == owner.chunks - 1:
+                            ev += b"data: [DONE]\n\n"
+                        self._write(b"%x\r\n%s\r\n" % (len(ev), ev))
+                    self._write(b"0\r\n\r\n")
+                owner.finished.append(body)
+        except (asyncio.CancelledError, ConnectionError):
+            owner.aborted.append(body)
+            return
+        self.task = None
+        if self.close_after:
+            self.transport.close()
+        elif self.buf:
+            self._next()
+
+
+def _main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(description="test and bench servers")
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("openai-stand-in", help="OpenAIStandIn in this process, until killed")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--first-token-ms", type=float, default=20.0)
+    s.add_argument("--chunks", type=int, default=32)
+    s.add_argument("--interval-ms", type=float, default=5.0)
+    s.add_argument("--model", default="stand-in")
+    args = p.parse_args(argv)
+    standin = OpenAIStandIn(args.first_token_ms / 1e3, args.chunks, args.interval_ms / 1e3, args.model,
+                            port=args.port, host=args.host, thread=False)
+    print(f"stand-in upstream on {standin.url}", flush=True)
+    standin.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(_main())

@@ -411,7 +411,8 @@ class RoutingProxy:
             return _error(500, "internal_error", f"{route} backend failed: {type(e).__name__}: {e}")
         measured = not warmup and answer.status == 200
         return await self._relay(request, answer, route, backend, warmup, t0, stall,
-                                 stream=measured and _is_stream(body), answered=measured and route == "main")
+                                 stream=measured and _is_stream(body),
+                                 answered=measured and route == "main" and method == "POST")
 
     async def _relay(self, request: web.Request, answer: BackendResponse, route: str, backend: Backend, warmup: bool,
                      t0: float, stall: float | None, stream: bool, answered: bool) -> web.StreamResponse:

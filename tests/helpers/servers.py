@@ -225,10 +225,12 @@ class OpenAIStandIn:
     POST /v1/chat/completions and /v1/completions: with "stream": true a chunked
     text/event-stream, the first event `first_token_s` after the request, then
     `chunks - 1` more `interval_s` apart (the last with finish_reason and usage), then
-    [DONE]; without it the same answer as one JSON body after the same time.  GET
+    [DONE]; without it the same answer as one JSON body after the same time.  A request
+    body with "stand_in_stall": "head" gets nothing at all, with "stand_in_stall": N
+    its head and N events, then nothing (`stall=True`: every POST gets nothing).  GET
     /v1/models lists `model`; GET /health is 200; POST /tokenize gives one token per
-    character (what the agent's warmup needs of a server without a local tokenizer).  With `stall` set, a POST gets its
-    response head and then nothing.  HTTP/1.1 keep-alive, no pipelining.
+    character (what the agent's warmup needs of a server without a local tokenizer).
+    HTTP/1.1 keep-alive, no pipelining.
 
     What the upstream saw: `started` (request bodies), `finished` (answers written to
     the end) and `aborted` (answers whose connection closed before their end: the
@@ -395,11 +397,13 @@ class _StandInProtocol:
             else:
                 owner.started.append(body)
                 try:
-                    stream = bool(json.loads(body or b"{}").get("stream"))
-                except ValueError:
-                    stream = False
-                if owner.stall:
-                    self._write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    req = json.loads(body or b"{}")
+                    stream = bool(req.get("stream"))
+                except (ValueError, AttributeError):
+                    req, stream = None, False
+                # A request can ask to stall: "head" (no answer at all), or N (after N events).
+                stall = "head" if owner.stall else (req.get("stand_in_stall") if isinstance(req, dict) else None)
+                if stall == "head":
                     await asyncio.sleep(3600)
                 if not stream:
                     await asyncio.sleep(owner.first_token_s + owner.interval_s * (owner.chunks - 1))
@@ -408,6 +412,8 @@ class _StandInProtocol:
                     self._write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
                     await asyncio.sleep(owner.first_token_s)
                     for i in range(owner.chunks):
+                        if i == stall:
+                            await asyncio.sleep(3600)
                         if i:
                             await asyncio.sleep(owner.interval_s)
                         ev = owner.event(path, i, i == owner.chunks - 1)

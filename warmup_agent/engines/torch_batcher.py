@@ -33,6 +33,7 @@ its event loop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -253,6 +254,20 @@ class _EagerRun:
         return self.logits
 
 
+def attention_without_cudnn() -> contextlib.AbstractContextManager:
+    """Scaled-dot-product attention without cuDNN's backend, for users' batches: cuDNN
+    attention builds a plan for each sequence length it meets (an eager server on the
+    H200 paid 40-68 ms per decode step at a length no request had reached before;
+    config.py, prewarm.decode_coverage), and users' prompts and answers reach new
+    lengths all the time.  torch's switch is process-wide, so it is held only while a
+    batch runs, under the engine lock: nothing else runs the model meanwhile."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:      # torch < 2.3: its default order
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def sample(logits: Any, temperature: float, top_p: float, generator: Any) -> Any:
     """One token id (a 1-element device tensor) from one row of logits [vocab]."""
     import torch
@@ -412,16 +427,17 @@ class Batcher:
         prompts = [j.prompt for j in jobs] + [jobs[0].prompt] * (padded - len(jobs))
         budget = max(j.sampling.max_tokens for j in jobs)
         decoder = engine.static_decoders().get(padded)
-        run: _StaticRun | _EagerRun
-        if decoder is not None and len({len(p) for p in prompts}) == 1 and len(prompts[0]) + budget <= decoder.max_len:
-            run = _StaticRun(decoder, prompts, device)
-        else:
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            run = _EagerRun(model, prompts, pad, device)
-        record.padded, record.path = padded, run.path
         rows = [_Row(j, Detokenizer(tokenizer.decode, j.sampling.stop, self._hidden), self._generator(j, device))
                 for j in jobs]
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_without_cudnn():
+            run: _StaticRun | _EagerRun
+            if (decoder is not None and len({len(p) for p in prompts}) == 1
+                    and len(prompts[0]) + budget <= decoder.max_len):
+                run = _StaticRun(decoder, prompts, device)
+            else:
+                pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+                run = _EagerRun(model, prompts, pad, device)
+            record.padded, record.path = padded, run.path
             self._steps(run, rows, record)
 
     def _steps(self, run: _StaticRun | _EagerRun, rows: list[_Row], record: BatchRecord) -> None:
@@ -499,7 +515,7 @@ def warm_user_paths(engine: ServedEngine, shapes: list[tuple[int, int]]) -> None
     sample_ids = tokenizer.encode("warm " * 8, add_special_tokens=False) or [0]
     generator = torch.Generator(device=device)
     generator.manual_seed(0)
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_without_cudnn():
         for length, batch in sorted(set(shapes)):
             if batch < 2 or length < 2:
                 continue

@@ -16,11 +16,6 @@ from tests.helpers.servers import free_port, http_get, stop_process
 
 pytestmark = pytest.mark.slow
 
-with open(os.path.join(ROOT, "warmup_agent", "cli.py"), encoding="utf-8") as _f:
-    if "openai_backend" not in _f.read():
-        pytest.skip("the CLI does not hand the torch engine's backend to the proxy yet (issue 41, in progress)",
-                    allow_module_level=True)
-
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 

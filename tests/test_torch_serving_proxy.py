@@ -16,14 +16,9 @@ import pytest
 
 from exporter.metrics import AgentMetrics
 from warmup_agent import config
-from warmup_agent import proxy as routing
 from warmup_agent.pipeline import Agent
+from warmup_agent.proxy import RoutingProxy
 from warmup_agent.states import State
-
-if not hasattr(routing, "Backend"):
-    pytest.skip("the proxy with pluggable backends (issue 41, the aiohttp proxy) has not landed",
-                allow_module_level=True)
-RoutingProxy = routing.RoutingProxy
 
 
 @pytest.fixture(scope="module")

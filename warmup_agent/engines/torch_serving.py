@@ -80,7 +80,9 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 
 
 def _json_response(status: int, payload: dict, headers: Mapping[str, str] | None = None) -> ServedResponse:
-    return ServedResponse(status, {**JSON, **(headers or {})}, _once(json.dumps(payload).encode()))
+    data = json.dumps(payload).encode()
+    # With a Content-Length the proxy sends one instead of a chunked answer.
+    return ServedResponse(status, {**JSON, "content-length": str(len(data)), **(headers or {})}, _once(data))
 
 
 def _sse(payload: dict | str) -> bytes:

@@ -19,8 +19,9 @@ $(VPY):
 setup: $(VPY)  ## create .venv and install the agent (CPU torch)
 	$(VPY) -m pip install -q -e '.[torch,redis,report]'
 
-run: setup  ## set up, then warm the embedded default model and serve on 127.0.0.1:9400 (Ctrl-C stops)
-	$(VENV)/bin/warmup-agent run
+PROXY_LISTEN ?= 127.0.0.1:8000
+run: setup  ## set up, warm the embedded default model, users ask it on 127.0.0.1:8000 (OpenAI API; PROXY_LISTEN=HOST:PORT moves it), /metrics on 127.0.0.1:9400 (Ctrl-C stops)
+	$(VENV)/bin/warmup-agent run --proxy-listen $(PROXY_LISTEN)
 
 test-setup: $(VPY)  ## install everything the tests need: apt servers, test extras, vLLM CPU venv, Helm (about 7 min, 4 GB)
 	@# Only what is missing, and --no-upgrade: an installed package (openssl, say) is

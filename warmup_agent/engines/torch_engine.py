@@ -27,6 +27,7 @@ from warmup_agent.model_dir import check_model_dir, read_safetensors_header, saf
 
 if TYPE_CHECKING:
     from warmup_agent.engines.native_config import NativeConfig
+    from warmup_agent.engines.torch_serving import TorchOpenAIBackend
     from warmup_agent.gpu.loader import LoadReport
 
 
@@ -113,7 +114,7 @@ class TorchEngine(Engine):
         #: so a watch probe, a re-warm and a user batch never use the model from two threads at once.
         self.lock = threading.Lock()
         self._warmed_shapes: list[tuple[int, int]] = []   # (prompt length, batch) solidify froze
-        self._openai: Any | None = None          # engines/torch_serving.TorchOpenAIBackend, made on first ask
+        self._openai: TorchOpenAIBackend | None = None   # made on first ask (openai_backend)
 
     @property
     def model_path(self) -> str:
@@ -478,7 +479,7 @@ class TorchEngine(Engine):
         return [RequestResult(ttft, total, n, max_new_tokens) for _ in prompts]
 
     # -- users (issue 41) -----------------------------------------------------------------
-    def openai_backend(self) -> Any:
+    def openai_backend(self) -> TorchOpenAIBackend:
         """The in-process OpenAI-compatible responder the proxy serves users from
         (engines/torch_serving.py); one per engine, made on first ask.  Its scheduler
         batches users' requests onto the warmed batch sizes under `lock`."""

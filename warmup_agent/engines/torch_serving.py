@@ -39,10 +39,10 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from warmup_agent.engines.torch_batcher import Batcher, Delta, Done, Event, Failed, Job, Sampling, ServedEngine
+from warmup_agent.proxy import BackendResponse
 
 #: Used when the tokenizer has no chat template (see the module docstring).
 FALLBACK_TEMPLATE = ("{% for message in messages %}{{ message['role'] + '\\n' + message['content'] + '\\n\\n' }}"
@@ -51,14 +51,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 256
 JSON = {"content-type": "application/json"}
 SSE = {"content-type": "text/event-stream", "cache-control": "no-cache"}
-
-
-@dataclass
-class ServedResponse:
-    """What the proxy's backend interface returns (proxy.BackendResponse's fields)."""
-    status: int
-    headers: dict[str, str]
-    body: AsyncIterator[bytes]
 
 
 class BadRequest(Exception):
@@ -79,10 +71,10 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-def _json_response(status: int, payload: dict, headers: Mapping[str, str] | None = None) -> ServedResponse:
+def _json_response(status: int, payload: dict, headers: Mapping[str, str] | None = None) -> BackendResponse:
     data = json.dumps(payload).encode()
     # With a Content-Length the proxy sends one instead of a chunked answer.
-    return ServedResponse(status, {**JSON, "content-length": str(len(data)), **(headers or {})}, _once(data))
+    return BackendResponse(status, {**JSON, "content-length": str(len(data)), **(headers or {})}, _once(data))
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -242,7 +234,7 @@ class TorchOpenAIBackend:
     async def close(self) -> None:
         await asyncio.to_thread(self.batcher.close)
 
-    async def request(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> ServedResponse:
+    async def request(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> BackendResponse:
         route = path.split("?", 1)[0].rstrip("/")
         try:
             if route == "/v1/models":
@@ -330,7 +322,7 @@ class TorchOpenAIBackend:
                              "model", "model_not_found")
         return model
 
-    async def _generate(self, chat: bool, body: dict) -> ServedResponse:
+    async def _generate(self, chat: bool, body: dict) -> BackendResponse:
         model = self._check_model(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -357,7 +349,7 @@ class TorchOpenAIBackend:
         answer = _Answer(chat, model, len(prompt))
         self.batcher.submit(job)
         if stream:
-            return ServedResponse(200, dict(SSE), _Stream(answer.stream(events, include_usage), job))
+            return BackendResponse(200, dict(SSE), _Stream(answer.stream(events, include_usage), job))
         try:
             text, end = await answer.collect(events)
         finally:

@@ -378,3 +378,22 @@ def test_detokenizer_withholds_partial_characters_and_stop_prefixes():
     assert (out, stopped) == ("bcé", False)
     out, stopped = d.add(6)                    # "STOP" found: cut before it
     assert (out, stopped) == ("", True) and d.text == "abcé"
+
+
+def test_the_transformers_implementation_serves_the_same_way(embedded_model):
+    """model.implementation transformers: AutoTokenizer and AutoModelForCausalLM behind the same responder."""
+    from warmup_agent.engines.torch_engine import TorchEngine
+    e = TorchEngine(embedded_model, device="cpu", implementation="transformers")
+    try:
+        e.load_weights()
+        e.load_tokenizer()
+        e.solidify([(16, 1), (16, 2)])
+        b = e.openai_backend()
+        out = answer(b, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5, "temperature": 0})
+        assert out["usage"]["prompt_tokens"] == len(chat_prompt_ids(e, MESSAGES))
+        _, _, chunks = call(b, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5, "temperature": 0,
+                                                        "stream": True})
+        text = "".join(ev["choices"][0]["delta"].get("content", "") for ev in events(chunks)[:-1])
+        assert text == out["choices"][0]["message"]["content"]
+    finally:
+        e.close()

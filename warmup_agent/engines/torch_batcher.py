@@ -503,9 +503,9 @@ class Batcher:
 def warm_user_paths(engine: ServedEngine, shapes: list[tuple[int, int]]) -> None:
     """Run once, before SERVING, what users' batches run beyond the agent's own warmup
     (TorchEngine.solidify calls it, under the engine lock it already holds): the
-    eager path with left padding and its attention mask, at each warmed (length,
-    batch) with a batch of two or more, and the sampling kernels (warmup decodes
-    greedily).  On the H200 a first batch of three prompts of different lengths
+    eager path with left padding and its attention mask, at each warmed batch size of
+    two or more (its shortest warmed length), and the sampling kernels (warmup
+    decodes greedily).  On the H200 a first batch of three prompts of different lengths
     took 0.5-1.9 s against a few ms once warm."""
     import torch
     model, tokenizer, device = engine.serving_model(), engine.tokenizer, engine.device
@@ -515,10 +515,15 @@ def warm_user_paths(engine: ServedEngine, shapes: list[tuple[int, int]]) -> None
     sample_ids = tokenizer.encode("warm " * 8, add_special_tokens=False) or [0]
     generator = torch.Generator(device=device)
     generator.manual_seed(0)
+    # One length per batch size: the masked path's first-use costs are per kernel, not per
+    # length (H200: warmed at lengths 15-16, a first batch at lengths 6, 11 and 16 ran in
+    # 43 ms, the later ones 41-49 ms); a long prompt would cost seconds on a CPU for nothing.
+    shortest: dict[int, int] = {}
+    for length, batch in shapes:
+        if batch >= 2 and length >= 2:
+            shortest[batch] = min(length, shortest.get(batch, length))
     with torch.inference_mode(), attention_without_cudnn():
-        for length, batch in sorted(set(shapes)):
-            if batch < 2 or length < 2:
-                continue
+        for batch, length in sorted(shortest.items()):
             prompts = [(sample_ids * (length // len(sample_ids) + 1))[:length - (i % 2)] for i in range(batch)]
             run = _EagerRun(model, prompts, pad, device)
             run.step(run.logits.argmax(dim=-1)[:, None])

@@ -341,7 +341,7 @@ class Batcher:
 
     # -- the scheduler thread -------------------------------------------------------------------
     def batch_sizes(self) -> list[int]:
-        return sorted(set(self.engine.warmed_batch_sizes())) or []
+        return sorted(set(self.engine.warmed_batch_sizes()))
 
     def _loop(self) -> None:
         while not self._closing:
@@ -352,10 +352,12 @@ class Batcher:
             if first is None:
                 break
             jobs = self._collect(first)
-            live = [j for j in jobs if not j.cancelled]
+            live = [j for j in jobs if not j.cancelled and not self._closing]
             for j in jobs:
                 if j.cancelled:
                     self._end(j, Done("cancelled", 0))
+                elif self._closing:        # close() came while the batch was forming
+                    self._end(j, Failed("the engine is shutting down"))
             if live:
                 self._run(live)
 

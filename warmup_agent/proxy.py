@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -131,17 +131,16 @@ class BackendUnavailable(Exception):
     """The backend could not take the request (the proxy answers 502 upstream_unavailable)."""
 
 
-def _timeout_errors() -> tuple[type[BaseException], ...]:
-    return (TimeoutError, asyncio.TimeoutError)
+# A backend's own timeouts (asyncio.TimeoutError is TimeoutError from 3.11 on), and with
+# the cancel that the sweep or a client that went away sends.
+_TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)
+_CANCELLED_OR_TIMEOUTS: tuple[type[BaseException], ...] = (asyncio.CancelledError, *_TIMEOUTS)
 
 
 class UpstreamBackend:
     """An OpenAI-compatible server at `url`, over one aiohttp ClientSession whose
     connector keeps up to UPSTREAM_CONNECTIONS connections alive.  `timeout`: the most
     seconds without a byte from the server (its answer's head, or the next chunk)."""
-
-    # The stall timeout is aiohttp's own read timeout: the proxy needs no timer per chunk.
-    enforces_stall_timeout = True
 
     def __init__(self, url: str, timeout: float, connections: int = UPSTREAM_CONNECTIONS):
         u = urllib.parse.urlsplit(url)
@@ -156,9 +155,12 @@ class UpstreamBackend:
         connector = aiohttp.TCPConnector(limit=self.connections, limit_per_host=0, keepalive_timeout=30)
         self._session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False,   # bytes pass through as the server sent them
+            cookie_jar=aiohttp.DummyCookieJar(),          # a proxy keeps no cookies
             # No header the client did not send: the upstream sees the user's request.
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, self.timeout), sock_read=self.timeout))
+            # No read timeout: a timer rescheduled on every chunk costs the relay; the proxy's
+            # sweep (RoutingProxy._sweep) times out a stalled answer instead.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, self.timeout)))
         return self._session
 
     async def request(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> BackendResponse:
@@ -173,7 +175,7 @@ class UpstreamBackend:
                 # A pooled keep-alive connection the server closed meanwhile: once more on a fresh one.
                 if attempt == 1:
                     raise BackendUnavailable("the server closed the connection") from None
-            except _timeout_errors():
+            except _TIMEOUTS:
                 raise
             except aiohttp.ClientError as e:
                 raise BackendUnavailable(str(e) or type(e).__name__) from None
@@ -185,32 +187,47 @@ class UpstreamBackend:
                 out[key] = raw_value.decode("latin-1")
         if resp.headers.get("Content-Length") is not None and "chunked" not in resp.headers.get("Transfer-Encoding", ""):
             out["Content-Length"] = resp.headers["Content-Length"]
-        return BackendResponse(resp.status, out, self._body(resp))
-
-    @staticmethod
-    async def _body(resp: Any) -> AsyncIterator[bytes]:
-        import aiohttp
-        done = False
-        try:
-            while True:
-                try:
-                    chunk = await resp.content.readany()
-                except aiohttp.ClientPayloadError as e:
-                    raise BackendUnavailable(f"the answer broke off: {e}") from None
-                if not chunk:
-                    break
-                yield chunk
-            done = True
-        finally:
-            if done:
-                resp.release()     # the connection goes back to the pool
-            else:
-                resp.close()       # mid-answer (client gone, stall): the server sees the connection closed
+        return BackendResponse(resp.status, out, _UpstreamBody(resp))
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+class _UpstreamBody:
+    """An upstream answer's body chunks as they come (an iterator class rather than an async
+    generator: one frame less per chunk).  At its end the connection goes back to the pool;
+    closed before (client gone, stall) the connection is closed: the server sees it."""
+
+    def __init__(self, resp: Any):
+        self.resp = resp
+        self.readany = resp.content.readany
+        self.done = False
+
+    def __aiter__(self) -> _UpstreamBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        import aiohttp
+        try:
+            chunk: bytes = await self.readany()
+        except aiohttp.ClientPayloadError as e:
+            self.resp.close()
+            raise BackendUnavailable(f"the answer broke off: {e}") from None
+        except BaseException:
+            self.resp.close()       # a timeout, or the client went away (cancelled)
+            raise
+        if not chunk:
+            self.done = True
+            self.resp.release()     # the connection goes back to the pool
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.resp.close()
 
 
 # -- the proxy ------------------------------------------------------------------------------
@@ -278,10 +295,11 @@ class RoutingProxy:
         self.sock = _bind(listen)
         self.host, self.port = self.sock.getsockname()[:2]
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self._watches: set[_Watch] = set()
 
     @property
     def main_name(self) -> str:
@@ -317,13 +335,29 @@ class RoutingProxy:
 
     async def _serve(self) -> None:
         from aiohttp import web
-        app = web.Application(client_max_size=self.max_body_bytes + 1)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        # handler_cancellation: a client that disconnects cancels its handler at once,
-        # and with it the upstream request; no access log (one line per request).
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+        # The low-level server: three paths need no router or application.  handler_cancellation:
+        # a client that disconnects cancels its handler at once, and with it the upstream
+        # request; no access log (a line per request).
+        server = web.Server(self._handle, handler_cancellation=True, access_log=None)
+        self._runner = web.ServerRunner(server, shutdown_timeout=5.0)
         await self._runner.setup()
         await web.SockSite(self._runner, self.sock, backlog=listen_backlog()).start()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Time out answers whose backend sent nothing for proxy.timeout_seconds: one pass
+        over the requests in flight a few times per timeout, instead of a timer per chunk."""
+        loop = asyncio.get_running_loop()
+        every = min(1.0, max(0.02, self.timeout / 5))
+        while True:
+            await asyncio.sleep(every)
+            now = loop.time()
+            for w in list(self._watches):
+                if not w.waiting or w.chunks != w.seen:
+                    w.seen, w.since = w.chunks, now      # progress, or waiting on the client: not a stall
+                elif now - w.since >= self.timeout and not w.stalled:
+                    w.stalled = True
+                    w.task.cancel()
 
     def stop(self) -> None:
         loop = self.loop
@@ -332,6 +366,7 @@ class RoutingProxy:
             return
 
         async def shutdown() -> None:
+            self._sweeper.cancel()
             try:
                 if self._runner is not None:
                     await self._runner.cleanup()
@@ -366,8 +401,7 @@ class RoutingProxy:
         return max(1, math.ceil(self.gate.retry_after(self.retry_after_seconds)))
 
     # -- one request -----------------------------------------------------------------------------
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        from aiohttp import web
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t0 = time.perf_counter()
         path, method = request.path, request.method
         if not ((method == "POST" and path in POST_PATHS) or (method == "GET" and path in GET_PATHS)):
@@ -378,9 +412,18 @@ class RoutingProxy:
             if length is not None and length > self.max_body_bytes:
                 return _too_large(self.max_body_bytes, length)
             try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                return _too_large(self.max_body_bytes, None)
+                if length is not None:
+                    body = await request.content.readexactly(length) if length else b""
+                else:       # chunked: read up to the bound
+                    parts, size = [], 0
+                    while part := await request.content.readany():
+                        size += len(part)
+                        if size > self.max_body_bytes:
+                            return _too_large(self.max_body_bytes, None)
+                        parts.append(part)
+                    body = b"".join(parts)
+            except asyncio.IncompleteReadError:
+                return _error(400, "invalid_request_error", "the request body ended early")
         warmup = request.headers.get(WARMUP_HEADER, "").strip().lower() == "true"
         route = self.route(warmup)
         if not warmup:
@@ -395,10 +438,27 @@ class RoutingProxy:
         backend = self.main if route == "main" else self.fallback
         assert backend is not None, "route() answers fallback only when there is one"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        stall = None if getattr(backend, "enforces_stall_timeout", False) else self.timeout
+        task = asyncio.current_task()
+        assert task is not None
+        watch = _Watch(task)
+        self._watches.add(watch)
         try:
-            answer = await _within(backend.request(method, request.path_qs, body, headers), stall)
-        except _timeout_errors():
+            return await self._answer(request, method, body, headers, route, backend, warmup, t0, watch)
+        finally:
+            self._watches.discard(watch)
+
+    async def _answer(self, request: web.BaseRequest, method: str, body: bytes, headers: dict[str, str], route: str,
+                      backend: Backend, warmup: bool, t0: float, watch: _Watch) -> web.StreamResponse:
+        try:
+            watch.waiting = True
+            try:
+                answer = await backend.request(method, request.path_qs, body, headers)
+            finally:
+                watch.waiting = False
+        except _CANCELLED_OR_TIMEOUTS as e:
+            if isinstance(e, asyncio.CancelledError) and not watch.stalled:
+                raise                        # the client went away
+            _uncancel(watch)
             self._count(route, 504, warmup)
             return _error(504, "upstream_timeout", f"{route} upstream {_name(backend)} sent nothing for "
                           f"{self.timeout:g} s (proxy.timeout_seconds)")
@@ -410,12 +470,12 @@ class RoutingProxy:
             self._count(route, 500, warmup)
             return _error(500, "internal_error", f"{route} backend failed: {type(e).__name__}: {e}")
         measured = not warmup and answer.status == 200
-        return await self._relay(request, answer, route, backend, warmup, t0, stall,
+        return await self._relay(request, answer, route, backend, warmup, t0, watch,
                                  stream=measured and _is_stream(body),
                                  answered=measured and route == "main" and method == "POST")
 
-    async def _relay(self, request: web.Request, answer: BackendResponse, route: str, backend: Backend, warmup: bool,
-                     t0: float, stall: float | None, stream: bool, answered: bool) -> web.StreamResponse:
+    async def _relay(self, request: web.BaseRequest, answer: BackendResponse, route: str, backend: Backend, warmup: bool,
+                     t0: float, watch: _Watch, stream: bool, answered: bool) -> web.StreamResponse:
         """Pass status, headers and body through, each chunk as it comes.  The response
         head waits for the first chunk, so an upstream that stalls before it is a clean 504."""
         from aiohttp import web
@@ -435,10 +495,14 @@ class RoutingProxy:
         nxt = body.__aiter__().__anext__
         try:
             while True:
+                watch.waiting = True
                 try:
-                    chunk = await (nxt() if stall is None else _within(nxt(), stall))
+                    chunk = await nxt()
                 except StopAsyncIteration:
                     break
+                finally:
+                    watch.waiting = False
+                watch.chunks += 1
                 if first is None:
                     first = time.perf_counter()
                     self._count(route, answer.status, warmup)
@@ -458,7 +522,10 @@ class RoutingProxy:
                 self._user_answer(first - t0, end - t0, prev + last)
             await resp.write_eof()
             return resp
-        except _timeout_errors():
+        except _CANCELLED_OR_TIMEOUTS as e:
+            if isinstance(e, asyncio.CancelledError) and not watch.stalled:
+                raise                        # the client went away: the finally closes the body
+            _uncancel(watch)
             message = f"{route} upstream {_name(backend)} sent nothing for {self.timeout:g} s (proxy.timeout_seconds)"
             log.warning("%s", message)
             if first is None:
@@ -537,14 +604,21 @@ def from_config(agent: RoutedAgent, cfg: Config, local_backend: Backend | None =
 
 # -- helpers ----------------------------------------------------------------------------------
 
-async def _within(aw: Awaitable[Any], seconds: float | None) -> Any:
-    """`aw`, or TimeoutError after `seconds` (None: no limit of ours)."""
-    if seconds is None:
-        return await aw
+class _Watch:
+    """One request in flight, as the sweep sees it: whether it waits on its backend, the
+    chunks it got, and since when nothing came."""
+    __slots__ = ("task", "waiting", "chunks", "seen", "since", "stalled")
+
+    def __init__(self, task: asyncio.Task[Any]):
+        self.task = task
+        self.waiting = self.stalled = False
+        self.chunks, self.seen, self.since = 0, -1, 0.0
+
+
+def _uncancel(watch: _Watch) -> None:
+    """The sweep's cancel was handled (a 504): the task goes on as if not cancelled."""
     if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await aw
-    return await asyncio.wait_for(aw, seconds)
+        watch.task.uncancel()
 
 
 def _is_stream(body: bytes) -> bool:
@@ -575,7 +649,7 @@ def _too_large(limit: int, length: int | None) -> web.Response:
     return resp
 
 
-def _hang_up(request: web.Request) -> None:
+def _hang_up(request: web.BaseRequest) -> None:
     """End the client's connection now: a broken answer must not look complete."""
     transport = request.transport
     if transport is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -23,6 +24,7 @@ import pytest
 from tests.conftest import ROOT, agent_cmd
 from tests.helpers import llamacpp_server as ls
 from tests.helpers.servers import free_port, http_get, wait_until
+from tests.helpers.warmup_record import requests_in_record
 from tools import build_llama_server as build
 
 # The fixture may have to build llama-server first: 38 min on 2 busy cores, about 11 on idle ones.
@@ -109,9 +111,22 @@ def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_dra
     assert caps["token_id_prompts"] is True and caps["rejected_fields"] == []
     assert caps["model"] == gguf                     # /v1/models: the -m path as given
     assert record["engine_facts"]["extra"]["server_spawn"]["early"] is True   # spawned before the agent's imports
-    # the first request's figures exist (their size is not asserted: timings)
-    assert record["first_request_seconds"] > 0 and record["first_request_tax_ratio"] > 0
-    assert record["probe_total_seconds"] and record["first_request_total_tax_ratio"] > 0
+    # the first request's figures exist (their size is not asserted: timings) and are the
+    # first pair's: 1 + (first probe - its control, the second probe) / the median of the
+    # probes after the first, at least 0 (a control slower than its first by more than a
+    # steady probe reads 0 on busy cores)
+    gate = next(s for s in record["stages"] if s["name"] == "ready")["probes"]
+    ttfts, totals = record["probes_seconds"][:gate], record["probe_total_seconds"][:gate]
+    assert record["first_request_seconds"] == ttfts[0] > 0
+    assert record["first_request_tax_ratio"] == pytest.approx(
+        max(0.0, 1 + (ttfts[0] - ttfts[1]) / statistics.median(ttfts[1:])), rel=1e-12)
+    # every probe answers 4 tokens (llama-server honours ignore_eos): whole answers compare directly
+    assert record["first_request_output_tokens"] == 4
+    assert record["first_probe_total_tax_ratio"] == pytest.approx(
+        max(0.0, 1 + (totals[0] - totals[1]) / statistics.median(totals[1:])), rel=1e-12)
+    cold_decode = record["first_request_cold_decode"]
+    assert record["first_request_total_tax_ratio"] == (
+        cold_decode["total_tax"] if cold_decode else record["first_probe_total_tax_ratio"])
     ours = [l for l in (tmp_path / "agent.log").read_text().splitlines() if "warmup_agent.server:" not in l]
     assert not any("Traceback" in l for l in ours)
     assert not no_orphans(f"--port {port}"), "the supervised server outlived the agent"
@@ -119,11 +134,12 @@ def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_dra
 
 @SLOW[0]
 @SLOW[1]
-def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_at_steady_speed(
+def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than_their_controls(
         tmp_path, embedded_model, data_dir, llama_server, gguf):
     """With a tolerance no timing can miss, the per-length test's two fresh lengths
-    prefill "at steady speed": the profile's other lengths then get no call, each
-    recorded as skipped with that reason (they got one call each before)."""
+    prefill no slower than their controls (the same lengths again, after the same
+    predecessor): the profile's other lengths then get no call, each recorded as
+    skipped with that reason (they got one call each before)."""
     from warmup_agent.stages.prewarm import NEW_LENGTHS_WARM
     port, listen = free_port(), free_port()
     rec = tmp_path / "run.json"
@@ -147,17 +163,26 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_at_steady_spee
         assert agent.wait(60) == 0, (tmp_path / "agent.log").read_text()[-3000:]
     prewarm = next(s for s in json.loads(rec.read_text())["stages"] if s["name"] == "prewarm")
     per_length = prewarm["warmup"]["per_length"]
-    assert per_length["tested"] and per_length["prefill_pays"] is False and len(per_length["ttft_ms"]) == 2
-    # llama-server times its own prefill (timings.prompt_ms): that clock decided
-    assert len(per_length["server_prefill_ms"]) == 2 and min(per_length["server_prefill_ms"]) > 0
-    assert per_length["steady_server_prefill_ms"] > 0
+    assert per_length["tested"] and per_length["prefill_pays"] is False and len(per_length["pairs"]) == 2
+    assert len(per_length["lengths"]) == 2
+    # llama-server times its own prefill (timings.prompt_ms), the first's and its control's: that clock decided
+    assert len(per_length["server_prefill_ms"]) == 2
+    assert all(len(pair) == 2 and min(pair) > 0 for pair in per_length["server_prefill_ms"])
     paths = {p["path"]: p for p in prewarm["paths"]}
     assert paths["chat/sampled/batch1/len40"]["calls"] >= 1            # the anchor: the steady level
     for n in (16, 24):
         p = paths[f"chat/sampled/batch1/len{n}"]
         assert p["result"] == "skipped" and p["calls"] == 0 and p["reason"] == NEW_LENGTHS_WARM, p
-    # every request the warmup sent is a path's (the anchor, the greedy family) or the per-length test's
-    assert prewarm["warmup"]["requests"] == sum(p["calls"] for p in paths.values()) + 2
+    # every request the warmup sent is a path's (the anchor, the greedy family: a first call and
+    # its control each), the per-length test's (two lengths, then again as their controls) or
+    # the settle wave's; nothing replayed (the anchor came first, the greedy path in a wave)
+    warmup = prewarm["warmup"]
+    assert all(p["calls"] == 2 for n, p in paths.items() if n not in ("chat/sampled/batch1/len16", "chat/sampled/batch1/len24"))
+    assert warmup["replayed_requests"] == 0 and warmup["settle_requests"] == warmup["at_once"] >= 1
+    assert prewarm["requests"] == requests_in_record(prewarm)
+    # `requests` counts the sends: each path call alone, the per-length test's two waves
+    # in chunks of as many as the server takes at once, the settle wave
+    assert warmup["requests"] == sum(p["calls"] for p in paths.values()) + 2 * (2 // per_length["at_once"]) + 1
 
 
 def _fake(bin_dir, name: str, script: str) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from tests.helpers import transformers_server as ts
 from tests.helpers.servers import free_port, require_binary
+from tests.helpers.warmup_record import requests_in_record
 from tests.http_relay import Relay
 from warmup_agent import config
 from warmup_agent.engines.openai_engine import OpenAIEngine
@@ -75,7 +76,8 @@ def test_reaches_serving_after_asking_what_the_server_answers(served):
     # the longest length), the other family and API at that length, the shorter length
     # (prefill only) and batch 2; each until warm.  Nothing skipped for the budget; the
     # shorter length is skipped exactly when the per-length test's fresh lengths
-    # prefilled at steady speed (timing-dependent on shared cores: either way is checked).
+    # prefilled no slower than their controls (timing-dependent on shared cores: either
+    # way is checked).
     detail = agent.stages[1].detail
     paths = {p["path"]: p for p in detail["paths"]}
     assert set(paths) == {"chat/sampled/batch1/len48", "chat/greedy/batch1/len48", "completions/greedy/batch1/len48",
@@ -88,11 +90,11 @@ def test_reaches_serving_after_asking_what_the_server_answers(served):
     assert all(p["result"] in ("warm_on_first_call", "converged", "still_improving") and p["calls"] >= 1
                for p in paths.values())
     # every request sent is in the record: the paths' calls (batch 2 sends 2 at once),
-    # the two per-length test calls, the decode-coverage tiles
+    # the per-length test's two lengths and their controls, the decode-coverage tiles,
+    # the predecessors replayed before controls and the settle waves (prewarm's, and the
+    # ready stage's before SERVING)
     warmup = detail["warmup"]
-    sent = sum(p["calls"] * (2 if "batch2" in name else 1) for name, p in paths.items())
-    sent += len(warmup["per_length"].get("lengths", [])) + len(warmup["decode_coverage"]["tiles"])
-    assert agent.warmup_requests == sent
+    assert agent.warmup_requests == requests_in_record(detail, agent.stages[-1].detail)
     assert warmup["per_length"]["tested"] and warmup["budget"]["seconds"] == 300
     profile = detail["profile"]
     assert profile["families"] == ["greedy", "sampled"] and profile["endpoints"] == ["chat", "completions"]
@@ -105,11 +107,14 @@ def test_every_agent_request_is_marked_on_the_wire(served):
     # warmup + probes + 3 questions (chat? completions? token ids?) + the one retry
     # after the server refused ignore_eos.
     assert len(posts) == agent.warmup_requests + len(agent.probes) + 3 + 1
-    # Both families reached the server as sent, on both APIs.
+    # Both families reached the server as sent, on both APIs; a warmup call answers
+    # prewarm.warm_answer_tokens (2: the fewest that take the decode path).
     bodies = [json.loads(p["body"]) for p in posts]
+    answer = agent.cfg.prewarm.warm_answer_tokens
+    assert answer == 2
     for path in ("/v1/chat/completions", "/v1/completions"):
         sent = [b for p, b in zip(posts, bodies, strict=True) if p["path"] == path]
-        assert any(b.get("temperature") == 0.7 and b.get("top_p") == 0.9 and b["max_tokens"] == 4 for b in sent)
+        assert any(b.get("temperature") == 0.7 and b.get("top_p") == 0.9 and b["max_tokens"] == answer for b in sent)
         assert any(b.get("temperature") == 0.0 for b in sent)
 
 
@@ -147,14 +152,27 @@ def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, emb
 
 def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_the_wire(served, embedded_model):
     """cold_decode's bookkeeping (prompt, prompt + answer per warmup request) against
-    the relay's record of the requests, lengths counted by transformers' own template."""
+    the relay's record of the requests, lengths counted by transformers' own template.
+    On the wire after the warmup: the gate's probes (the warmup's last requests replayed
+    between the first probe and its control where they were a harder predecessor), then
+    the ready stage's settle wave of short 1-token requests just before SERVING."""
     from warmup_agent.stages import ready
     _, agent, _, relay, _ = served
     ctx = agent.context
+    ready_detail = agent.stages[-1].detail
     wire = [(n, n + b["max_tokens"]) for _, n, b in wire_requests(relay, embedded_model)]
     probes = len(agent.probes)
-    assert wire[-probes:] == [(ctx.probe_length, ctx.probe_length + 4)] * probes
-    assert sorted(set(wire[:-probes])) == sorted(set(ctx.decoded_ranges))     # batch 2 sends a range twice
+    settle = ready_detail["settle_requests"]
+    replayed = sum(p["replayed_requests"] for p in ready_detail["first_probe_pairs"])
+    short = (prewarm.SETTLE_PROMPT_TOKENS, prewarm.SETTLE_PROMPT_TOKENS + 1)
+    assert settle == agent.engine.concurrency and wire[-settle:] == [short] * settle
+    gate = wire[-(probes + replayed + settle):-settle]
+    probe = (ctx.probe_length, ctx.probe_length + 4)
+    assert [gate[0]] + gate[1 + replayed:] == [probe] * probes
+    assert probe not in gate[1:1 + replayed]
+    warmup = wire[:-(probes + replayed + settle)] + gate[1:1 + replayed] + wire[-settle:]
+    assert short in ctx.decoded_ranges                                        # prewarm's settle wave
+    assert sorted(set(warmup)) == sorted(set(ctx.decoded_ranges))     # batch 2 sends a range twice
     assert ctx.profile_lengths == LENGTHS
     # The prediction is wired exactly where the per-length test found that decode pays.
     predict = ready.cold_decode_of(ctx)
@@ -162,8 +180,10 @@ def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_t
     assert (predict is not None) == pays
     record = agent.record()
     assert (record["first_request_cold_decode"] is not None) <= pays
+    # the first probe's whole answer less its control's (the second probe), over the steady whole answer
+    totals = agent.probe_totals[:ready_detail["probes"]]
     assert record["first_probe_total_tax_ratio"] == pytest.approx(
-        agent.probe_totals[0] / statistics.median(agent.probe_totals[1:agent.stages[-1].detail["probes"]]), rel=1e-12)
+        1 + (totals[0] - totals[1]) / statistics.median(totals[1:]), rel=1e-12)
 
 
 def agent_warmup(served) -> dict:
@@ -181,10 +201,13 @@ def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
         assert reg.get_sample_value("warmup_time_per_output_token_window_seconds", {"percentile": label}) == exact
     totals = agent.probe_totals
     # first and later probes both answered 4 tokens here: whole answers compare directly,
-    # unless decode read "pays per length" on the shared cores (then the prediction is exported)
+    # the first probe's less its control's (the second probe), over the median of the
+    # probes after the first; unless decode read "pays per length" on the shared cores
+    # (then the prediction is exported)
     predicted = agent.probe_log.figures.cold_decode
     assert reg.get_sample_value("warmup_first_request_total_tax_ratio") == pytest.approx(
-        predicted["total_tax"] if predicted else totals[0] / float(np.median(totals[1:gate])), rel=1e-12)
+        predicted["total_tax"] if predicted else 1 + (totals[0] - totals[1]) / float(np.median(totals[1:gate])),
+        rel=1e-12)
     # A probe's times against the wall clock around it: the first token comes
     # before the end, the end before the call returned; TPOT is the rest per token.
     t0 = time.perf_counter()
@@ -210,11 +233,14 @@ def test_outside_clients_first_chat_request_is_answered(served):
 
 
 def test_first_request_tax_on_time_to_first_token_is_exported_exactly(served):
+    """1 + (first probe - its control, the second probe) / median TTFT of the probes after the first."""
     _, agent, _, _, _ = served
     reg = agent.metrics.registry
-    first = agent.probe_log.figures.ttft_seconds
+    figures = agent.probe_log.figures
+    probes = agent.probes[:agent.stages[-1].detail["probes"]]
+    assert figures.ttft_seconds == probes[0] and figures.control is not None and figures.control.ttft == probes[1]
     assert reg.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(
-        first / statistics.median(agent.probes[1:agent.stages[-1].detail["probes"]]), rel=1e-12)
+        1 + (probes[0] - probes[1]) / statistics.median(probes[1:]), rel=1e-12)
 
 
 def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refuses(tmp_path, embedded_model):
@@ -251,8 +277,11 @@ def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refu
         assert profile["endpoints"] == ["chat"] and profile["max_tokens"] == 3 and profile["requests_seen"] == 4
         assert profile["families"] == ["penalties", "sampled", "stop"]
         assert "top_k" in profile["refused_families"] and "Unexpected fields" in profile["refused_families"]["top_k"]
+        # a warmup call answers prewarm.warm_answer_tokens (2, under the file's longest answer of 3)
+        answer = cfg.prewarm.warm_answer_tokens
+        assert answer == 2
         warm = [json.loads(p["body"]) for p in relay.posts()
-                if p["path"] == "/v1/chat/completions" and json.loads(p["body"])["max_tokens"] == 3]
+                if p["path"] == "/v1/chat/completions" and json.loads(p["body"])["max_tokens"] == answer]
         # each accepted family warmed (at batch 1: its decode path; the batch sizes are the anchor's)
         assert sum(b.get("presence_penalty") == 0.5 for b in warm) >= 1
         assert sum(b.get("stop") == ["\n\n"] for b in warm) >= 1
@@ -352,7 +381,14 @@ def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path
         detail = agent.stages[1].detail
         assert detail["paths"] and all(p["result"] == "skipped" and p["reason"] == "budget" and p["calls"] == 0
                                        for p in detail["paths"])
-        assert agent.warmup_requests == 0 and not detail["warmup"]["per_length"]["tested"]
+        # no path and no per-length test sent; the only warmup requests are the settle waves
+        # (one short request per server slot, after the warmup and again before SERVING) and
+        # any replay of the last one before the first probe's control, all in the record
+        ready = agent.stages[-1].detail
+        replayed = sum(p["replayed_requests"] for p in ready["first_probe_pairs"])
+        assert detail["warmup"]["settle_requests"] == ready["settle_requests"] == eng.concurrency
+        assert agent.warmup_requests == requests_in_record(detail, ready) == 2 * eng.concurrency + replayed
+        assert not detail["warmup"]["per_length"]["tested"]
         assert detail["warmup"]["budget"]["exhausted"] is True
         assert any("warmup budget" in r.getMessage() and "not warmed" in r.getMessage() for r in caplog.records)
         assert len(agent.probes) >= cfg["readiness.min_probes_server"]

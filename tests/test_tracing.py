@@ -304,7 +304,11 @@ def test_span_attributes(traced_run):
     assert a["warmup.probe_count"] == record["probe_count"]
     assert a["warmup.first_request_tax_ratio"] == pytest.approx(record["first_request_tax_ratio"])
     traffic = next(s for s in spans if s["name"] == "warmup.prewarm.traffic")["attributes"]
-    assert traffic["warmup.requests"] == record["warmup_requests"]
+    # the traffic step's requests are the prewarm stage's; the record's are every warmup
+    # request, with the shape the ready stage re-sent before the first probe's control
+    ready = next(s for s in record["stages"] if s["name"] == "ready")
+    later = sum(p["replayed_requests"] for p in ready["first_probe_pairs"]) + ready.get("settle_requests", 0)
+    assert traffic["warmup.requests"] == record["stages"][1]["requests"] == record["warmup_requests"] - later
     prewarm = next(s for s in spans if s["name"] == "warmup.stage.prewarm")["attributes"]
     assert prewarm["warmup.prewarm.shapes"] == record["stages"][1]["shapes"]
     assert prewarm["warmup.prewarm.weight_load.bytes"] == record["stages"][1]["weight_load"]["bytes"] > 0

@@ -287,7 +287,6 @@ class _ProfileWarmup:
         self.settled += self.concurrency
 
     def warm(self, path: benefit.Path, tokens: int | None = None) -> None:
-        profile = self.profile
         if path.family in self.refused:
             self.outcomes.append(benefit.Outcome(path, "skipped", f"the server refuses family {path.family}"))
             return
@@ -536,6 +535,10 @@ def run(ctx: StageContext, detail: dict) -> None:
     def replay_for(length: int, batch: int) -> Callable[[], None] | None:
         if not last or (last[0].batch <= batch and last[0].prompt_tokens <= length):
             return None
-        return lambda: send_shape(last[0]) and None
+        shape = last[0]
+
+        def replay() -> None:
+            send_shape(shape)
+        return replay
     ctx.replay_for = replay_for
     ctx.move(State.PRIME)

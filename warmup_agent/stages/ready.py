@@ -129,7 +129,8 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     cfg = ctx.cfg
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
     tokens = ctx.first_probe_tokens if profile_probes else None
-    tol, pairs = cfg.prewarm.converge_tolerance, []
+    tol = cfg.prewarm.converge_tolerance
+    pairs: list[dict] = []
     while len(pairs) < cfg.prewarm.max_calls_per_path and len(ctx.probe_log.gate_probes) + 2 <= max_probes:
         at = len(ctx.probe_log.gate_probes)
         probe(tokens)

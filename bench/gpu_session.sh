@@ -20,7 +20,7 @@
 # llamacpp needs .gpu-carry/llama-cpp-src.tar.gz (tools/build_llama_server.py --source-tarball) or a
 # CUDA build carried back as .gpu-carry/llama-server-cuda.xz.* (the first llamacpp part writes it to OUT_DIR).
 # Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
-# .gpu-carry/promtool.gz (a promtool binary, gzipped) carried with the tree.
+# .gpu-carry/promtool.xz or .gz (a promtool binary, compressed) carried with the tree.
 set -u
 OUT_DIR=${1:?usage: $0 OUT_DIR}
 mkdir -p "$OUT_DIR/logs"
@@ -32,7 +32,8 @@ export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site || echo "wheels: not installed (transformers serve runs will fail)"
 mkdir -p ~/.cache/huggingface/hub /tmp/pt
-gunzip -c .gpu-carry/promtool.gz > /tmp/pt/promtool && chmod +x /tmp/pt/promtool && export PATH=/tmp/pt:$PATH
+{ if [ -f .gpu-carry/promtool.xz ]; then xz -dc .gpu-carry/promtool.xz; else gunzip -c .gpu-carry/promtool.gz; fi; } > /tmp/pt/promtool \
+    && chmod +x /tmp/pt/promtool && export PATH=/tmp/pt:$PATH
 nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "GPUs", torch.cuda.device_count())'
 
 run_acceptance() {

@@ -174,15 +174,15 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
         p = paths[f"chat/sampled/batch1/len{n}"]
         assert p["result"] == "skipped" and p["calls"] == 0 and p["reason"] == NEW_LENGTHS_WARM, p
     # every request the warmup sent is a path's (the anchor, the greedy family: a first call and
-    # its control each), the per-length test's (two lengths, then again as their controls) or
-    # the settle wave's; nothing replayed (the anchor came first, the greedy path in a wave)
+    # its control each), the per-length test's (each fresh length, then again as its control,
+    # one at a time), a replayed predecessor's or the settle wave's
     warmup = prewarm["warmup"]
     assert all(p["calls"] == 2 for n, p in paths.items() if n not in ("chat/sampled/batch1/len16", "chat/sampled/batch1/len24"))
-    assert warmup["replayed_requests"] == 0 and warmup["settle_requests"] == warmup["at_once"] >= 1
+    assert warmup["settle_requests"] == warmup["at_once"] >= 1
     assert prewarm["requests"] == requests_in_record(prewarm)
-    # `requests` counts the sends: each path call alone, the per-length test's two waves
-    # in chunks of as many as the server takes at once, the settle wave
-    assert warmup["requests"] == sum(p["calls"] for p in paths.values()) + 2 * (2 // per_length["at_once"]) + 1
+    # `requests` counts the sends: each path call, the per-length test's four calls and
+    # its replays, the settle wave (one send of as many as the server takes at once)
+    assert warmup["requests"] == sum(p["calls"] for p in paths.values()) + 4 + per_length["replays"] + 1
 
 
 def _fake(bin_dir, name: str, script: str) -> None:

@@ -24,25 +24,25 @@ def test_the_line_names_the_first_tokens_only_when_given():
     assert "first tokens" not in per_length_line([2.6, 2.6], [], remedy)
 
 
-def scripted_warmup(fresh: list[Call], controls: list[Call]) -> tuple[_ProfileWarmup, list[list[int]]]:
-    """A _ProfileWarmup past its anchor (310 tokens), whose per-length test gets the
-    `fresh` calls (its first wave) and then their `controls` (the same lengths again);
-    returns it and the lengths of each wave it sent."""
+def scripted_warmup(fresh: list[Call], controls: list[Call]) -> tuple[_ProfileWarmup, list[int]]:
+    """A _ProfileWarmup past its anchor (310 tokens), whose per-length test gets each
+    `fresh` call and then its control (the same length again) in turn; returns it and
+    the lengths it sent, in order."""
     w = object.__new__(_ProfileWarmup)
     w.ctx = SimpleNamespace(metrics=AgentMetrics(), engine=SimpleNamespace(server_name="transformers serve"))
     w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8)
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
     w.budget = benefit.Budget(0, "none")
     w.steady = benefit.SteadyLevels()
-    w.concurrency = 1
+    w.concurrency, w.last = 1, []
     w.decoded = [(310, 312)] * 3
-    sent: list[list[int]] = []
-    replies = iter([fresh, controls])
+    sent: list[int] = []
+    replies = iter([c for pair in zip(fresh, controls, strict=True) for c in pair])
 
-    def send_wave(paths: list[Path], tokens: dict) -> list[Call]:
-        sent.append([p.prompt_tokens for p in paths])
+    def send(path: Path, tokens: int | None = None) -> Call:
+        sent.append(path.prompt_tokens)
         return next(replies)
-    w.send_wave = send_wave                  # type: ignore[method-assign]
+    w.send = send                            # type: ignore[method-assign]
     return w, sent
 
 
@@ -60,7 +60,8 @@ def test_defaults_run6_logs_decode_and_first_token_costs(caplog):
                               [call(47.8, 35.515, fresh_lengths[0]), call(47.8, 35.515, fresh_lengths[1])])
     with caplog.at_level(logging.WARNING, logger="warmup_agent.stages.prewarm"):
         per_length = w.per_length_test()
-    assert sent == [fresh_lengths, fresh_lengths]
+    assert sent == [fresh_lengths[0], fresh_lengths[0], fresh_lengths[1], fresh_lengths[1]]
+    assert per_length["prefill_pays_each_new_length"]
     assert per_length["pays"] and per_length["prefill_pays"]
     lines = [r.getMessage() for r in caplog.records if "pays per sequence length" in r.getMessage()]
     assert len(lines) == 1
@@ -82,8 +83,20 @@ def test_a_server_that_does_not_pay_logs_nothing(caplog):
 
 
 def test_concurrent_requests_and_their_controls_pay_the_same_so_nothing_is_cold():
-    """llama.cpp (issue 40): two fresh lengths sent at once pay the slot cost of
-    concurrent requests, and so do their controls: no length cost is found."""
+    """llama.cpp (issue 40): a fresh length after a longer request pays the slot cost of
+    that predecessor, and so does its control (sent after the same): no length cost."""
     w, _ = scripted_warmup([call(95.0, 3.0, 223), call(101.0, 3.0, 266)], [call(93.0, 3.0, 223), call(99.0, 3.0, 266)])
     per_length = w.per_length_test()
     assert not per_length["pays"] and not per_length["prefill_pays"]
+
+
+def test_what_the_per_length_test_says_about_warming_the_profiles_lengths():
+    from warmup_agent.stages.prewarm import EACH_NEW_LENGTH_PAYS, NEW_LENGTHS_WARM, ONE_TIME_COST, length_skip_reason
+    assert length_skip_reason({"tested": False}) is None          # not measured: warm them
+    assert length_skip_reason({"tested": True, "prefill_pays": False}) == NEW_LENGTHS_WARM
+    assert length_skip_reason({"tested": True, "prefill_pays": True, "prefill_pays_each_new_length": False}) == ONE_TIME_COST
+    # H200 llama.cpp (seed 170679385): each profile length's first call 72-95 ms, 46-62 ms
+    # after; the user's first request at a length none of them had was 1.32x steady anyway
+    w, _ = scripted_warmup([call(60.0, 3.0, 223), call(62.0, 3.0, 266)], [call(40.0, 3.0, 223), call(41.0, 3.0, 266)])
+    per_length = w.per_length_test()
+    assert per_length["prefill_pays_each_new_length"] and length_skip_reason(per_length) == EACH_NEW_LENGTH_PAYS

@@ -121,6 +121,25 @@ SETTLE_PROMPT_TOKENS = 32
 
 # Why a prompt-length path got no call (the run record, /startupz).
 NEW_LENGTHS_WARM = "the per-length test's fresh prompt lengths prefilled no slower than their controls"
+EACH_NEW_LENGTH_PAYS = ("each prompt length pays once on this server, whatever else was warmed (the per-length "
+                        "test's second fresh length paid as its first did): warming the profile's lengths would "
+                        "not spare a user's first request at another length")
+ONE_TIME_COST = ("the per-length test's first fresh length paid and its second did not: a one-time cost, "
+                 "already paid")
+
+
+def length_skip_reason(per_length: dict) -> str | None:
+    """Why the profile's prompt lengths are not worth a call each, from the per-length
+    test; None: warm them (the test did not run).  In every outcome of the test the
+    calls would buy nothing: no fresh length paid; or one paid and the next did not (a
+    one-time cost, paid); or each new length pays (H200 llama.cpp and transformers
+    serve: 20-40 ms at every length not seen before, so a user's first request at a
+    length the warmup did not send pays it anyway)."""
+    if not per_length.get("tested"):
+        return None
+    if not per_length.get("prefill_pays"):
+        return NEW_LENGTHS_WARM
+    return EACH_NEW_LENGTH_PAYS if per_length.get("prefill_pays_each_new_length") else ONE_TIME_COST
 
 
 def remedy_for(server: str | None) -> str:
@@ -321,8 +340,10 @@ class _ProfileWarmup:
                 self.warm(p, tokens.get(p))
 
     def per_length_test(self) -> dict:
-        """Two fresh sequence lengths, sent at once, then again as their controls (the
-        same lengths, fresh prompts, after the same predecessor: the first pair)."""
+        """Two fresh sequence lengths, one after the other, each with its control (the
+        same length again, a fresh prompt, after the same predecessor, re-sent where it
+        was longer): one request at a time, because requests at once are batched into
+        other shapes than a user's request alone."""
         from warmup_agent.benefit import Controlled, Path
         ctx, steady, b0 = self.ctx, self.steady, self.b0
         per_length: dict = {"tested": False}
@@ -331,9 +352,17 @@ class _ProfileWarmup:
         tokens = self.pc.per_length_tokens
         fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 2, tokens)
         paths = [Path(self.ep0, self.fam0, b0, n) for n in fresh]
+        firsts: list[benefit.Call] = []
+        controls: list[benefit.Call] = []
+        replays = 0
         try:
-            firsts = self.send_wave(paths, dict.fromkeys(paths, tokens))
-            controls = self.send_wave(paths, dict.fromkeys(paths, tokens))
+            for p in paths:
+                replay = self.replay_for(p.prompt_tokens, p.batch)   # what preceded the first
+                firsts.append(self.send(p, tokens))
+                if replay is not None:
+                    replay()
+                    replays += 1
+                controls.append(self.send(p, tokens))
         except EngineError as e:
             # A server that refuses a length (its context is shorter, say): not a reason
             # to fail the start; the finding is "not measured" and says why.
@@ -345,10 +374,13 @@ class _ProfileWarmup:
             steady.add(p, c)      # the controls are warm calls at those lengths
         pairs = [Controlled(f, c) for f, c in zip(firsts, controls, strict=True)]
         pays, ratios = benefit.pays_per_length(pairs, self.pc.per_length_ratio)
-        prefill_pays = any(benefit.prefill_cold(pair, self.tol) for pair in pairs)
+        cold = [benefit.prefill_cold(pair, self.tol) for pair in pairs]
         per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [f.prompt_tokens for f in firsts],
-                      "prefill_pays": prefill_pays, "at_once": min(2, self.concurrency),
-                      "pairs": [pair.as_dict() for pair in pairs]}
+                      "prefill_pays": any(cold),
+                      # the second fresh length paid too, after the first was warm: each new
+                      # length pays once, whatever else was warmed
+                      "prefill_pays_each_new_length": all(cold),
+                      "pairs": [pair.as_dict() for pair in pairs], "replays": replays}
         if all(f.server_prefill is not None and c.server_prefill is not None for f, c in zip(firsts, controls, strict=True)):
             per_length["server_prefill_ms"] = [[round(f.server_prefill * 1e3, 3), round(c.server_prefill * 1e3, 3)]  # type: ignore[operator]
                                                for f, c in zip(firsts, controls, strict=True)]
@@ -358,7 +390,7 @@ class _ProfileWarmup:
             remedy = remedy_for(ctx.engine.server_name)
             per_length["remedy"] = remedy
             ctx.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
-            first = [pair.first.ttft / pair.control.ttft for pair in pairs] if prefill_pays else []
+            first = [pair.first.ttft / pair.control.ttft for pair in pairs] if per_length["prefill_pays"] else []
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
 
@@ -372,12 +404,10 @@ class _ProfileWarmup:
             if ep != ep0:
                 paths += [Path(ep, fam, b0, hi) for fam in profile.families if not (fam == "json_schema" and ep != "chat")]
         tokens: dict[Path, int] = {}
+        skip = length_skip_reason(per_length)
         for n in reversed(self.plens[:-1]):
-            if per_length.get("prefill_pays") is False:
-                # Two lengths nothing had reached prefilled no slower than their controls:
-                # this server pays nothing per prompt length, so these calls would only
-                # cost time (on llama.cpp, 5 of its 9 warmup calls).
-                self.outcomes.append(benefit.Outcome(Path(ep0, fam0, b0, n), "skipped", NEW_LENGTHS_WARM))
+            if skip:
+                self.outcomes.append(benefit.Outcome(Path(ep0, fam0, b0, n), "skipped", skip))
                 continue
             paths.append(Path(ep0, fam0, b0, n))
             tokens[paths[-1]] = 1          # prefill at this length; decode is the anchor's

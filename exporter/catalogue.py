@@ -96,8 +96,10 @@ CORE: tuple[MetricSpec, ...] = (
                "Readiness thresholds on time to first token: percentile p50 (liveness) and p90 (tail).",
                labels=("percentile",), unit="s"),
     MetricSpec("warmup_first_request_tax_ratio", "gauge",
-               "Time to first token of the first probe after warmup divided by the steady (median) probe time; 1.0 means no cold-start tax.",
-               unit="short"),
+               "The first probe after warmup, less what its control paid too, over the steady probe time: 1 + (first - control) / median of the later probes' time to first token; 1.0 means no cold-start tax.",
+               unit="short",
+               doc="The control is the same shape with a fresh prompt after the same predecessor (benefit.Controlled): "
+                   "a server's ordinary costs, which the control pays too, are not counted as cold start."),
     MetricSpec("warmup_time_per_output_token_window_seconds", "gauge",
                "Exact percentile of time per output token (decode) over the readiness sliding window of probes (openai engine).",
                labels=("percentile",), unit="s",
@@ -106,7 +108,7 @@ CORE: tuple[MetricSpec, ...] = (
                    "warmup_first_token_window_seconds. Only where probes decode (openai engine).",
                requires="decode_probes"),
     MetricSpec("warmup_first_request_total_tax_ratio", "gauge",
-               "Whole-answer time of the first probe after warmup divided by the steady whole answer of the same length; 1.0 means no cold-start tax on decode either.",
+               "The first probe's whole answer after warmup, less what its control paid too, over the steady whole answer of the same length; 1.0 means no cold-start tax on decode either.",
                unit="short",
                doc="openai engine: the first probe asks for the traffic profile's longest answer, the later ones "
                    "for readiness.probe_max_tokens; the steady whole answer is their median time to first token "
@@ -131,9 +133,9 @@ CORE: tuple[MetricSpec, ...] = (
                    "their median time per output token. Needs the answers' token counts from the proxy; without them it "
                    "stays 0. The real counterpart of warmup_first_request_total_tax_ratio."),
     MetricSpec("warmup_per_length_decode_ratio", "gauge",
-               "Time per output token at sequence lengths no earlier request reached, over the steady time per output token (prewarm's per-length test); above prewarm.per_length_ratio the server pays per sequence length.",
+               "Time per output token at sequence lengths no earlier request reached, over that of their controls at the same lengths (prewarm's per-length test); above prewarm.per_length_ratio the server pays per sequence length.",
                unit="short",
-               doc="0 until measured (the in-process engines never measure it). The better of two requests at new prompt lengths, after the first path was warm. An eager "
+               doc="0 until measured (the in-process engines never measure it). The better of two requests at new prompt lengths over their controls (the same lengths again). An eager "
                    "server whose attention builds a plan per shape (transformers serve on an H200) measured "
                    "about 3; llama.cpp and vLLM about 1."),
     MetricSpec("warmup_per_length_remedy_info", "gauge",

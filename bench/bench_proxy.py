@@ -516,6 +516,7 @@ def main() -> int:
         agent, exporter_port, ports["proxy"] = start_agent(workdir, upstream)
         procs.append(agent)
         target_pids["proxy"] = [agent.pid]
+        load_before = os.getloadavg()
         print(f"stand-in {upstream}, nginx :{ports.get('nginx')}, agent proxy :{ports['proxy']} "
               f"(exporter :{exporter_port}); {len(targets) * len(levels) * len(modes) * args.reps} cells "
               f"of {args.seconds:g} s", flush=True)
@@ -531,6 +532,7 @@ def main() -> int:
                         wall = time.perf_counter() - w0
                         cpu = cpu_seconds(target_pids[t]) - cpu0
                         res.update(target=t, mode=mode, streams=n, rep=rep, endpoints=poller.result(),
+                                   loadavg_1min=round(os.getloadavg()[0], 2),
                                    target_cpu_percent=round(100 * cpu / wall, 1),
                                    loadgen_cpu_percent=round(100 * (time.process_time() - own0) / wall, 1))
                         cells.append(res)
@@ -561,6 +563,10 @@ def main() -> int:
                      "nginx": "1 worker, proxy_buffering off, proxy_http_version 1.1, upstream keepalive 512",
                      "proxy": "warmup-agent run --engine openai --proxy-listen (openai.url = the stand-in)",
                      "uvloop": _has_uvloop()},
+        "machine_load": {"loadavg_before": [round(x, 2) for x in load_before],
+                         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                         "note": "2 cores shared with the load generator, the stand-in, nginx and whatever else ran "
+                                 "on the machine meanwhile (loadavg_1min per cell)"},
         "table": summary["table"],
         "cells": cells,
         "agent_log_tail": agent_log_tail,

@@ -271,12 +271,14 @@ class RoutingProxy:
     upstream_url: the main engine, a base URL or a Backend; fallback_url: a smaller
     model server (URL or Backend) or None; listen: (host, port), port 0 for any free
     port (bound here, so an address in use fails at once).  start() runs it on its
-    own event loop in its own thread; stop() ends it and closes every backend."""
+    own event loop in its own thread; stop() ends it and closes every backend.
+    tune_gc: the garbage collector's settings for a process that only relays (_tune_gc),
+    restored by stop(); from_config sets it where the main engine is an HTTP server."""
 
     def __init__(self, agent: RoutedAgent, upstream_url: str | Backend, fallback_url: str | Backend | None = None,
                  listen: tuple[str, int] = ("127.0.0.1", 0), metrics: AgentMetrics | None = None,
                  retry_after_seconds: int = 5, timeout_seconds: float = 300.0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tune_gc: bool = False):
         self.metrics = metrics if metrics is not None else agent.metrics
         self.gate = agent.readiness
         self.timeout = timeout_seconds
@@ -300,6 +302,8 @@ class RoutingProxy:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._watches: set[_Watch] = set()
+        self.tune_gc = tune_gc
+        self._gc_before: tuple[int, int, int] | None = None
 
     @property
     def main_name(self) -> str:
@@ -307,6 +311,8 @@ class RoutingProxy:
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> RoutingProxy:
+        if self.tune_gc:
+            self._gc_before = _tune_gc()
         self._thread = threading.Thread(target=self._run, name="routing-proxy", daemon=True)
         self._thread.start()
         self._started.wait(30)
@@ -384,6 +390,11 @@ class RoutingProxy:
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join(10)
         self.sock.close()
+        if self._gc_before is not None:
+            import gc
+            gc.set_threshold(*self._gc_before)
+            gc.unfreeze()
+            self._gc_before = None
 
     # -- routing -------------------------------------------------------------------------------
     def route(self, warmup: bool) -> str:
@@ -596,13 +607,31 @@ def from_config(agent: RoutedAgent, cfg: Config, local_backend: Backend | None =
     try:
         return RoutingProxy(agent, upstream, pc.fallback_url, (host.strip("[]"), int(port)),
                             retry_after_seconds=pc.retry_after_seconds, timeout_seconds=pc.timeout_seconds,
-                            max_body_bytes=pc.max_body_bytes)
+                            max_body_bytes=pc.max_body_bytes, tune_gc=isinstance(upstream, str))
     except OSError as e:
         raise ConfigError(f"key 'proxy.listen': cannot listen on {pc.listen}: {e.strerror}",
                           "proxy.listen") from None
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+def _tune_gc() -> tuple[int, int, int]:
+    """The collector's settings for a process whose work is relaying requests (the main
+    engine elsewhere): what exists now is frozen out of the collections, and the young
+    generation is collected after 50,000 net allocations instead of 700.  The proxy
+    allocates many short-lived objects per chunk; with the defaults the agent spent
+    0.4-0.6 s of every 5 s in the collector at 256 streams (pauses up to 210 ms), and
+    raising the threshold took the proxy's TTFB p99 from 273-367 ms to 105-118 ms and
+    its requests/s from 592-798 to 845-885 in the same run (bench_proxy's 256-stream
+    cell).  Not with an engine in this process (tensors in reference cycles would wait
+    longer for their memory).  Returns the thresholds to restore."""
+    import gc
+    before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    return before
+
 
 class _Watch:
     """One request in flight, as the sweep sees it: whether it waits on its backend, the

@@ -154,6 +154,8 @@ def test_the_ordinary_cost_a_control_pays_too_is_not_cold():
     ordinary = benefit.Controlled(Call(0.0915, 0.0915, 1), Call(0.0890, 0.0890, 1))
     assert not ordinary.cold(0.2)
     assert ordinary.ttft_tax(0.0244) == pytest.approx(1 + 0.0025 / 0.0244)
+    noise = benefit.Controlled(Call(0.0240, 0.0240, 1), Call(0.0600, 0.0600, 1))     # a control slower than its first
+    assert noise.ttft_tax(0.0244) == 1.0
     cold = benefit.Controlled(Call(0.0915, 0.0915, 1), Call(0.0250, 0.0250, 1))
     assert cold.cold(0.2) and cold.ttft_tax(0.0244) == pytest.approx(1 + 0.0665 / 0.0244)
     slow_decode = benefit.Controlled(Call(0.03, 0.03 + 7 * 0.009, 8), Call(0.03, 0.03 + 7 * 0.003, 8))

@@ -139,12 +139,13 @@ def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, emb
     wire = wire_requests(served[3], embedded_model)
     chat = [n for path, n, _ in wire if path == "/v1/chat/completions"]
     text = [n for path, n, _ in wire if path == "/v1/completions"]
-    # the profile's lengths, the per-length test's, the decode-coverage tiles and the probes'
+    # the profile's lengths, the per-length test's, the decode-coverage tiles, the settle
+    # waves' short prompts and the probes'
     warmup = agent_warmup(served)
     probe_len = warmup["probe_length"]
     assert probe_len not in set(LENGTHS) | set(warmup["per_length"]["lengths"])    # a length no warmup used
     assert chat and set(chat) <= (set(LENGTHS) | {probe_len} | set(warmup["per_length"]["lengths"])
-                                  | set(warmup["decode_coverage"]["tiles"]))
+                                  | set(warmup["decode_coverage"]["tiles"]) | {prewarm.SETTLE_PROMPT_TOKENS})
     assert probe_len in chat                          # probes are chat requests
     assert text and set(text) <= set(LENGTHS)
 
@@ -182,7 +183,7 @@ def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_t
     # the first probe's whole answer less its control's (the second probe), over the steady whole answer
     totals = agent.probe_totals[:ready_detail["probes"]]
     assert record["first_probe_total_tax_ratio"] == pytest.approx(
-        1 + (totals[0] - totals[1]) / statistics.median(totals[1:]), rel=1e-12)
+        1 + max(0.0, totals[0] - totals[1]) / statistics.median(totals[1:]), rel=1e-12)
 
 
 def agent_warmup(served) -> dict:
@@ -205,7 +206,7 @@ def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
     # (then the prediction is exported)
     predicted = agent.probe_log.figures.cold_decode
     assert reg.get_sample_value("warmup_first_request_total_tax_ratio") == pytest.approx(
-        predicted["total_tax"] if predicted else 1 + (totals[0] - totals[1]) / float(np.median(totals[1:gate])),
+        predicted["total_tax"] if predicted else 1 + max(0.0, totals[0] - totals[1]) / float(np.median(totals[1:gate])),
         rel=1e-12)
     # A probe's times against the wall clock around it: the first token comes
     # before the end, the end before the call returned; TPOT is the rest per token.
@@ -232,14 +233,14 @@ def test_outside_clients_first_chat_request_is_answered(served):
 
 
 def test_first_request_tax_on_time_to_first_token_is_exported_exactly(served):
-    """1 + (first probe - its control, the second probe) / median TTFT of the probes after the first."""
+    """1 + (first probe - its control, the second probe, never below 0) / median TTFT of the probes after the first."""
     _, agent, _, _, _ = served
     reg = agent.metrics.registry
     figures = agent.probe_log.figures
     probes = agent.probes[:agent.stages[-1].detail["probes"]]
     assert figures.ttft_seconds == probes[0] and figures.control is not None and figures.control.ttft == probes[1]
     assert reg.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(
-        1 + (probes[0] - probes[1]) / statistics.median(probes[1:]), rel=1e-12)
+        1 + max(0.0, probes[0] - probes[1]) / statistics.median(probes[1:]), rel=1e-12)
 
 
 def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refuses(tmp_path, embedded_model):

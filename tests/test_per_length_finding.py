@@ -34,7 +34,7 @@ def scripted_warmup(fresh: list[Call], controls: list[Call]) -> tuple[_ProfileWa
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
     w.budget = benefit.Budget(0, "none")
     w.steady = benefit.SteadyLevels()
-    w.concurrency, w.last = 1, []
+    w.concurrency, w.last, w.anchor = 1, [], None      # no anchor pair: the test sends two fresh lengths
     w.decoded = [(310, 312)] * 3
     sent: list[int] = []
     replies = iter([c for pair in zip(fresh, controls, strict=True) for c in pair])
@@ -100,3 +100,17 @@ def test_what_the_per_length_test_says_about_warming_the_profiles_lengths():
     w, _ = scripted_warmup([call(60.0, 3.0, 223), call(62.0, 3.0, 266)], [call(40.0, 3.0, 223), call(41.0, 3.0, 266)])
     per_length = w.per_length_test()
     assert per_length["prefill_pays_each_new_length"] and length_skip_reason(per_length) == EACH_NEW_LENGTH_PAYS
+
+
+def test_the_anchors_first_call_and_its_control_are_the_first_pair():
+    """The anchor was a length no request had reached: its first call and its control
+    are a fresh length's pair, so the test sends one more fresh length, not two."""
+    w, sent = scripted_warmup([call(60.0, 3.0, 266)], [call(41.0, 3.0, 266)])
+    w.anchor = benefit.Outcome(Path("chat", "sampled", 1, 310), "converged",
+                               calls=[call(90.0, 9.0, 310), call(45.0, 3.0, 310), call(44.0, 3.0, 310)])
+    per_length = w.per_length_test()
+    assert len(sent) == 2 and len(set(sent)) == 1 and sent[0] != 310      # one fresh length, then its control
+    assert per_length["anchor_pair"] and len(per_length["pairs"]) == 2
+    assert per_length["pairs"][0]["first_ttft_ms"] == 90.0 and per_length["pairs"][0]["control_ttft_ms"] == 45.0
+    assert per_length["pays"] is False                      # decode 3x at the anchor, 1x at the fresh length
+    assert per_length["prefill_pays"] and per_length["prefill_pays_each_new_length"]

@@ -190,11 +190,11 @@ def test_preload_deadline_fails_the_run(embedded_model):
 
 
 def test_first_request_tax_gauge_is_the_first_probe_less_its_control_over_median_of_the_rest(served):
-    """1 + (first probe - its control) / median of the probes after the first (probes.py)."""
+    """1 + (first probe - its control, never below 0) / median of the probes after the first (probes.py)."""
     import statistics
     agent, _, _, _ = served
     probes = agent.probes[:agent.stages[-1].detail["probes"]]   # the gate's probes, before any watch probe
-    expected = 1 + (probes[0] - probes[1]) / statistics.median(probes[1:])
+    expected = 1 + max(0.0, probes[0] - probes[1]) / statistics.median(probes[1:])
     assert agent.metrics.registry.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(expected, rel=1e-12)
 
 

@@ -7,7 +7,8 @@ re-sends the last warmup requests first where they were longer or more at once)
 says which part of it the server pays anyway (benefit.Controlled): on llama.cpp a
 request right after a much longer one, or after concurrent ones, pays 60-100 ms
 more in its slot, warm or not.  The probes after the control give the steady level.
-  first-request tax (TTFT)  1 + (first probe's TTFT - its control's) / steady TTFT,
+  first-request tax (TTFT)  1 + (first probe's TTFT - its control's, never below 0)
+                            / steady TTFT,
                             the steady TTFT being the median of the probes after
                             the first (the control among them)
   whole-answer tax          the same on the whole answer, over the steady whole

@@ -189,8 +189,10 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     from warmup_agent.benefit import Path
     w = _ProfileWarmup(ctx, load_profile(ctx, lengths), lengths, batches)
     # 1. the anchor: the steady level every other path is compared with
-    w.warm(Path(w.ep0, w.fam0, w.b0, w.hi))
-    # 2. does the server pay per sequence length?
+    w.warm(Path(w.ep0, w.fam0, w.b0, w.hi), tokens=w.pc.per_length_tokens)
+    w.anchor = w.outcomes[-1]
+    # 2. does the server pay per sequence length? (the anchor's first call and its control
+    #    are the test's first pair: it was a length no request had reached)
     per_length = w.per_length_test()
     # 3. the other paths, one call each, at once, then their controls
     w.other_paths(per_length, batches)
@@ -230,6 +232,7 @@ class _ProfileWarmup:
         self.concurrency = max(1, int(ctx.engine.concurrency))
         #: The last requests sent together: the predecessor a control must follow too.
         self.last: list[traffic.WarmRequest] = []
+        self.anchor: benefit.Outcome | None = None   # the anchor path's outcome (warm_profile)
         self.replayed = 0       # requests re-sent as predecessors of controls
         self.settled = 0        # requests of the settle waves
 
@@ -343,14 +346,19 @@ class _ProfileWarmup:
         """Two fresh sequence lengths, one after the other, each with its control (the
         same length again, a fresh prompt, after the same predecessor, re-sent where it
         was longer): one request at a time, because requests at once are batched into
-        other shapes than a user's request alone."""
+        other shapes than a user's request alone.  The anchor path's first call and its
+        control are the first pair; one more fresh length is sent."""
         from warmup_agent.benefit import Controlled, Path
         ctx, steady, b0 = self.ctx, self.steady, self.b0
         per_length: dict = {"tested": False}
         if self.budget.exhausted():
             return per_length
         tokens = self.pc.per_length_tokens
-        fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 2, tokens)
+        # The anchor's first call and its control are a fresh length's pair already.
+        anchor = self.anchor
+        first_pair = (Controlled(anchor.calls[0], anchor.calls[1])
+                      if anchor is not None and len(anchor.calls) >= 2 else None)
+        fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 1 if first_pair else 2, tokens)
         paths = [Path(self.ep0, self.fam0, b0, n) for n in fresh]
         firsts: list[benefit.Call] = []
         controls: list[benefit.Call] = []
@@ -372,18 +380,20 @@ class _ProfileWarmup:
             return {"tested": False, "error": e.message}
         for p, c in zip(paths, controls, strict=True):
             steady.add(p, c)      # the controls are warm calls at those lengths
-        pairs = [Controlled(f, c) for f, c in zip(firsts, controls, strict=True)]
+        pairs = ([first_pair] if first_pair else []) + [Controlled(f, c) for f, c in zip(firsts, controls, strict=True)]
         pays, ratios = benefit.pays_per_length(pairs, self.pc.per_length_ratio)
         cold = [benefit.prefill_cold(pair, self.tol) for pair in pairs]
         per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [f.prompt_tokens for f in firsts],
+                      "anchor_pair": first_pair is not None,
                       "prefill_pays": any(cold),
                       # the second fresh length paid too, after the first was warm: each new
                       # length pays once, whatever else was warmed
                       "prefill_pays_each_new_length": all(cold),
                       "pairs": [pair.as_dict() for pair in pairs], "replays": replays}
-        if all(f.server_prefill is not None and c.server_prefill is not None for f, c in zip(firsts, controls, strict=True)):
-            per_length["server_prefill_ms"] = [[round(f.server_prefill * 1e3, 3), round(c.server_prefill * 1e3, 3)]  # type: ignore[operator]
-                                               for f, c in zip(firsts, controls, strict=True)]
+        if all(pair.first.server_prefill is not None and pair.control.server_prefill is not None for pair in pairs):
+            per_length["server_prefill_ms"] = [[round(pair.first.server_prefill * 1e3, 3),  # type: ignore[operator]
+                                                round(pair.control.server_prefill * 1e3, 3)]  # type: ignore[operator]
+                                               for pair in pairs]
         if ratios:
             ctx.metrics.warmup_per_length_decode_ratio.set(min(ratios))
         if pays:

@@ -11,7 +11,6 @@ import pytest
 
 from warmup_agent import benefit
 from warmup_agent.benefit import Budget, Call, Path, SteadyLevels
-from warmup_agent.probes import Probe, ProbeLog, first_request
 
 
 class StandInServer:

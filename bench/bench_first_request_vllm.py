@@ -40,7 +40,7 @@ sys.path.insert(0, REPO)
 from tests.helpers import vllm_server  # noqa: E402
 from tests.helpers.servers import free_port  # noqa: E402
 from warmup_agent import config  # noqa: E402
-from warmup_agent.engines.openai_engine import OpenAIEngine  # noqa: E402
+from warmup_agent.engines.openai.engine import OpenAIEngine  # noqa: E402
 from warmup_agent.pipeline import Agent  # noqa: E402
 from warmup_agent.states import State  # noqa: E402
 

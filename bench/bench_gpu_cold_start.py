@@ -61,7 +61,7 @@ def make_model(path: str) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from warmup_agent.embedded_model import _train_tokenizer
+    from warmup_agent.model.embedded import _train_tokenizer
     os.makedirs(path, exist_ok=True)
     _train_tokenizer(path)
     config = Qwen2Config(**QWEN2_1_5B, bos_token_id=1, eos_token_id=2, pad_token_id=2, torch_dtype="bfloat16")
@@ -92,7 +92,7 @@ def make_fast_model(path: str, shape: dict, device: str = "cuda", shard_bytes: i
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from warmup_agent.embedded_model import _train_tokenizer
+    from warmup_agent.model.embedded import _train_tokenizer
     os.makedirs(path, exist_ok=True)
     _train_tokenizer(path)
     config = Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=2, torch_dtype="bfloat16")
@@ -182,7 +182,7 @@ def child_engine_plain(model_dir: str, seed_script: bool) -> dict:
     """FP8 naive/seed start: the torch engine's loader, no warmup stages."""
     import torch
 
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     t_imported = time.time()
     engine = TorchEngine(model_dir, device="cuda")
     t0 = time.perf_counter()
@@ -209,7 +209,7 @@ def child_agent(model_dir: str, data_dir: str) -> dict:
 
     from exporter.metrics import AgentMetrics
     from warmup_agent import config
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.gpu.ramp import RampSampler
     from warmup_agent.pipeline import Agent
     t_imported = time.time()

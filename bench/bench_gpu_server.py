@@ -100,7 +100,7 @@ def make_model(path: str, device: str, qwen_chat: bool = False) -> str:
     """The 1.5B-shaped model on a GPU; the embedded model on the CPU (smoke check).
     qwen_chat: give it Qwen2's chat format and a tokenizer that covers its vocabulary
     (see qwen_chat_tokenizer); the run then uses its own directory, `path` + "-qwenchat"."""
-    from warmup_agent.embedded_model import add_chat_template, ensure_embedded_model
+    from warmup_agent.model.embedded import add_chat_template, ensure_embedded_model
     if device == "cpu":
         return ensure_embedded_model(path)
     if qwen_chat:
@@ -462,12 +462,12 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
                agent_time_to_ready=rec.get("time_to_ready_seconds"),
                stage_seconds={s["name"]: s["duration_seconds"] for s in rec["stages"]},
                startup_seconds=rec.get("startup_seconds"),
-               # early or not (warmup_agent/early_spawn.py), and the process age at the server's spawn
+               # early or not (warmup_agent/server/early_spawn.py), and the process age at the server's spawn
                server_spawn=((rec.get("engine_facts") or {}).get("extra") or {}).get("server_spawn"),
                agent_first_request_tax=rec.get("first_request_tax_ratio"),
                agent_first_request_total_tax=rec.get("first_request_total_tax_ratio"),
                # where decode pays per length: the first probe's own whole-answer tax, and the
-               # prediction exported instead (warmup_agent/cold_decode.py)
+               # prediction exported instead (warmup_agent/warmup/cold_decode.py)
                agent_first_probe_total_tax=rec.get("first_probe_total_tax_ratio"),
                cold_decode=rec.get("first_request_cold_decode"),
                probe_ttft_seconds=rec.get("probes_seconds"), probe_total_seconds=rec.get("probe_total_seconds"),

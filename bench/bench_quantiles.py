@@ -26,9 +26,9 @@ from bench.provenance import provenance, write_result  # noqa: E402
 def recorded_probes(n: int) -> list[float]:
     """Times to first token of the real embedded model (torch engine), measured now:
     a cold first request, then steady ones, as the readiness window sees them."""
-    from warmup_agent.embedded_model import ensure_embedded_model
-    from warmup_agent.engines.torch_engine import TorchEngine
-    from warmup_agent.traffic import PromptFactory
+    from warmup_agent.engines.torch.engine import TorchEngine
+    from warmup_agent.model.embedded import ensure_embedded_model
+    from warmup_agent.warmup.traffic import PromptFactory
     engine = TorchEngine(ensure_embedded_model(os.path.join(ROOT, ".cache", "test-data")))
     engine.load_tokenizer()
     engine.load_weights()

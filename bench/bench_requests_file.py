@@ -23,7 +23,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.provenance import provenance, write_result  # noqa: E402
-from warmup_agent import config, requests_file  # noqa: E402
+from warmup_agent import config  # noqa: E402
+from warmup_agent.warmup import requests_file  # noqa: E402
 
 
 def write_file(path: str, lines: int, seed: int = 0) -> None:

@@ -148,14 +148,14 @@ def parse_nvlink_status(text: str) -> dict:
 
 
 def _bus(v) -> str:
-    from warmup_agent.hardware import _bus as norm
+    from warmup_agent.host.hardware import _bus as norm
     return norm(v)
 
 
 # --- NVML: record the answers, replay them ----------------------------------------------------
 def record_nvml(nv, cpu_count: int) -> list[dict]:
     """The NVML answers the agent reads, per GPU, in the format ReplayNVML replays."""
-    from warmup_agent.hardware import _cpus_from_mask, _str, _try
+    from warmup_agent.host.hardware import _cpus_from_mask, _str, _try
     words = (cpu_count + 63) // 64
     out = []
     for i in range(nv.nvmlDeviceGetCount()):
@@ -305,7 +305,7 @@ def compare_topology(agent_topo: dict, smi_topo: dict, smi_q: list[dict], nvlink
 
 
 def host_step(result: dict, replay: dict | None) -> None:
-    from warmup_agent import hardware
+    from warmup_agent.host import hardware
     cpus = os.cpu_count() or 1
     if replay is None:
         smi = {k: run_cmd(c) for k, c in (("topo_m", ["nvidia-smi", "topo", "-m"]), ("q", ["nvidia-smi", "-q"]),
@@ -733,7 +733,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="two-gpu-")
     if args.dry_run:
         def embedded():
-            from warmup_agent.embedded_model import ensure_embedded_model
+            from warmup_agent.model.embedded import ensure_embedded_model
             ensure_embedded_model(os.path.join(work, "data"))
         step("embedded_model", embedded)
     pairs = 1 if args.dry_run else args.pairs

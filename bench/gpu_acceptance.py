@@ -254,7 +254,7 @@ def main() -> int:
     if args.server_command:
         sport = free_port()
         if args.model == "embedded":
-            from warmup_agent.embedded_model import ensure_embedded_model
+            from warmup_agent.model.embedded import ensure_embedded_model
             model = ensure_embedded_model(args.data_dir)
         else:
             model = args.model

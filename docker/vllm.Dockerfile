@@ -4,7 +4,7 @@
 # the image's CUDA torch, transformers and vLLM stay exactly as vLLM ships them, and then
 # the agent's own small dependencies (pip keeps any the image already satisfies).
 # The agent is PID 1 here: it forks and stays behind as the init that forwards signals
-# and reaps vLLM's orphaned processes (warmup_agent/reaper.py), so no tini is needed.
+# and reaps vLLM's orphaned processes (warmup_agent/server/reaper.py), so no tini is needed.
 #
 #   docker/build.sh            # both images, tagged with the version in pyproject.toml
 #   docker build -f docker/vllm.Dockerfile --build-arg VERSION=0.1.0 -t warmup-agent-vllm:0.1.0 .

@@ -112,11 +112,11 @@ CORE: tuple[MetricSpec, ...] = (
                unit="short",
                doc="openai engine: the first probe asks for the traffic profile's longest answer, the later ones "
                    "for readiness.probe_max_tokens; the steady whole answer is their median time to first token "
-                   "+ (tokens - 1) x their median time per output token (warmup_agent/probes.py). Where prewarm "
+                   "+ (tokens - 1) x their median time per output token (warmup_agent/readiness/probes.py). Where prewarm "
                    "found that decode pays per sequence length, the first probe warms its own lengths, so the "
                    "figure is the first user's whole answer predicted from it: its extra cost per decode step "
                    "at a length nothing had reached, times the mean of such steps left at the profile's prompt "
-                   "lengths after the probes (warmup_agent/cold_decode.py; the run record keeps the probe's own "
+                   "lengths after the probes (warmup_agent/warmup/cold_decode.py; the run record keeps the probe's own "
                    "as first_probe_total_tax_ratio). In-process engines' probes are 1 token."),
     MetricSpec("warmup_first_user_request_tax_ratio", "gauge",
                "Time to first token of the users' real first request after SERVING (through the proxy) divided by the median of the users' answers after it; 0 until measured.",

@@ -70,7 +70,7 @@ class NVMLCollector:
 
     def owned(self) -> list[tuple[int, str, object]]:
         """(physical index, UUID, handle) of each GPU this agent owns, in CUDA order."""
-        from warmup_agent.hardware import visible_indices
+        from warmup_agent.host.hardware import visible_indices
         nv = self._nvml
         handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
         uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in handles]

@@ -22,7 +22,7 @@ def data_dir() -> str:
 
 @pytest.fixture(scope="session")
 def embedded_model(data_dir) -> str:
-    from warmup_agent.embedded_model import ensure_embedded_model
+    from warmup_agent.model.embedded import ensure_embedded_model
     return ensure_embedded_model(data_dir)
 
 

@@ -9,7 +9,7 @@ import pytest
 from exporter.metrics import AgentMetrics
 from tests.conftest import run_agent
 from warmup_agent import config
-from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.engines.torch.engine import TorchEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.states import State
 

@@ -29,7 +29,7 @@ def tiny_bench_model(path: str) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from warmup_agent.embedded_model import _train_tokenizer
+    from warmup_agent.model.embedded import _train_tokenizer
     os.makedirs(path, exist_ok=True)
     _train_tokenizer(path)
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -102,7 +102,7 @@ def _stream_chunks(model: str, scratch: str) -> list[str]:
 @pytest.mark.skipif(not ts.available(), reason="transformers serve needs fastapi and uvicorn")
 def test_transformers_serve_streams_the_bench_model_token_by_token(tmp_path):
     control = tiny_bench_model(str(tmp_path / "control"))
-    from warmup_agent.embedded_model import add_chat_template
+    from warmup_agent.model.embedded import add_chat_template
     add_chat_template(control)                 # the old recipe: "<s>role" chat format
     echoed = _stream_chunks(control, str(tmp_path))
     assert echoed and echoed[0].startswith("<s>user"), echoed     # the echo, still there

@@ -1,5 +1,5 @@
-"""Warmup by measured benefit (warmup_agent/benefit.py) and the probe log's
-first-request figures (warmup_agent/probes.py), on their own.
+"""Warmup by measured benefit (warmup_agent/warmup/benefit.py) and the probe log's
+first-request figures (warmup_agent/readiness/probes.py), on their own.
 
 `send` here is a stand-in server written for the test (named as such): each path
 pays a cold cost on its first calls and then answers at its steady level, so that
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from warmup_agent import benefit
-from warmup_agent.benefit import Budget, Call, Path, SteadyLevels
+from warmup_agent.warmup import benefit
+from warmup_agent.warmup.benefit import Budget, Call, Path, SteadyLevels
 
 
 class StandInServer:

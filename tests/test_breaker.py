@@ -20,7 +20,7 @@ from exporter.metrics import AgentMetrics
 from exporter.server import ExporterServer
 from tests.helpers.servers import http_get, wait_until
 from warmup_agent import config
-from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.engines.torch.engine import TorchEngine
 from warmup_agent.errors import EngineError
 from warmup_agent.pipeline import Agent
 from warmup_agent.readiness.breaker import Breaker, BreakerState

@@ -14,8 +14,8 @@ from tests.helpers.paths import ROOT
 from warmup_agent import config
 from warmup_agent.cli import connect_engine
 from warmup_agent.engines.base import Engine, EngineFacts, RequestResult
-from warmup_agent.engines.openai_engine import OpenAIEngine
-from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.engines.openai.engine import OpenAIEngine
+from warmup_agent.engines.torch.engine import TorchEngine
 
 
 class Minimal(Engine):

@@ -149,7 +149,7 @@ def test_every_reason_the_code_can_raise_is_known():
     # the dynamic ones really are produced where the comment says
     with open(os.path.join(ROOT, "warmup_agent", "states.py"), encoding="utf-8") as fh:
         assert '_deadline_exceeded"' in fh.read()
-    from warmup_agent.memory_budget import REASON
     from warmup_agent.readiness.validation import Check
+    from warmup_agent.warmup.memory_budget import REASON
     assert REASON in REASONS
     assert {Check(n, "failed").reason for n in ("structure", "numerics", "performance")} <= set(REASONS)

@@ -137,7 +137,7 @@ def test_server_flags_over_config_json():
 
 def test_openai_engine_detects_from_its_server_command_and_the_model_directory(tmp_path, clean_env):
     from warmup_agent import config
-    from warmup_agent.engines.openai_engine import OpenAIEngine
+    from warmup_agent.engines.openai.engine import OpenAIEngine
     from warmup_agent.readiness import validation
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "llama", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
@@ -204,7 +204,7 @@ def bad_model(embedded_model, tmp_path_factory):
 
 
 def _engine(path, dtype="auto"):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     e = TorchEngine(path, device="cpu", dtype=dtype)
     e.load_weights()
     return e
@@ -282,7 +282,7 @@ def test_torch_engine_loads_fp8_on_cpu_with_emulated_layers(fp8_engine, embedded
 
 
 def test_torch_engine_refuses_a_quantization_it_cannot_run(embedded_model, tmp_path):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     d = tmp_path / "awq"
     shutil.copytree(embedded_model, d)
     cfg = json.loads((d / "config.json").read_text())
@@ -419,7 +419,7 @@ def test_fp8_limits_are_checked_config_keys(clean_env):
 def _run_agent(model_dir, data_dir, **env):
     from exporter.metrics import AgentMetrics
     from warmup_agent import config
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.pipeline import Agent
     cfg = config.load(env={**FAST, "WARMUP_AGENT_MODEL_PATH": model_dir, "WARMUP_AGENT_DATA_DIR": data_dir, **env})
     agent = Agent(cfg, TorchEngine(model_dir, dtype=cfg["model.dtype"], device=cfg["model.device"]), metrics=AgentMetrics())

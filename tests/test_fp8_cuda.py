@@ -26,7 +26,7 @@ def fp8_model(embedded_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(fp8_model):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     e = TorchEngine(fp8_model, device="cuda")
     e.init_device()
     e.load_weights()
@@ -62,7 +62,7 @@ def test_scaled_mm_layer_equals_float64_of_the_dequantized_operands(engine):
 
 
 def test_gpu_logits_match_the_cpu_emulation(engine, fp8_model):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     cpu = TorchEngine(fp8_model, device="cpu", dtype="bfloat16")
     cpu.load_weights()
     cpu.load_tokenizer()
@@ -75,7 +75,7 @@ def test_gpu_logits_match_the_cpu_emulation(engine, fp8_model):
 
 
 def test_range_validation_on_gpu_equals_cpu(engine, fp8_model):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.readiness import fp8_ranges
     gpu = fp8_ranges.run(engine.model).as_dict()
     cpu_engine = TorchEngine(fp8_model, device="cpu", dtype="bfloat16")
@@ -91,7 +91,7 @@ def test_range_validation_on_gpu_equals_cpu(engine, fp8_model):
 def _agent(model_dir, data_dir, **env):
     from exporter.metrics import AgentMetrics
     from warmup_agent import config
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.pipeline import Agent
     cfg = config.load(env={"WARMUP_AGENT_MODEL_PATH": model_dir, "WARMUP_AGENT_DATA_DIR": data_dir,
                            "WARMUP_AGENT_MODEL_DEVICE": "cuda", "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0", **env})

@@ -13,12 +13,13 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.paths import ROOT
-from warmup_agent import hardware, traffic
 from warmup_agent.engines.base import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.gpu.deadline import run_with_deadline
 from warmup_agent.gpu.memory import fragmentation_from_snapshot, old_fragmentation_from_snapshot
 from warmup_agent.gpu.ramp import RampSampler, least_squares_slope
+from warmup_agent.host import hardware
+from warmup_agent.warmup import traffic
 
 H200 = json.load(open(os.path.join(ROOT, "bench", "results", "gpu_nvml_answers_h200.json")))["facts"][0]
 
@@ -154,7 +155,9 @@ def test_the_engines_share_one_kv_formula_and_say_unknown_rather_than_guess():
     assert sizing.kv_bytes_per_token_if_known({"hidden_size": 1536}, "bfloat16") is None
     import inspect
 
-    from warmup_agent.engines import openai_discovery, torch_engine, vllm_engine
+    from warmup_agent.engines import vllm_engine
+    from warmup_agent.engines.openai import discovery as openai_discovery
+    from warmup_agent.engines.torch import engine as torch_engine
     for module in (torch_engine, vllm_engine, openai_discovery):   # openai: its facts are discovery's
         source = inspect.getsource(module)
         assert "kv_bytes_per_token_if_known" in source and '"bfloat16": 2' not in source, module.__name__
@@ -172,7 +175,7 @@ def test_reservation_plan_and_fail_fast_numbers():
 def test_reserve_stage_fails_fast_with_insufficient_gpu_memory(embedded_model, monkeypatch):
     from exporter.metrics import AgentMetrics
     from warmup_agent import config
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.pipeline import Agent
     from warmup_agent.states import State
     small = h200_recorded() | {"memory_free_bytes": 1 << 20}
@@ -324,7 +327,7 @@ def test_forward_order_puts_embeddings_first_and_layers_numerically():
 
 @pytest.fixture(scope="module")
 def loaded(embedded_model):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     # Both transformers: these tests are about the loader and transformers' StaticCache
     # path (the native forward has its own: tests/test_native_lm.py).
     prog = TorchEngine(embedded_model, device="cpu", implementation="transformers")
@@ -378,7 +381,7 @@ def _copy(src, dst):
 
 
 def test_manifest_mismatch_is_weights_corrupt(embedded_model, tmp_path):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     d = _copy(embedded_model, tmp_path / "m")
     shard = os.path.join(d, "model.safetensors")
     good = hashlib.sha256(open(shard, "rb").read()).hexdigest()
@@ -399,7 +402,7 @@ def test_manifest_mismatch_is_weights_corrupt(embedded_model, tmp_path):
 
 
 def test_dtype_disagreeing_with_config_is_weights_corrupt(embedded_model, tmp_path):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     d = _copy(embedded_model, tmp_path / "m")
     cfg_path = os.path.join(d, "config.json")
     cfg = json.load(open(cfg_path))

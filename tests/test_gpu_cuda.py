@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def engines(embedded_model):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     # Both transformers: the loader and transformers' StaticCache graphs against from_pretrained
     # (the native forward: test_native_* below).
     prog = TorchEngine(embedded_model, device="cuda", implementation="transformers")
@@ -39,7 +39,7 @@ def test_progressive_pinned_load_equals_from_pretrained(engines):
 
 
 def test_small_chunks_still_load_every_byte(embedded_model):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     e = TorchEngine(embedded_model, device="cuda")
     e.configure(chunk_bytes=4096 + 3, buffers=2, workers=2)   # odd size: tensors split across many chunks
     e.load_tokenizer()
@@ -71,7 +71,7 @@ def native_qwen2(embedded_model, tmp_path_factory):
     """A tiny Qwen2 (q/k/v biases, tied embeddings, varied greedy tokens) in bf16,
     loaded natively and through transformers (tests/test_native_lm.py builds it)."""
     from tests.test_native_lm import _tiny
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     d = _tiny(embedded_model, str(tmp_path_factory.mktemp("native") / "qwen2"), "qwen2")
     out = []
     for implementation in ("native", "transformers"):
@@ -193,7 +193,7 @@ def test_fragmentation_equals_the_snapshot_itself():
 
 
 def test_nvml_facts_agree_with_torch(tmp_path):
-    from warmup_agent import hardware
+    from warmup_agent.host import hardware
     gpus, err = hardware.read_gpus()
     assert err is None and gpus
     props = torch.cuda.get_device_properties(0)

@@ -665,7 +665,7 @@ def test_every_preset_renders_its_command_line_in_every_mode(helm_env, preset, m
     cfg = agent_config.load(str(path), env={})
     assert cfg["openai.url"] == f"http://127.0.0.1:{PORT}"
     assert cfg["openai.health_path"] == EXPECTED_HEALTH[preset]
-    from warmup_agent.engines.openai_engine import OpenAIEngine
+    from warmup_agent.engines.openai.engine import OpenAIEngine
 
     engine = OpenAIEngine(cfg, server_command=server_cmd if mode == "entrypoint" else None)
     try:

@@ -14,7 +14,7 @@ PACKAGES = ("warmup_agent", "exporter")
 # What exporter/ may import from warmup_agent/: config and web-config parsing, host
 # facts for the NVML collector, the allocator snapshot arithmetic.  Not the pipeline,
 # the stages, the state machine or the engines.
-EXPORTER_MAY_IMPORT = {"warmup_agent.config", "warmup_agent.webconfig", "warmup_agent.hardware", "warmup_agent.gpu.memory"}
+EXPORTER_MAY_IMPORT = {"warmup_agent.config", "warmup_agent.webconfig", "warmup_agent.host.hardware", "warmup_agent.gpu.memory"}
 
 
 def _modules() -> dict[str, str]:

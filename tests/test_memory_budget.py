@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from warmup_agent import memory_budget
-from warmup_agent.memory_budget import BackOff, BudgetExceeded, plan
+from warmup_agent.warmup import memory_budget
+from warmup_agent.warmup.memory_budget import BackOff, BudgetExceeded, plan
 
 
 def test_plan_drops_the_largest_batches_that_exceed_the_budget():
@@ -78,7 +78,7 @@ def test_is_out_of_memory():
 
 CHILD = r"""
 import json, resource, sys
-from warmup_agent.memory_budget import BackOff
+from warmup_agent.warmup.memory_budget import BackOff
 import psutil
 # Real memory pressure: the address space is capped 256 MiB above what the process uses now.
 used = psutil.Process().memory_info().vms
@@ -121,7 +121,7 @@ def test_backoff_fails_only_when_batch_one_does_not_fit_and_reraises_other_error
 def _agent_with_oom_from(embedded_model, oom_batch: int):
     from exporter.metrics import AgentMetrics
     from warmup_agent import config
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.pipeline import Agent
 
     class OOMAbove(TorchEngine):

@@ -50,7 +50,7 @@ sys.meta_path.insert(0, NoTorch())
 
 NO_TORCH_IMPORTS = BLOCK_TORCH + '''
 import exporter.collectors, exporter.engine_metrics, exporter.metrics, exporter.server
-import warmup_agent.engines.openai_engine, warmup_agent.pipeline, warmup_agent.proxy, warmup_agent.reaper
+import warmup_agent.engines.openai.engine, warmup_agent.pipeline, warmup_agent.proxy, warmup_agent.server.reaper
 import warmup_agent.readiness.breaker, warmup_agent.readiness.runtime, warmup_agent.readiness.window
 import warmup_agent.stages.prewarm, warmup_agent.stages.ready, warmup_agent.stages.reserve, warmup_agent.stages.solidify
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")))

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from exporter.collectors import NVMLCollector
 from tests.test_gpu_cpu_paths import H200, RecordedNVML
-from warmup_agent import hardware
+from warmup_agent.host import hardware
 
 UUID1 = "GPU-1c5e2f7a-0d4b-8e39-a6c1-2b9f04d7e311"   # constructed: the second GPU
 

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 
 from tests.helpers.paths import ROOT
-from warmup_agent.engines import native_config
+from warmup_agent.engines.torch import native_config
 from warmup_agent.errors import EngineError
 
 torch = pytest.importorskip("torch")
@@ -67,7 +67,7 @@ def models(embedded_model, tmp_path_factory):
 
 
 def _engine(path: str, implementation: str):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     e = TorchEngine(path, dtype="float32", device="cpu", implementation=implementation)
     e.load_weights()
     e.load_tokenizer()
@@ -267,7 +267,7 @@ def _with_config(embedded_model, tmp_path, **over) -> str:
 
 
 def test_an_ineligible_model_falls_back_to_transformers_and_says_why(embedded_model, tmp_path):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
     d = _with_config(embedded_model, tmp_path, rope_parameters=rope)
     e = TorchEngine(d, device="cpu")          # model.implementation auto
@@ -284,7 +284,7 @@ def test_an_ineligible_model_falls_back_to_transformers_and_says_why(embedded_mo
 
 
 def test_a_broken_tokenizer_json_is_tokenizer_invalid_on_the_native_path(embedded_model, tmp_path):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     d = _with_config(embedded_model, tmp_path)
     open(os.path.join(d, "tokenizer.json"), "w").write("garbage")
     e = TorchEngine(d, device="cpu", implementation="native")
@@ -351,7 +351,7 @@ def test_the_skeleton_is_built_without_initialising_weights_or_importing_dynamo(
     script = """
 import json, sys, torch
 from bench.bench_gpu_cold_start import QWEN2_1_5B
-from warmup_agent.engines import native_config, native_lm
+from warmup_agent.engines.torch import native_config, native_lm
 cfg = dict(QWEN2_1_5B, model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
            rms_norm_eps=1e-6, rope_theta=1e6, torch_dtype="bfloat16")
 model, expected, tied = native_lm.build_skeleton(native_config.parse(cfg), torch.bfloat16)

@@ -20,7 +20,7 @@ from tests.helpers.servers import free_port, wait_until
 from tests.helpers.warmup_record import requests_in_record
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
-from warmup_agent.engines.openai_engine import OpenAIEngine
+from warmup_agent.engines.openai.engine import OpenAIEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.states import State
 

@@ -19,8 +19,8 @@ import pytest
 from tests.helpers.servers import free_port, wait_until
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
-from warmup_agent.engines.openai_engine import OpenAIEngine, fix_vllm_command, option
-from warmup_agent.supervisor import Supervisor
+from warmup_agent.engines.openai.engine import OpenAIEngine, fix_vllm_command, option
+from warmup_agent.server.supervisor import Supervisor
 
 # A tiny health server.  It starts a grandchild (`sleep`) to prove that the whole
 # process group goes, writes its pids to PIDFILE, and on SIGTERM writes DRAINED
@@ -174,7 +174,7 @@ def test_server_dies_with_the_agent_even_on_sigkill(tmp_path):
     agent = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from warmup_agent.supervisor import Supervisor
+        from warmup_agent.server.supervisor import Supervisor
         Supervisor([sys.executable, "-c", {HEALTH_SERVER!r}, "--port", "{port}"], "http://127.0.0.1:{port}/health",
                    env=dict(os.environ, STATE_DIR={str(tmp_path)!r}), port={port}).start()
         print("ready", flush=True)

@@ -21,7 +21,7 @@ from tests.helpers.servers import free_port, require_binary
 from tests.helpers.warmup_record import requests_in_record
 from tests.http_relay import Relay
 from warmup_agent import config
-from warmup_agent.engines.openai_engine import OpenAIEngine
+from warmup_agent.engines.openai.engine import OpenAIEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.stages import prewarm
 from warmup_agent.states import State

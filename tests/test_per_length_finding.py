@@ -11,9 +11,9 @@ import logging
 from types import SimpleNamespace
 
 from exporter.metrics import AgentMetrics
-from warmup_agent import benefit
-from warmup_agent.benefit import Call, Path
 from warmup_agent.stages.prewarm import _ProfileWarmup, per_length_line, remedy_for
+from warmup_agent.warmup import benefit
+from warmup_agent.warmup.benefit import Call, Path
 
 
 def test_the_line_names_the_first_tokens_only_when_given():

@@ -6,7 +6,7 @@ import threading
 import time
 
 from warmup_agent.gpu.ramp import RampSampler
-from warmup_agent.memory import MemorySampler
+from warmup_agent.host.memory import MemorySampler
 from warmup_agent.periodic import Periodic
 from warmup_agent.states import State, StateMachine
 

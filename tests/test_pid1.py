@@ -3,7 +3,7 @@ it runs as PID 1 of a new PID namespace (`unshare --pid --fork --mount-proc`,
 util-linux, needs root), so processes orphaned below it are re-parented to it.
 
 - A grandchild orphaned by the server command is adopted, and once it exits no
-  zombie is left (warmup_agent/reaper.py); with the init turned off
+  zombie is left (warmup_agent/server/reaper.py); with the init turned off
   (WARMUP_NO_INIT=1) the same zombie stays: the check can fail.
 - The real CPU vLLM server with its engine-core process: after the API server is
   killed, the engine core (re-parented to PID 1 and killed with the server's

@@ -10,7 +10,7 @@ from exporter.collectors import register_default_collectors
 from exporter.metrics import AgentMetrics
 from exporter.server import ExporterServer
 from warmup_agent import config
-from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.engines.torch.engine import TorchEngine
 from warmup_agent.pipeline import STAGES, Agent
 from warmup_agent.states import State
 
@@ -71,7 +71,7 @@ def test_stage_durations_add_up_to_wall_clock_within_2_percent(served):
 def test_warmup_traffic_covers_the_grid_and_is_counted(served):
     agent, _, _, _ = served
     # grid [8, 32] x [1, 2]: every shape at least once, each until warm (measured
-    # benefit, warmup_agent/shape_warmup.py): the first shape at least twice
+    # benefit, warmup_agent/warmup/shapes.py): the first shape at least twice
     paths = next(s for s in agent.stages if s.name == "prewarm").detail["paths"]
     assert [p["path"] for p in paths] == ["generate/greedy/batch1/len8", "generate/greedy/batch1/len32",
                                           "generate/greedy/batch2/len8", "generate/greedy/batch2/len32"]

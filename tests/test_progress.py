@@ -1,7 +1,7 @@
 """The progress display promises what the readiness gate really needs."""
 import io
 
-from warmup_agent.progress import Progress, summary_table
+from warmup_agent.run.progress import Progress, summary_table
 
 
 def test_probe_progress_counts_toward_min_probes_not_max_probes():

@@ -20,7 +20,7 @@ from exporter.metrics import AgentMetrics
 from tests.helpers import vllm_server
 from tests.helpers.servers import SSEStandIn, free_port, http_get, stop_process, wait_until
 from warmup_agent import config
-from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.engines.torch.engine import TorchEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.proxy import RoutingProxy
 from warmup_agent.states import State

@@ -109,7 +109,7 @@ def test_only_readiness_writes_the_window_and_threshold_gauges(served):
 def test_a_real_adaptive_warmup_records_what_metrics_show(served, embedded_model):
     """The whole pipeline on the embedded model with adaptive thresholds: the ready
     stage re-fits them, and after SERVING the record and a scrape agree."""
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     env = {**ADAPTIVE, "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[8]", "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
            "WARMUP_AGENT_READINESS_WINDOW_SIZE": "10", "WARMUP_AGENT_VALIDATION_ENABLED": "false"}
     cfg = config.load(env=env)

@@ -10,7 +10,7 @@ import torch
 
 from exporter.metrics import AgentMetrics
 from warmup_agent import config
-from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.engines.torch.engine import TorchEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.states import State
 

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import ROOT, run_agent
-from warmup_agent import report
+from warmup_agent.run import report
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def recorded_run(tmp_path_factory, data_dir):
 
 def test_report_renders_png_and_html(recorded_run, tmp_path):
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "warmup_agent.report", recorded_run, "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "warmup_agent.run.report", recorded_run, "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     with Image.open(out / "report.png") as img:
@@ -71,7 +71,7 @@ def test_thresholds_from_flags_win(recorded_run, tmp_path):
 def test_bad_record_is_one_clear_line(tmp_path, content, expect):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    r = subprocess.run([sys.executable, "-m", "warmup_agent.report", str(bad), "--out", str(tmp_path / "o")],
+    r = subprocess.run([sys.executable, "-m", "warmup_agent.run.report", str(bad), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and str(bad) in r.stderr and expect in r.stderr, r.stderr
@@ -80,7 +80,7 @@ def test_bad_record_is_one_clear_line(tmp_path, content, expect):
 
 
 def test_missing_record_file(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "warmup_agent.report", str(tmp_path / "nope.json")],
+    r = subprocess.run([sys.executable, "-m", "warmup_agent.run.report", str(tmp_path / "nope.json")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "cannot read record" in r.stderr and "Traceback" not in r.stderr
 

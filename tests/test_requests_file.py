@@ -4,7 +4,7 @@ engine.  A bad line is one line naming the file, the line and the field, exit 2;
 with prewarm.requests_file_bad_lines: skip it is left out, counted and warned
 about once.
 
-The checker itself (warmup_agent/requests_file.py) is tested in-process; the
+The checker itself (warmup_agent/warmup/requests_file.py) is tested in-process; the
 issue's cases also through the real CLI, where a supervised "server" that
 would write a marker file proves that none was started.  The 1-million-line
 check is a benchmark (bench/bench_requests_file.py), not a timed test."""
@@ -17,8 +17,9 @@ import sys
 import pytest
 
 from tests.conftest import run_agent
-from warmup_agent import config, requests_file, traffic
+from warmup_agent import config
 from warmup_agent.config import ConfigError
+from warmup_agent.warmup import requests_file, traffic
 
 KEY = "key 'prewarm.requests_file': "
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "bazo kite"}], "max_tokens": 8}

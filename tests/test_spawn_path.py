@@ -40,20 +40,20 @@ def test_nothing_heavy_is_imported_before_the_server_is_spawned(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert "warmup_agent.engines.openai_engine" in loaded      # the scan sees the engine's modules
+    assert "warmup_agent.engines.openai.engine" in loaded      # the scan sees the engine's modules
     assert not [m for m in NOT_BEFORE_SPAWN if m in loaded], [m for m in NOT_BEFORE_SPAWN if m in loaded]
 
 
-# --- the early spawn (warmup_agent/early_spawn.py) ------------------------------------
+# --- the early spawn (warmup_agent/server/early_spawn.py) ------------------------------------
 EARLY = """
 import json, sys
-from warmup_agent import early_spawn
+from warmup_agent.server import early_spawn
 early_spawn.start(sys.argv[2:])
 print(json.dumps({"spawned": early_spawn._early is not None, "modules": sorted(sys.modules)}))
 early_spawn.discard()
 """
-NOT_BEFORE_EARLY_SPAWN = NOT_BEFORE_SPAWN + ("warmup_agent.engines", "warmup_agent.supervisor", "warmup_agent.progress",
-                                             "warmup_agent.tracing", "exporter.server")
+NOT_BEFORE_EARLY_SPAWN = NOT_BEFORE_SPAWN + ("warmup_agent.engines", "warmup_agent.server.supervisor", "warmup_agent.run.progress",
+                                             "warmup_agent.run.tracing", "exporter.server")
 
 
 def test_the_early_spawn_happens_before_any_of_the_agents_imports(tmp_path):
@@ -76,8 +76,9 @@ def test_the_early_spawn_happens_before_any_of_the_agents_imports(tmp_path):
 def _engine_would_start(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """What the openai engine starts for this command line: the CLI's own parse and
     config load, then the engine's server_command and server_env."""
-    from warmup_agent import cli, config, server_process
-    from warmup_agent.engines.openai_engine import OpenAIEngine
+    from warmup_agent import cli, config
+    from warmup_agent.engines.openai.engine import OpenAIEngine
+    from warmup_agent.server import process as server_process
     args = cli.build_parser().parse_args(argv)
     cfg = config.load(args.config, env={k: v for k, v in environ.items() if k.startswith("WARMUP_AGENT_")},
                       flags={"data_dir": args.data_dir, "engine": "openai"})
@@ -90,7 +91,8 @@ def _engine_would_start(argv: list[str], environ: dict[str, str]) -> tuple[list[
 def test_the_early_plan_is_what_the_engine_would_start(tmp_path, case):
     """The early spawn's command and environment equal the engine's, worked out the
     long way (config.load, OpenAIEngine), wherever data_dir and lora.adapters come from."""
-    from warmup_agent import early_spawn, server_process
+    from warmup_agent.server import early_spawn
+    from warmup_agent.server import process as server_process
     environ = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")}
     opts = ["--engine", "openai"]
     if case == "flags":
@@ -119,14 +121,14 @@ def test_the_early_plan_is_what_the_engine_would_start(tmp_path, case):
     ["run", "--config", "/nonexistent/agent.yaml", "--", "llama-server"],            # a config error: no file
 ])
 def test_nothing_is_spawned_early_where_the_plan_cannot_be_sure(argv):
-    from warmup_agent import early_spawn
+    from warmup_agent.server import early_spawn
     assert early_spawn.plan(argv, {"PATH": "/usr/bin"}) is None
 
 
 def test_a_bad_configuration_spawns_nothing(tmp_path):
     """The configuration is loaded and checked before the spawn, requests file
     included: a bad one starts no server (tests/test_requests_file.py checks the CLI)."""
-    from warmup_agent import early_spawn
+    from warmup_agent.server import early_spawn
     (tmp_path / "requests.jsonl").write_text("{not json\n")
     environ = {"PATH": "/usr/bin:/bin", "WARMUP_AGENT_PREWARM_REQUESTS_FILE": str(tmp_path / "requests.jsonl")}
     argv = ["run", "--engine", "openai", "--data-dir", str(tmp_path), "--", "llama-server", "--port", "8012"]
@@ -136,7 +138,7 @@ def test_a_bad_configuration_spawns_nothing(tmp_path):
 
 
 def test_an_early_server_that_differs_is_killed_and_the_reason_given(tmp_path):
-    from warmup_agent import early_spawn
+    from warmup_agent.server import early_spawn
     argv = ["run", "--engine", "openai", "--data-dir", str(tmp_path), "--", sys.executable, "-c",
             "import time; time.sleep(30)", "--port", "1"]
     early_spawn.start(argv)
@@ -179,7 +181,8 @@ def test_the_early_spawn_knows_every_option_of_run():
     turn the early spawn off without anyone noticing."""
     import argparse
 
-    from warmup_agent import cli, early_spawn
+    from warmup_agent import cli
+    from warmup_agent.server import early_spawn
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     run = sub.choices["run"]
     valued = {s for a in run._actions if a.option_strings and a.nargs is None and a.const is None

@@ -9,10 +9,10 @@ import textwrap
 import pytest
 
 from tests.helpers.paths import ROOT
-from warmup_agent import shape_warmup
-from warmup_agent.benefit import Call
-from warmup_agent.engines import model_classes
-from warmup_agent.traffic import Shape
+from warmup_agent.engines.torch import model_classes
+from warmup_agent.warmup import shapes as shape_warmup
+from warmup_agent.warmup.benefit import Call
+from warmup_agent.warmup.traffic import Shape
 
 
 def _run(code: str) -> dict:
@@ -29,7 +29,7 @@ def test_prestart_imports_the_model_and_builds_the_skeleton_before_load_weights(
     the agent's set-up, reserve and the weight read instead of following them."""
     out = _run(f"""
         import json, sys, time
-        from warmup_agent.engines.torch_engine import TorchEngine
+        from warmup_agent.engines.torch.engine import TorchEngine
         e = TorchEngine({embedded_model!r}, device="cpu", implementation="transformers")
         before = "transformers" in sys.modules or "torch" in sys.modules
         e.prestart()
@@ -121,7 +121,7 @@ def test_prewarm_stops_warming_a_shape_once_its_calls_match_steady(embedded_mode
     shape whose first call matches steady is sent once (it used to be sent 3 times)."""
     from exporter.metrics import AgentMetrics
     from warmup_agent import config
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.pipeline import Agent
     from warmup_agent.stages import prewarm
 

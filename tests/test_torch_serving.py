@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from warmup_agent.engines.torch_batcher import Detokenizer
+from warmup_agent.engines.torch.batcher import Detokenizer
 
 
 @pytest.fixture(scope="module")
 def engine(embedded_model):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     e = TorchEngine(embedded_model, device="cpu")
     e.load_weights()
     e.load_tokenizer()
@@ -382,7 +382,7 @@ def test_detokenizer_withholds_partial_characters_and_stop_prefixes():
 
 def test_the_transformers_implementation_serves_the_same_way(embedded_model):
     """model.implementation transformers: AutoTokenizer and AutoModelForCausalLM behind the same responder."""
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     e = TorchEngine(embedded_model, device="cpu", implementation="transformers")
     try:
         e.load_weights()

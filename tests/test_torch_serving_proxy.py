@@ -23,7 +23,7 @@ from warmup_agent.states import State
 
 @pytest.fixture(scope="module")
 def engine(embedded_model):
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     e = TorchEngine(embedded_model, device="cpu")
     e.load_weights()
     e.load_tokenizer()
@@ -133,7 +133,7 @@ def test_a_bad_request_is_an_openai_400(served):
 
 
 def test_before_serving_the_proxy_answers_503_with_retry_after_and_never_the_engine(engine):
-    from warmup_agent.engines.torch_serving import TorchOpenAIBackend
+    from warmup_agent.engines.torch.serving import TorchOpenAIBackend
     warming = Agent(config.load(env={}), engine, metrics=AgentMetrics())
     assert warming.sm.transition(State.PRELOAD)
     backend = TorchOpenAIBackend(engine, engine.lock, window=0.003)   # its own: stop() closes it

@@ -25,7 +25,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.helpers.servers import free_port, stop_process, wait_until
-from warmup_agent import config, tracing
+from warmup_agent import config
+from warmup_agent.run import tracing
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 STAGES = ["reserve", "prewarm", "solidify", "ready"]
@@ -178,7 +179,7 @@ class Watch:
             FIRST.append(time.perf_counter())
 sys.meta_path.insert(0, Watch())
 def _otel():
-    from warmup_agent.procstart import process_started
+    from warmup_agent.server.procstart import process_started
     with open(OUT, "w") as f:
         json.dump({"modules": sorted(m for m in sys.modules if m.startswith(OURS)),
                    "first_import_seconds": FIRST[0] - process_started() if FIRST else None}, f)
@@ -415,7 +416,7 @@ def test_off_by_default_and_setup_imports_nothing():
             "t = tracing.setup(config.load(env={})); "
             "assert t is tracing.NOOP and tracing.current_trace_id() is None; "
             "import warmup_agent.pipeline, warmup_agent.cli; "
-            "import warmup_agent.stages.solidify, warmup_agent.progress; "
+            "import warmup_agent.stages.solidify, warmup_agent.run.progress; "
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -465,7 +466,7 @@ def test_a_rewarm_is_a_trace_of_its_own(rotel, embedded_model, caplog):
     this thread).  Two traces: the start-up's, which stays the record's trace ID,
     and the re-warm's, rooted at warmup.rewarm, with its own probes only."""
     from exporter.metrics import AgentMetrics
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.pipeline import Agent
     from warmup_agent.states import State
     cfg = config.load(env={**LIGHT, "WARMUP_AGENT_READINESS_MIN_PROBES": "3", "WARMUP_AGENT_TRACING_ENABLED": "true",

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from warmup_agent import traffic
 from warmup_agent.engines.text_prompts import TextPrompts
 from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.stages.ready import decode_converged
+from warmup_agent.warmup import traffic
 
 
 @pytest.fixture(scope="module")

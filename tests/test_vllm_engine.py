@@ -70,7 +70,7 @@ def test_inprocess_vllm_engine_warms_and_serves(tmp_path):
     r = json.loads(lines[-1][len("RESULT "):])
     assert r["state"] == "SERVING", r["failure"]
     # every shape of [16, 64] x [1, 4] at least once; each until warm (measured benefit,
-    # warmup_agent/shape_warmup.py), so the first shape at least twice
+    # warmup_agent/warmup/shapes.py), so the first shape at least twice
     assert r["warmup_requests"] >= 2 * (1 + 4) + 1 and r["adapters"] == ["ad1"]
     seen = r["seen"]
     # Every agent request (warmup grid, readiness probes, the LoRA warm-up) reached

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from warmup_agent.engines.server_traffic import ServerTraffic
+from warmup_agent.engines.openai.server_traffic import ServerTraffic
 
 UVICORN = 'INFO:     127.0.0.1:50806 - "POST /v1/chat/completions HTTP/1.1" 200 OK'
 LLAMA = "srv  log_server_r: request: POST /v1/completions 127.0.0.1 200"

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.model_dir is None:
             try:
-                from warmup_agent.embedded_model import ensure_embedded_model
+                from warmup_agent.model.embedded import ensure_embedded_model
             except ImportError as e:
                 raise BuildError(f"embedded model: cannot import warmup_agent ({e}); pass MODEL_DIR") from None
             model_dir = Path(ensure_embedded_model(str(data_dir)))

@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # the CLI imports these lazily: `--help` stays fast and impor
     from warmup_agent.config import Config
     from warmup_agent.engines.base import Engine
     from warmup_agent.pipeline import Agent
-    from warmup_agent.progress import Progress
     from warmup_agent.proxy import RoutingProxy
+    from warmup_agent.run.progress import Progress
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     from warmup_agent.kernel_cache import cli as cache_cli
     cache_cli.add_parser(sub)
     rep = sub.add_parser("report", help="render a recorded run (--record) as PNG and HTML")
-    from warmup_agent import report
+    from warmup_agent.run import report
     report.add_arguments(rep)
     return p
 
@@ -86,16 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:
-        from warmup_agent import reaper
+        from warmup_agent.server import reaper
         reaper.init_if_pid1()  # PID 1 of a container: fork, stay behind as init (reaper.py)
         # A supervised server starts before the agent's own imports (early_spawn.py).
-        from warmup_agent import early_spawn
+        from warmup_agent.server import early_spawn
         early_spawn.start(argv)
     try:
         return _main(argv)
     finally:
         if argv[:1] == ["run"]:
-            from warmup_agent import early_spawn
+            from warmup_agent.server import early_spawn
             early_spawn.discard()   # spawned early but never adopted: the run ended first
 
 
@@ -109,7 +109,7 @@ def _main(argv: list[str]) -> int:
         if args.command == "check-config":
             return cmd_check_config(args)
         if args.command == "report":
-            from warmup_agent import report
+            from warmup_agent.run import report
             return report.run(args)
         if args.command == "cache":
             from warmup_agent.kernel_cache import cli as cache_cli
@@ -139,7 +139,7 @@ def cmd_check_config(args: Any) -> int:
 def _setup_logging(level: str, fmt: str, progress: Any) -> None:
     import logging
 
-    from warmup_agent.progress import JsonFormatter, ProgressAwareHandler
+    from warmup_agent.run.progress import JsonFormatter, ProgressAwareHandler
     handler = ProgressAwareHandler(progress, sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -151,11 +151,12 @@ def _setup_logging(level: str, fmt: str, progress: Any) -> None:
 def _load(args: argparse.Namespace) -> tuple[Config, Progress]:
     """The configuration from the file, the environment and the flags; logging set
     up; the engine's extra checked."""
-    from warmup_agent import config, early_spawn
+    from warmup_agent import config
+    from warmup_agent.server import early_spawn
     flags = early_spawn.config_flags(args.model, args.engine, args.listen, args.data_dir, args.proxy_listen)
     # Loaded and checked already when a supervised server was spawned early.
     cfg = early_spawn.loaded_config(args.config, flags) or config.load(args.config, flags=flags)
-    from warmup_agent.progress import Progress
+    from warmup_agent.run.progress import Progress
     progress = Progress(sys.stderr, enabled=not args.no_progress)
     _setup_logging(cfg.log.level, cfg.log.format, progress)
     import logging
@@ -170,7 +171,7 @@ def _model_path(cfg: Config) -> str | None:
     """model.path; with the torch engine and none given, the embedded default (made once)."""
     model_path = cfg.model.path
     if model_path is None and cfg.engine == "torch":
-        from warmup_agent.embedded_model import (
+        from warmup_agent.model.embedded import (
             embedded_model_dir,
             ensure_embedded_model,
         )
@@ -196,8 +197,8 @@ def _make_agent(cfg: Config, engine: Engine, progress: Progress) -> Agent:
     register_default_collectors(metrics.registry)
     if cfg.requests_check is not None:
         metrics.warmup_requests_file_bad_lines.set(cfg.requests_check.bad_count)
-    from warmup_agent import tracing
-    from warmup_agent.procstart import process_started
+    from warmup_agent.run import tracing
+    from warmup_agent.server.procstart import process_started
     tracing.setup(cfg)   # start-up traces: NOOP (no OpenTelemetry import) unless tracing.enabled
     # The clock starts at process start: a first run's imports and embedded model
     # creation are part of the time to SERVING (the "startup" stage).
@@ -263,7 +264,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # GIL switch interval the exporter thread waits behind it, so /readyz and
     # /metrics answer late under load.  1 ms keeps them responsive.
     sys.setswitchinterval(0.001)
-    from warmup_agent import tracing
+    from warmup_agent.run import tracing
     from warmup_agent.states import State
 
     def on_signal(signum: int) -> None:
@@ -321,7 +322,7 @@ def connect_engine(engine: Engine, agent: Agent, registry: Any) -> None:
 
 
 def _summary(record: dict) -> str:
-    from warmup_agent.progress import summary_table
+    from warmup_agent.run.progress import summary_table
     return summary_table(record)
 
 

@@ -23,7 +23,7 @@ from warmup_agent import config_sections
 from warmup_agent.config_sections import Sections
 
 if TYPE_CHECKING:
-    from warmup_agent.requests_file import FileCheck
+    from warmup_agent.warmup.requests_file import FileCheck
 
 
 class ConfigError(Exception):
@@ -314,7 +314,7 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="a number > 0"),
     Key("readiness.tpot_convergence_ratio", "float", 1.5, "Gate on decode: over the last min_probes probes, the median time per output token of the older half may be at most this x the median of the newer half (decode no longer getting faster probe after probe).",
         check=lambda v: v >= 1, expected="a number >= 1"),
-    # --- start-up traces over OTLP (issue 27; warmup_agent/tracing.py) -------------
+    # --- start-up traces over OTLP (issue 27; warmup_agent/run/tracing.py) -------------
     Key("tracing.enabled", "bool", False, "Export one OpenTelemetry span per stage and timed step of the start (root warmup.startup) over OTLP. Needs the [otel] extra. Off: OpenTelemetry is not even imported. A collector that is down never delays or fails the start. OTEL_SDK_DISABLED=true also turns it off."),
     Key("tracing.endpoint", "str_or_null", None, "OTLP endpoint, e.g. http://otel-collector:4317 (grpc) or http://otel-collector:4318 (http/protobuf; /v1/traces is appended). Empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317 / localhost:4318. Headers, certificates and resource attributes come from the standard OTEL_EXPORTER_OTLP_* and OTEL_RESOURCE_ATTRIBUTES variables; the service name from OTEL_SERVICE_NAME (default warmup-agent)."),
     Key("tracing.protocol", "str_or_null", None, "OTLP transport. Empty: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL, else grpc.",
@@ -525,13 +525,13 @@ def _cross_checks(v: dict[str, Any], where: str) -> None:
 
 def _check_requests_file(v: dict[str, Any]) -> tuple[FileCheck | None, list[str]]:
     """prewarm.requests_file, every line, before any server starts and for every
-    engine (warmup_agent/requests_file.py): a file that cannot be read, holds no
+    engine (warmup_agent/warmup/requests_file.py): a file that cannot be read, holds no
     request, or (policy fail) has a bad line is a ConfigError naming the file, the
     line and the field.  Returns the check and the warnings to log."""
     key, path = "prewarm.requests_file", v["prewarm.requests_file"]
     if not path:
         return None, []
-    from warmup_agent import requests_file
+    from warmup_agent.warmup import requests_file
     try:
         check = requests_file.check_file(path, keep_good=False)
     except OSError as e:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from warmup_agent.traffic import PromptFactory, TrafficProfile, WarmRequest, probe_request
+from warmup_agent.warmup.traffic import PromptFactory, TrafficProfile, WarmRequest, probe_request
 
 if TYPE_CHECKING:  # types only
     from exporter.metrics import AgentMetrics

@@ -17,19 +17,20 @@ from collections.abc import Callable, Iterator
 from typing import Literal
 
 from exporter.metrics import AgentMetrics
-from warmup_agent import __version__, tracing
+from warmup_agent import __version__
 from warmup_agent.config import Config
 from warmup_agent.driver import EngineDriver
 from warmup_agent.engines.base import Engine
 from warmup_agent.errors import AgentFailure, EngineError
-from warmup_agent.memory import MemorySampler
+from warmup_agent.host.memory import MemorySampler
 from warmup_agent.periodic import Periodic
-from warmup_agent.probes import ProbeLog
-from warmup_agent.progress import Progress, coldstart
 from warmup_agent.readiness.breaker import BreakerState
+from warmup_agent.readiness.probes import ProbeLog
 from warmup_agent.readiness.runtime import Readiness, failure_cause
 from warmup_agent.readiness.window import SlidingWindow
-from warmup_agent.run_record import RunRecord, StageTiming
+from warmup_agent.run import tracing
+from warmup_agent.run.progress import Progress, coldstart
+from warmup_agent.run.record import RunRecord, StageTiming
 from warmup_agent.stages import prewarm, ready, reserve, solidify
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State, StateMachine

@@ -87,7 +87,7 @@ def load_model(args):
     import torch
     from transformers import AutoModelForCausalLM
     if args.device == "cpu":
-        from warmup_agent.embedded_model import ensure_embedded_model
+        from warmup_agent.model.embedded import ensure_embedded_model
         args.model = ensure_embedded_model("/tmp/diag-embedded")
     else:
         from bench.bench_gpu_cold_start import make_model

@@ -59,8 +59,8 @@ def _block(engine, factory, n: int, idle: float = 0.0) -> dict:
 
 
 def child(model: str, implementation: str) -> dict:
-    from warmup_agent.engines.torch_engine import TorchEngine
-    from warmup_agent.traffic import PromptFactory
+    from warmup_agent.engines.torch.engine import TorchEngine
+    from warmup_agent.warmup.traffic import PromptFactory
     engine = TorchEngine(model, implementation=implementation)
     engine.prestart()
     engine.init_device()

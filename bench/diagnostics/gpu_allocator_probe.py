@@ -84,7 +84,7 @@ def child(model_dir: str, data_dir: str, out_dir: str, record: bool) -> dict:
     t_spawned = time.time()
     from exporter.metrics import AgentMetrics
     from warmup_agent import config
-    from warmup_agent.engines.torch_engine import TorchEngine
+    from warmup_agent.engines.torch.engine import TorchEngine
     from warmup_agent.pipeline import Agent
     torch_before = "torch" in sys.modules
     cfg = config.load(env={"WARMUP_AGENT_MODEL_PATH": model_dir, "WARMUP_AGENT_DATA_DIR": data_dir,

@@ -12,7 +12,7 @@ cost of each way of getting what the engine needs:
   direct_build      the same, plus the skeleton on the meta device
   auto_tokenizer    `AutoTokenizer.from_pretrained(DIR)`
   tokenizers_lib    `tokenizers.Tokenizer.from_file(DIR/tokenizer.json)`
-  engine_tokenizer  the engine's own tokenizer path (warmup_agent.engines.torch_engine)
+  engine_tokenizer  the engine's own tokenizer path (warmup_agent.engines.torch.engine)
 For auto_model and direct_model it also records whether torch._dynamo,
 transformers.generation and transformers.models.auto.modeling_auto were
 imported, and the module count.  With --importtime the auto_model variant
@@ -56,11 +56,11 @@ with torch.device("meta"):
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
 """,
     "direct_model": """
-from warmup_agent.engines import model_classes
+from warmup_agent.engines.torch import model_classes
 build, cfg = model_classes.resolve(MODEL)
 """,
     "direct_build": """
-from warmup_agent.engines import model_classes
+from warmup_agent.engines.torch import model_classes
 build, cfg = model_classes.resolve(MODEL)
 with torch.device("meta"):
     m = build(cfg, dtype=torch.bfloat16)
@@ -76,7 +76,7 @@ tok = tokenizers.Tokenizer.from_file(MODEL + "/tokenizer.json")
 tok.encode("hello world")
 """,
     "engine_tokenizer": """
-from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.engines.torch.engine import TorchEngine
 e = TorchEngine(MODEL, device="cpu")
 e.load_tokenizer()
 """,

@@ -36,7 +36,7 @@ CHILD = r'''
 import json, sys, time
 t_spawn = float(sys.argv[4])
 t0 = time.time()
-from warmup_agent.engines.torch_engine import TorchEngine
+from warmup_agent.engines.torch.engine import TorchEngine
 t_module = time.time()
 e = TorchEngine(sys.argv[1], device=sys.argv[2], implementation=sys.argv[3])
 e.prestart()
@@ -79,7 +79,7 @@ def main() -> int:
     args = ap.parse_args()
     model = args.model
     if model is None:
-        from warmup_agent.embedded_model import ensure_embedded_model
+        from warmup_agent.model.embedded import ensure_embedded_model
         model = ensure_embedded_model(args.data_dir)
     runs: dict[str, list[dict]] = {"native": [], "transformers": []}
     for i in range(args.repeat):

@@ -33,7 +33,7 @@ def vllm_python() -> str:
 
 
 def tiny_model(data_dir: str) -> str:
-    from warmup_agent.embedded_model import ensure_embedded_model
+    from warmup_agent.model.embedded import ensure_embedded_model
     return ensure_embedded_model(str(data_dir))
 
 

@@ -35,13 +35,13 @@ def create(cfg: Config, model_path: str | None, server_command: list[str] | None
     imports vLLM, and `--help` never imports torch."""
     name = cfg.engine
     if name == "torch":
-        from warmup_agent.engines.torch_engine import TorchEngine
+        from warmup_agent.engines.torch.engine import TorchEngine
         if model_path is None:
             raise ValueError("engine torch needs a model directory (the CLI makes the embedded one when none is given)")
         return TorchEngine(model_path, dtype=cfg.model.dtype, device=cfg.model.device,
                            implementation=cfg.model.implementation)
     if name == "openai":
-        from warmup_agent.engines.openai_engine import OpenAIEngine
+        from warmup_agent.engines.openai.engine import OpenAIEngine
         return OpenAIEngine(cfg, server_command=server_command, model_path=model_path)
     if name == "vllm":
         if not model_path:

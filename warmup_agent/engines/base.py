@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # types only: none of these is imported at run time from here
     from warmup_agent.engines.text_prompts import TextPrompts
     from warmup_agent.gpu.loader import LoadReport
     from warmup_agent.quantization import QuantizationInfo
-    from warmup_agent.traffic import WarmRequest
+    from warmup_agent.warmup.traffic import WarmRequest
 
 __all__ = ["Engine", "EngineError", "EngineFacts", "RequestResult", "SolidifyReport"]
 
@@ -115,7 +115,7 @@ class Engine(abc.ABC):
     @property
     def model_path(self) -> str | None:
         """The Hugging Face-layout model directory on this machine, when the engine
-        has one: reserve checks its files (warmup_agent/model_dir.py) and that the
+        has one: reserve checks its files (warmup_agent/model/directory.py) and that the
         weights fit.  Default None: no local directory, and reserve skips both."""
         return None
 

@@ -25,7 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
-from warmup_agent.engines.openai_engine import parse_adapters
+from warmup_agent.engines.openai.engine import parse_adapters
 from warmup_agent.gpu import sizing
 
 if TYPE_CHECKING:  # types only

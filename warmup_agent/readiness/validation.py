@@ -51,7 +51,7 @@ def _reference(model: Any) -> Any:
     no transformers import) or transformers' from_config."""
     import torch
 
-    from warmup_agent.engines import native_lm
+    from warmup_agent.engines.torch import native_lm
     if isinstance(model, native_lm.NativeCausalLM):
         return native_lm.build_skeleton(model.config, model.lm_head.weight.dtype)[0]
     from transformers import AutoModelForCausalLM

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 from warmup_agent.errors import AgentFailure
-from warmup_agent.probes import Probe
+from warmup_agent.readiness.probes import Probe
 from warmup_agent.readiness.runtime import percentile_label
 from warmup_agent.states import State
 
@@ -36,13 +36,13 @@ if TYPE_CHECKING:  # types only: the sampler and the cache are imported where th
     from warmup_agent.driver import EngineDriver
     from warmup_agent.engines.base import Engine
     from warmup_agent.gpu.ramp import RampSampler
-    from warmup_agent.hardware import GPUFacts
+    from warmup_agent.host.hardware import GPUFacts
     from warmup_agent.kernel_cache import KernelCache
-    from warmup_agent.probes import ProbeLog
-    from warmup_agent.progress import Progress
+    from warmup_agent.readiness.probes import ProbeLog
     from warmup_agent.readiness.runtime import Readiness
+    from warmup_agent.run.progress import Progress
     from warmup_agent.states import StateMachine
-    from warmup_agent.traffic import TrafficProfile
+    from warmup_agent.warmup.traffic import TrafficProfile
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ prefill and prewarm.max_new_tokens - 1 decode steps, and every request is
 marked as warmup so it never counts as user traffic.  On a GPU the NVML
 utilisation ramp is sampled from here to the end of solidify.  An engine that
 speaks the traffic profile (openai) is warmed by measured benefit instead
-(`warm_profile`, warmup_agent/benefit.py).
+(`warm_profile`, warmup_agent/warmup/benefit.py).
 """
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from warmup_agent import benefit, memory_budget, shape_warmup, traffic
 from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State
-from warmup_agent.traffic import Shape, grid
+from warmup_agent.warmup import benefit, memory_budget, traffic
+from warmup_agent.warmup import shapes as shape_warmup
+from warmup_agent.warmup.traffic import Shape, grid
 
 if TYPE_CHECKING:  # types only
     from warmup_agent.config import Config
@@ -62,7 +63,7 @@ def warmup_batches(cfg: Config, facts: EngineFacts, free_bytes: int | None, max_
 def _fit_budget(ctx: StageContext, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
     """With prewarm.memory_budget_bytes set, measure one shape (the longest
     prompt at the smallest batch) and keep the batch sizes whose extrapolated
-    cost fits the budget (warmup_agent/memory_budget.py)."""
+    cost fits the budget (warmup_agent/warmup/memory_budget.py)."""
     budget = ctx.cfg.prewarm.memory_budget_bytes
     if not budget:
         return batches
@@ -167,7 +168,7 @@ def per_length_line(decode_ratios: list[float], first_token_ratios: list[float],
 
 def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
                  t_start: float) -> None:
-    """Warm the traffic profile by measured benefit (warmup_agent/benefit.py):
+    """Warm the traffic profile by measured benefit (warmup_agent/warmup/benefit.py):
     1. the anchor path (the probe family on the main endpoint, smallest batch, the
        longest profile prompt) until it stops getting faster: the steady level;
     2. the per-length test: two sequence lengths no request reached, sent at once, then
@@ -186,7 +187,7 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     requests of that family fail on it as well, warm or not.  The readiness probes
     come next and are the last warmup: the first of them is judged against its own
     control (stages/ready.py)."""
-    from warmup_agent.benefit import Path
+    from warmup_agent.warmup.benefit import Path
     w = _ProfileWarmup(ctx, load_profile(ctx, lengths), lengths, batches)
     # 1. the anchor: the steady level every other path is compared with
     w.warm(Path(w.ep0, w.fam0, w.b0, w.hi), tokens=w.pc.per_length_tokens)
@@ -208,7 +209,7 @@ class _ProfileWarmup:
     and decoded, the outcome of every path, the families the server refuses."""
 
     def __init__(self, ctx: StageContext, profile: traffic.TrafficProfile, lengths: list[int], batches: list[int]):
-        from warmup_agent.traffic import probe_endpoint, probe_family
+        from warmup_agent.warmup.traffic import probe_endpoint, probe_family
         pc = ctx.cfg.prewarm
         self.ctx, self.pc = ctx, pc
         ctx.profile = self.profile = profile
@@ -237,7 +238,7 @@ class _ProfileWarmup:
         self.settled = 0        # requests of the settle waves
 
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
-        from warmup_agent.traffic import WarmRequest, _frozen
+        from warmup_agent.warmup.traffic import WarmRequest, _frozen
         tokens = self.answer if tokens is None else tokens
         return WarmRequest(path.endpoint, path.prompt_tokens, tokens, path.family,
                            _frozen(self.profile.families[path.family]))
@@ -348,7 +349,7 @@ class _ProfileWarmup:
         was longer): one request at a time, because requests at once are batched into
         other shapes than a user's request alone.  The anchor path's first call and its
         control are the first pair; one more fresh length is sent."""
-        from warmup_agent.benefit import Controlled, Path
+        from warmup_agent.warmup.benefit import Controlled, Path
         ctx, steady, b0 = self.ctx, self.steady, self.b0
         per_length: dict = {"tested": False}
         if self.budget.exhausted():
@@ -407,7 +408,7 @@ class _ProfileWarmup:
     def other_paths(self, per_length: dict, batches: list[int]) -> None:
         """Every other family and endpoint, every profile length (prefill), every larger
         batch: one call each, together (benefit.warm_wave)."""
-        from warmup_agent.benefit import Path
+        from warmup_agent.warmup.benefit import Path
         profile, ep0, fam0, b0, hi = self.profile, self.ep0, self.fam0, self.b0, self.hi
         paths: list[Path] = [Path(ep0, fam, b0, hi) for fam in profile.families if fam != fam0]
         for ep in profile.endpoints:
@@ -426,8 +427,8 @@ class _ProfileWarmup:
 
     def decode_coverage(self, per_length: dict) -> dict:
         """Decode over the profile's lengths, when the server pays per length (auto) or always."""
-        from warmup_agent.benefit import Path
-        from warmup_agent.traffic import decode_tiles
+        from warmup_agent.warmup.benefit import Path
+        from warmup_agent.warmup.traffic import decode_tiles
         budget, profile = self.budget, self.profile
         mode = self.pc.decode_coverage
         coverage: dict = {"mode": mode, "tiles": [], "skipped_tiles": []}
@@ -547,7 +548,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         shapes = grid(lengths, batches)
         backoff = memory_budget.BackOff()   # a shape that runs out of memory drops its batch size and larger ones
         # Each shape until its calls stop getting faster or match the steady level
-        # (warmup_agent/shape_warmup.py, issue 25); requests_per_shape raises the cap.
+        # (warmup_agent/warmup/shapes.py, issue 25); requests_per_shape raises the cap.
         cap = max(cfg.prewarm.requests_per_shape, cfg.prewarm.max_calls_per_path)
         done = 0
         last: list[Shape] = []        # the predecessor of the first probe

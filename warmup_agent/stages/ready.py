@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from warmup_agent import cold_decode
-from warmup_agent.probes import FirstRequest, Probe
 from warmup_agent.readiness import validation
+from warmup_agent.readiness.probes import FirstRequest, Probe
 from warmup_agent.readiness.window import nearest_rank
 from warmup_agent.stages.context import StageContext
+from warmup_agent.warmup import cold_decode
 
 if TYPE_CHECKING:  # types only
     from exporter.metrics import AgentMetrics
@@ -92,7 +92,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         ctx.fail("readiness_thresholds_not_met",
                    f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
                    f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
-    # The first-request figures, once, from the gate's probes (warmup_agent/probes.py).
+    # The first-request figures, once, from the gate's probes (warmup_agent/readiness/probes.py).
     figures = ctx.probe_log.freeze(cold_decode_of(ctx))
     if figures is not None and figures.cold_decode:
         c = figures.cold_decode
@@ -154,7 +154,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
 
 def cold_decode_of(ctx: StageContext) -> Callable[[FirstRequest, list[Probe]], dict | None] | None:
     """Where prewarm's per-length test found that decode pays per sequence length:
-    the prediction of the first user's whole answer (warmup_agent/cold_decode.py)."""
+    the prediction of the first user's whole answer (warmup_agent/warmup/cold_decode.py)."""
     summary = ctx.warmup_summary or {}
     if not summary.get("per_length", {}).get("pays") or ctx.profile is None or ctx.probe_length is None:
         return None

@@ -29,10 +29,10 @@ import sys
 import time
 from typing import Any
 
-from warmup_agent import hardware
 from warmup_agent.gpu import sizing
-from warmup_agent.model_dir import check_model_dir, check_safetensors_header, safetensors_files
-from warmup_agent.progress import coldstart
+from warmup_agent.host import hardware
+from warmup_agent.model.directory import check_model_dir, check_safetensors_header, safetensors_files
+from warmup_agent.run.progress import coldstart
 from warmup_agent.stages.context import StageContext
 
 log = logging.getLogger("warmup_agent.stages.reserve")

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from warmup_agent.tracing import current_trace_id
+from warmup_agent.run.tracing import current_trace_id
 
 coldstart_log = logging.getLogger("warmup_agent.coldstart")
 

@@ -1,9 +1,9 @@
 """The in-process engines' shape grid, warmed by measured benefit (issue 25).
 
 The torch and vllm engines are warmed over a grid of (prompt length, batch size)
-shapes (warmup_agent/traffic.py `grid`).  Each shape is a benefit.Path (endpoint
+shapes (warmup_agent/warmup/traffic.py `grid`).  Each shape is a benefit.Path (endpoint
 "generate", family "greedy") and is sent until it is warm by the rules of
-warmup_agent/benefit.py, and no longer: a shape whose first call already matches
+warmup_agent/warmup/benefit.py, and no longer: a shape whose first call already matches
 the steady level that earlier shapes measured gets no second call; a shape still
 getting faster gets another, up to `max_calls`.  The first shape has no steady
 level to match, so it gets at least two calls (the second tells whether the first
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from warmup_agent import benefit
-from warmup_agent.benefit import Call, Outcome, Path
-from warmup_agent.traffic import Shape
+from warmup_agent.warmup import benefit
+from warmup_agent.warmup.benefit import Call, Outcome, Path
+from warmup_agent.warmup.traffic import Shape
 
 ENDPOINT, FAMILY = "generate", "greedy"
 

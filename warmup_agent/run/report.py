@@ -1,6 +1,6 @@
 """`warmup-agent report`: a picture of one run from its record (`run --record FILE`).
 
-    .venv/bin/python -m warmup_agent.report run.json --out report/
+    .venv/bin/python -m warmup_agent.run.report run.json --out report/
     -> report/report.png   stage timeline (Gantt) and probe latencies against the thresholds
     -> report/report.html  the same picture embedded, plus the numbers, in one self-contained file
 

@@ -7,7 +7,7 @@ models it runs exactly (engines/native_config.py); and transformers, for every
 other architecture and for FP8.  auto picks native where it can and records
 why it did not (engine_facts.extra).  Every
 integrity problem a model directory can have (empty or non-JSON config.json,
-missing or truncated shards: warmup_agent/model_dir.py; shapes that disagree
+missing or truncated shards: warmup_agent/model/directory.py; shapes that disagree
 with the config, a broken tokenizer: here) becomes an EngineError with a named reason and one line for the user.
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 from warmup_agent import quantization
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
 from warmup_agent.gpu import sizing
-from warmup_agent.model_dir import check_model_dir, read_safetensors_header, safetensors_files
+from warmup_agent.model.directory import check_model_dir, read_safetensors_header, safetensors_files
 
 if TYPE_CHECKING:
-    from warmup_agent.engines.native_config import NativeConfig
-    from warmup_agent.engines.torch_serving import TorchOpenAIBackend
+    from warmup_agent.engines.torch.native_config import NativeConfig
+    from warmup_agent.engines.torch.serving import TorchOpenAIBackend
     from warmup_agent.gpu.loader import LoadReport
 
 
@@ -197,7 +197,7 @@ class TorchEngine(Engine):
         for or auto and the model qualifies (engines/native_config.py), else
         transformers with the reason; native asked for but impossible is an error."""
         if self.implementation is None:
-            from warmup_agent.engines import native_config
+            from warmup_agent.engines.torch import native_config
             requested = self._requested_implementation
             why = "model.implementation is transformers" if requested == "transformers" else ""
             if not why:
@@ -217,7 +217,7 @@ class TorchEngine(Engine):
         if native and os.path.exists(os.path.join(self.model_path, "tokenizer.json")):
             # tokenizers alone (no transformers import); a model with only a
             # sentencepiece tokenizer.model still needs AutoTokenizer.
-            from warmup_agent.engines.native_tokenizer import NativeTokenizer
+            from warmup_agent.engines.torch.native_tokenizer import NativeTokenizer
             self.tokenizer = NativeTokenizer.from_model_dir(self.model_path)
         else:
             _quiet_transformers()
@@ -294,12 +294,12 @@ class TorchEngine(Engine):
                 # self.device (the main thread sets it up; no CUDA context is made here).
                 dtype = self.dtype if self.dtype is not None else self._resolve_dtype(self._resolve_device())
                 if native:
-                    from warmup_agent.engines import native_lm
+                    from warmup_agent.engines.torch import native_lm
                     assert native_cfg is not None   # _choose_implementation parsed it when it chose native
                     skeleton = native_lm.build_skeleton(native_cfg, dtype)
                 else:
                     _quiet_transformers()
-                    from warmup_agent.engines import model_classes
+                    from warmup_agent.engines.torch import model_classes
                     skeleton = model_classes.build_skeleton(model_path, dtype)
                 self.skeleton_build_seconds = time.perf_counter() - t0
                 future.set_result(skeleton)
@@ -484,7 +484,7 @@ class TorchEngine(Engine):
         (engines/torch_serving.py); one per engine, made on first ask.  Its scheduler
         batches users' requests onto the warmed batch sizes under `lock`."""
         if self._openai is None:
-            from warmup_agent.engines.torch_serving import TorchOpenAIBackend
+            from warmup_agent.engines.torch.serving import TorchOpenAIBackend
             self._openai = TorchOpenAIBackend(self, self.lock, window=self.options["batch_window_seconds"])
         return self._openai
 
@@ -567,7 +567,7 @@ class TorchEngine(Engine):
             replay()
         # Users' batches (engines/torch_batcher.py) also run prompts of different lengths
         # together, left-padded, and sample: paid here rather than by the first such batch.
-        from warmup_agent.engines import torch_batcher
+        from warmup_agent.engines.torch import batcher as torch_batcher
         t1 = time.perf_counter()
         torch_batcher.warm_user_paths(self, shapes)
         detail["user_paths_seconds"] = time.perf_counter() - t1

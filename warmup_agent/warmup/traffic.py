@@ -223,7 +223,7 @@ def load_requests_file(path: str, count_chat: Any, count_text: Any, max_lengths:
     fail).  Raises ValueError with the file and line number."""
     from collections import Counter
 
-    from warmup_agent import requests_file
+    from warmup_agent.warmup import requests_file
     endpoints: Counter = Counter()
     families: dict[str, dict] = {}
     family_lines: dict[str, int] = {}

@@ -13,13 +13,13 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from warmup_agent.engines.base import Engine, EngineError, RequestResult
-from warmup_agent.traffic import _SEED_TEXT, WarmRequest
+from warmup_agent.warmup.traffic import _SEED_TEXT, WarmRequest
 
 if TYPE_CHECKING:
     from warmup_agent.config import Config
-    from warmup_agent.engines.server_traffic import ServerTraffic
+    from warmup_agent.engines.openai.server_traffic import ServerTraffic
     from warmup_agent.engines.text_prompts import TextPrompts
-    from warmup_agent.supervisor import Supervisor
+    from warmup_agent.server.supervisor import Supervisor
 
 # Optional fields that make a warmup answer exactly max_tokens long on servers
 # that know them (vLLM); dropped for a server that rejects unknown fields.
@@ -140,7 +140,7 @@ class StreamingClient(Engine):
         return body, r.prompt_tokens
 
     def _ids(self, length: int, variant: int) -> list[int]:
-        from warmup_agent.traffic import PromptFactory
+        from warmup_agent.warmup.traffic import PromptFactory
         return PromptFactory(self.tokenize).prompt(length, variant)
 
     def _request(self, body: dict, api: str, warmup: bool, prompt_tokens: int | None = None) -> RequestResult:

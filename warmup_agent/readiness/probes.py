@@ -22,7 +22,7 @@ no request has reached, as the first probe did, and meets what it met.
 Without a control (a gate of one probe), the first probe over the steady level.
 On a server that pays per decode length, the whole-answer tax is the one a
 user's first request meets after the probes have warmed their own lengths
-(warmup_agent/cold_decode.py); `measured_total_tax` keeps the first probe's.
+(warmup_agent/warmup/cold_decode.py); `measured_total_tax` keeps the first probe's.
 The figures are frozen when the gate opens (`freeze`): probes after SERVING
 (one token each, to keep the window fresh) do not change what the first
 request met.  With a single probe there is no steady level and both are None.
@@ -33,8 +33,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from warmup_agent.benefit import Call, Controlled
 from warmup_agent.readiness.window import SlidingWindow
+from warmup_agent.warmup.benefit import Call, Controlled
 
 # A probe is timed like a warmup call: TTFT, whole answer, tokens, prompt length.
 Probe = Call

@@ -9,8 +9,8 @@ import threading
 from typing import Callable
 
 from warmup_agent.engines.base import EngineError
-from warmup_agent.engines.openai_discovery import Discovery
-from warmup_agent.server_command import is_vllm, option, server_env, server_name_of, server_remedy
+from warmup_agent.engines.openai.discovery import Discovery
+from warmup_agent.server.command import is_vllm, option, server_env, server_name_of, server_remedy
 
 # vLLM's start-up log lines that say how long its own compile / graph capture took.
 _STARTUP_PATTERNS = {
@@ -85,8 +85,8 @@ class ServerGlue(Discovery):
         or once started."""
         if not self.command or self.supervisor is not None or self._interrupted.is_set():
             return
-        from warmup_agent import early_spawn
-        from warmup_agent.supervisor import Supervisor
+        from warmup_agent.server import early_spawn
+        from warmup_agent.server.supervisor import Supervisor
         command, env = self.server_command(), self.server_env()
         early, why_not = early_spawn.take(command, env)
         if why_not:

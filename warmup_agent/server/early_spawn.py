@@ -30,8 +30,8 @@ import subprocess
 import time
 from typing import TYPE_CHECKING
 
-from warmup_agent import server_process
-from warmup_agent.server_command import is_vllm, listen_address, server_env, server_remedy
+from warmup_agent.server import process as server_process
+from warmup_agent.server.command import is_vllm, listen_address, server_env, server_remedy
 
 if TYPE_CHECKING:
     from warmup_agent.config import Config
@@ -131,7 +131,7 @@ def start(argv: list[str]) -> None:
         command, env, _ = planned
         if not _can_start(command):
             return
-        from warmup_agent.procstart import process_age_seconds
+        from warmup_agent.server.procstart import process_age_seconds
         proc = server_process.spawn(command, env)
     except (OSError, ValueError):
         return   # the engine's own spawn reports it

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from warmup_agent import __version__
 from warmup_agent.readiness.runtime import percentile_label
-from warmup_agent.timeline import StageTiming
+from warmup_agent.run.timeline import StageTiming
 
 __all__ = ["RunRecord", "StageTiming"]
 

@@ -44,9 +44,9 @@ if TYPE_CHECKING:  # types only
     from exporter.metrics import AgentMetrics
     from warmup_agent.config import Config
     from warmup_agent.engines.base import Engine
-    from warmup_agent.hardware import GPUFacts
+    from warmup_agent.host.hardware import GPUFacts
+    from warmup_agent.run.timeline import StageTiming
     from warmup_agent.states import StateMachine
-    from warmup_agent.timeline import StageTiming
 
 
 class _Context(Protocol):

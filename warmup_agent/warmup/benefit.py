@@ -27,7 +27,7 @@ not cold start: on llama.cpp a request right after a much longer one, or after
 concurrent ones, spends 60-100 ms more in its slot, warm or not.  The control pays
 them too; only what the first call pays beyond its control is cold.  The same
 measurement judges the readiness probes and gives the exported first-request
-figures (warmup_agent/probes.py).
+figures (warmup_agent/readiness/probes.py).
 """
 from __future__ import annotations
 

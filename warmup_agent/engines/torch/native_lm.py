@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from warmup_agent.engines.native_config import NativeConfig
+from warmup_agent.engines.torch.native_config import NativeConfig
 
 
 @dataclass

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from warmup_agent.probes import FirstRequest
+from warmup_agent.readiness.probes import FirstRequest
 
 Ranges = Sequence[tuple[int, int]]      # (prompt tokens, prompt tokens + output tokens) per request
 

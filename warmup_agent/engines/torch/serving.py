@@ -41,7 +41,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from warmup_agent.engines.torch_batcher import Batcher, Delta, Done, Event, Failed, Job, Sampling, ServedEngine
+from warmup_agent.engines.torch.batcher import Batcher, Delta, Done, Event, Failed, Job, Sampling, ServedEngine
 from warmup_agent.proxy import BackendResponse
 
 #: Used when the tokenizer has no chat template (see the module docstring).

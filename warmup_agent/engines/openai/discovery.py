@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 from warmup_agent.engines.base import EngineError, EngineFacts
-from warmup_agent.engines.openai_client import _PATHS, StreamingClient
+from warmup_agent.engines.openai.client import _PATHS, StreamingClient
 from warmup_agent.gpu import sizing
-from warmup_agent.server_command import parse_adapters
+from warmup_agent.server.command import parse_adapters
 
 #: Requests at once where the server batches them but does not say how many: by the
 #: `owned_by` its /v1/models gives the model (openai.concurrency overrides).

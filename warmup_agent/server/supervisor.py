@@ -31,8 +31,8 @@ import threading
 import time
 from typing import Callable
 
-from warmup_agent import server_process
 from warmup_agent.errors import EngineError
+from warmup_agent.server import process as server_process
 
 
 class Supervisor:
@@ -191,7 +191,7 @@ class Supervisor:
         if proc is None:
             proc, how = server_process.spawn(self.command, dict(os.environ if self.env is None else self.env)), "started"
             if self.first_spawn_process_age is None:
-                from warmup_agent.procstart import process_age_seconds
+                from warmup_agent.server.procstart import process_age_seconds
                 self.first_spawn_process_age = process_age_seconds()
         with self._lock:
             self.proc = proc

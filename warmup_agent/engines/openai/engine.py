@@ -36,12 +36,12 @@ import urllib.parse
 from typing import TYPE_CHECKING, Callable
 
 from warmup_agent.engines.base import EngineError, SolidifyReport
-from warmup_agent.engines.openai_client import StreamingClient, _Rejected
-from warmup_agent.engines.openai_discovery import Discovery
-from warmup_agent.engines.openai_server import ServerGlue
-from warmup_agent.engines.server_traffic import ServerTraffic
+from warmup_agent.engines.openai.client import StreamingClient, _Rejected
+from warmup_agent.engines.openai.discovery import Discovery
+from warmup_agent.engines.openai.server import ServerGlue
+from warmup_agent.engines.openai.server_traffic import ServerTraffic
 from warmup_agent.engines.text_prompts import TextPrompts
-from warmup_agent.server_command import (
+from warmup_agent.server.command import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     describe_command,
@@ -50,11 +50,11 @@ from warmup_agent.server_command import (
     option,
     parse_adapters,
 )
-from warmup_agent.traffic import _SEED_TEXT
+from warmup_agent.warmup.traffic import _SEED_TEXT
 
 if TYPE_CHECKING:
     from warmup_agent.config import Config
-    from warmup_agent.supervisor import Supervisor
+    from warmup_agent.server.supervisor import Supervisor
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Discovery", "OpenAIEngine", "ServerGlue", "StreamingClient", "_Rejected",
            "describe_command", "fix_vllm_command", "option", "parse_adapters"]

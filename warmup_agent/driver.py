@@ -35,7 +35,7 @@ class EngineDriver:
         #: The engine lock (see the module docstring).  An engine that serves users in
         #: process too (the torch engine: engines/torch_batcher.py) owns it, so its users'
         #: batches and the agent's calls take turns; otherwise the driver's own.
-        self.lock: threading.Lock = getattr(engine, "lock", None) or threading.Lock()
+        self.lock: threading.Lock = engine.lock or threading.Lock()
         #: Requests of kind "warmup" sent so far (the run record's warmup_requests).
         self.warmup_requests = 0
         #: The last batch `send` got back.

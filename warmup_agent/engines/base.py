@@ -20,8 +20,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from warmup_agent.errors import EngineError
 
 if TYPE_CHECKING:  # types only: none of these is imported at run time from here
+    import threading
+
     from warmup_agent.engines.text_prompts import TextPrompts
     from warmup_agent.gpu.loader import LoadReport
+    from warmup_agent.proxy import Backend
     from warmup_agent.quantization import QuantizationInfo
     from warmup_agent.warmup.traffic import WarmRequest
 
@@ -88,6 +91,9 @@ class Engine(abc.ABC):
                                                                 import); cli, as soon as the engine exists
     server_start_seconds,       None, None                      openai; prewarm's budget, remedies
     server_name
+    loads_by_starting_server    False                           openai; prewarm loads the tokenizer
+                                                                first and starts the ramp after
+                                                                load_weights (the server's start)
     speaks_profile              False                           openai; prewarm warms the traffic
     generate_requests(), apis,  raises, (), None, {}            profile and probes are profile
     text, capabilities                                          requests (StageContext.probe)
@@ -96,6 +102,10 @@ class Engine(abc.ABC):
     metrics_url                 None (no engine /metrics)       openai; cli registers the collector
     torch_model()               None                            torch; readiness/validation.py
     interrupt()                 nothing to stop                 openai; cli on SIGTERM in warmup
+    lock                        None (the driver makes its own) torch (users' batches in process);
+                                                                driver.EngineDriver takes turns on it
+    openai_backend()            None (no in-process answers)    torch; cli: the proxy's main engine
+                                                                when proxy.upstream_url is not set
     ==========================  ==============================  ===================================
     """
 
@@ -117,6 +127,17 @@ class Engine(abc.ABC):
         """The Hugging Face-layout model directory on this machine, when the engine
         has one: reserve checks its files (warmup_agent/model/directory.py) and that the
         weights fit.  Default None: no local directory, and reserve skips both."""
+        return None
+
+    # -- users served in this process (the proxy) ---------------------------------------
+    #: The engine lock, when the engine also serves users in this process (the torch
+    #: engine's batcher): the agent's driver takes turns with those users on it.  None
+    #: (default): the engine serves only the agent, and the driver makes a lock of its own.
+    lock: threading.Lock | None = None
+
+    def openai_backend(self) -> Backend | None:
+        """The in-process OpenAI-compatible responder the proxy sends users to when no
+        upstream URL is set (the torch engine's).  Default None: no such responder."""
         return None
 
     @property
@@ -204,6 +225,12 @@ class Engine(abc.ABC):
         raise NotImplementedError(f"engine {self.name} does not speak the traffic profile")
 
     # -- a model server (solidify, the CLI) ---------------------------------------------
+    #: True when load_weights is a model server's own start-up (the openai engine's
+    #: supervised or adopted server): prewarm then loads the tokenizer first, while the
+    #: server starts, and starts the GPU-ramp sampler only once the server is healthy.
+    #: False (default): the agent loads the weights itself, weights first.
+    loads_by_starting_server: bool = False
+
     def prestart(self) -> None:
         """Start what takes long and needs nothing from the agent (a supervised
         server's process) without waiting for it; load_weights waits.  The CLI calls

@@ -490,7 +490,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     # A server engine's load_weights is the server's own start-up, not warmup: its
     # ramp starts once the server is healthy. Also, NVML read every 50 ms from here
     # would run beside the server creating its CUDA context, for nothing the ramp uses.
-    server = engine.name == "openai"
+    server = engine.loads_by_starting_server
     if not server:
         _start_ramp(ctx)
 

@@ -68,6 +68,7 @@ class OpenAIEngine(ServerGlue):
 
     name = "openai"
     speaks_profile = True   # generate_requests, apis, text, capabilities (Engine)
+    loads_by_starting_server = True   # load_weights is the server's start-up (Engine)
 
     def __init__(self, cfg: Config, server_command: list[str] | None = None, log: logging.Logger | None = None,
                  on_server_exit: Callable[[int], None] | None = None,

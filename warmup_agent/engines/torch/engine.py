@@ -112,7 +112,7 @@ class TorchEngine(Engine):
         #: The engine lock: the agent's driver holds it around each of its calls into the
         #: engine (driver.py) and the users' batches around each batch (engines/torch_batcher.py),
         #: so a watch probe, a re-warm and a user batch never use the model from two threads at once.
-        self.lock = threading.Lock()
+        self.lock: threading.Lock = threading.Lock()
         self._warmed_shapes: list[tuple[int, int]] = []   # (prompt length, batch) solidify froze
         self._openai: TorchOpenAIBackend | None = None   # made on first ask (openai_backend)
 

@@ -141,7 +141,7 @@ def test_supervised_transformers_serve_reaches_serving_and_answers_an_outside_ch
     ready = next(s for s in record["stages"] if s["name"] == "ready")
     assert record["warmup_requests"] == requests_in_record(prewarm, ready) > 0
     assert record["traffic_profile"]["capabilities"]["apis"] == ["chat", "completions"]
-    # spawned by cli.main before the agent's imports (early_spawn.py) and adopted
+    # spawned by cli.main before the agent's imports (server/early_spawn.py) and adopted
     spawn = record["engine_facts"]["extra"]["server_spawn"]
     assert spawn["early"] is True and spawn["early_replaced_because"] is None, spawn
     assert 0 < spawn["after_process_start_seconds"] < record["startup_seconds"], (spawn, record["startup_seconds"])

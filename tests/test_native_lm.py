@@ -1,4 +1,4 @@
-"""The native Llama/Qwen2 forward (engines/native_lm.py, issue 25) against transformers.
+"""The native Llama/Qwen2 forward (engines/torch/native_lm.py, issue 25) against transformers.
 
 transformers is the reference: the same checkpoint loaded both ways (the torch
 engine with model.implementation native, and with transformers) must give the

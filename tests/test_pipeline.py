@@ -190,7 +190,7 @@ def test_preload_deadline_fails_the_run(embedded_model):
 
 
 def test_first_request_tax_gauge_is_the_first_probe_less_its_control_over_median_of_the_rest(served):
-    """1 + (first probe - its control, never below 0) / median of the probes after the first (probes.py)."""
+    """1 + (first probe - its control, never below 0) / median of the probes after the first (readiness/probes.py)."""
     import statistics
     agent, _, _, _ = served
     probes = agent.probes[:agent.stages[-1].detail["probes"]]   # the gate's probes, before any watch probe

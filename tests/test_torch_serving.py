@@ -1,5 +1,5 @@
-"""The torch engine's in-process OpenAI responder (engines/torch_serving.py) and its
-batching scheduler (engines/torch_batcher.py), driven directly on the embedded
+"""The torch engine's in-process OpenAI responder (engines/torch/serving.py) and its
+batching scheduler (engines/torch/batcher.py), driven directly on the embedded
 model on the CPU: `await backend.request(...)` as the routing proxy calls it.
 
 Random weights give degenerate text, so the assertions are on structure, token

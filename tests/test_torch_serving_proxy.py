@@ -1,5 +1,5 @@
 """The torch engine's users' path over HTTP: the routing proxy (proxy.py) in front of the
-in-process backend (engines/torch_serving.py), asked by the official `openai` client.
+in-process backend (engines/torch/serving.py), asked by the official `openai` client.
 
 The proxy and the loaded embedded model run in this process, so the tests read the
 backend's own counters: two requests sent at once ran as one batch, and a client

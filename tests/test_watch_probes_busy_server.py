@@ -1,5 +1,5 @@
 """After SERVING, the watch loop does not probe a supervised server while it serves
-other clients (engines/server_traffic.py).
+other clients (engines/openai/server_traffic.py).
 
 On the H200, `transformers serve` answers one request at a time: a probe sent during an
 outside client's 48-token answer waited for all of it (1.48 s to first token against

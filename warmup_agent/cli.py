@@ -13,7 +13,7 @@ from warmup_agent import __version__
 from warmup_agent.config import ConfigError  # early_spawn loads the configuration before a spawn anyway
 
 # argparse, json and logging are imported where used: main() spawns a supervised
-# server before they are imported (early_spawn.py).
+# server before they are imported (server/early_spawn.py).
 if TYPE_CHECKING:  # the CLI imports these lazily: `--help` stays fast and imports no engine
     import argparse
 
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:
         from warmup_agent.server import reaper
-        reaper.init_if_pid1()  # PID 1 of a container: fork, stay behind as init (reaper.py)
-        # A supervised server starts before the agent's own imports (early_spawn.py).
+        reaper.init_if_pid1()  # PID 1 of a container: fork, stay behind as init (server/reaper.py)
+        # A supervised server starts before the agent's own imports (server/early_spawn.py).
         from warmup_agent.server import early_spawn
         early_spawn.start(argv)
     try:

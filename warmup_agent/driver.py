@@ -33,7 +33,7 @@ class EngineDriver:
         self.engine = engine
         self.metrics = metrics
         #: The engine lock (see the module docstring).  An engine that serves users in
-        #: process too (the torch engine: engines/torch_batcher.py) owns it, so its users'
+        #: process too (the torch engine: engines/torch/batcher.py) owns it, so its users'
         #: batches and the agent's calls take turns; otherwise the driver's own.
         self.lock: threading.Lock = engine.lock or threading.Lock()
         #: Requests of kind "warmup" sent so far (the run record's warmup_requests).

@@ -45,8 +45,8 @@ STAGES = ("reserve", "prewarm", "solidify", "ready")
 class Agent:
     """The run: the four stages in order, their timing, re-warms, the watch loop
     after SERVING.  Its collaborators do the rest (issue 24): the engine driver
-    (driver.py) sends every request, the probe log (probes.py) keeps the probes,
-    the run record (run_record.py) builds status() and record(), and the stages
+    (driver.py) sends every request, the probe log (readiness/probes.py) keeps the probes,
+    the run record (run/record.py) builds status() and record(), and the stages
     see only the StageContext (stages/context.py)."""
 
     def __init__(self, cfg: Config, engine: Engine, metrics: AgentMetrics | None = None,
@@ -66,14 +66,14 @@ class Agent:
         # and the water level, and alone sets their gauges (zero series from the start).
         self.readiness = Readiness(cfg, self.sm, self.metrics, clock=clock)
         # Every probe, the decode window beside the first token (issue 19), and the
-        # first-request figures computed once from them (probes.py).
+        # first-request figures computed once from them (readiness/probes.py).
         self.probe_log = ProbeLog(cfg.readiness.window_size)
         self.driver = EngineDriver(engine, self.metrics, cfg.readiness.probe_prompt_length)
         self.memory = MemorySampler()
         # What the stages see and share (stages/context.py); lives as long as the agent.
         self.context = StageContext(cfg, engine, self.driver, self.sm, self.readiness, self.probe_log,
                                     self.metrics, self.progress)
-        self.tracing = tracing.active()   # start-up traces (tracing.py); NOOP unless the CLI set one up
+        self.tracing = tracing.active()   # start-up traces (run/tracing.py); NOOP unless the CLI set one up
         self.run_record = RunRecord(self.context, clock, lambda: self.tracing.trace_id)
         self._boundary = self.started
         # When the process started, on `clock` (procstart.process_started()); the CLI
@@ -346,7 +346,7 @@ class Agent:
     def _server_busy_with_others(self) -> bool:
         """Whether the supervised server took another client's request in the last two
         intervals, or twice the longest whole answer a probe measured if that is longer
-        (engines/server_traffic.py): the server logs a request when it starts, and a user's
+        (engines/openai/server_traffic.py): the server logs a request when it starts, and a user's
         answer lasts about as long as the answers the agent timed. A probe then may wait
         behind a user's whole answer on a server that answers one at a time, and its
         figure would be that wait, which no user met. The breaker's half-open probes are
@@ -405,11 +405,11 @@ class Agent:
         return self.driver.engine_seconds() / up if up > 0 else 0.0
 
     def status(self) -> dict:
-        """What /startupz shows (run_record.py)."""
+        """What /startupz shows (run/record.py)."""
         return self.run_record.status()
 
     def record(self) -> dict:
-        """The run as JSON (`--record`; run_record.py)."""
+        """The run as JSON (`--record`; run/record.py)."""
         return self.run_record.record()
 
 

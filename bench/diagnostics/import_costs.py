@@ -26,7 +26,7 @@ Answered (H200, bench/results/import_costs_h200.json, after `import torch` at
 modelling module saves nothing over Auto* (7.7 against 7.9 s with the skeleton built on
 the meta device: transformers 5 pulls in the same stack either way); AutoTokenizer alone
 6.8 s for the same reason, tokenizers' own Tokenizer 0.008 s.  The start was bound by
-the transformers import, which the native forward (engines/native_lm.py) avoids.
+the transformers import, which the native forward (engines/torch/native_lm.py) avoids.
 """
 from __future__ import annotations
 

@@ -179,7 +179,7 @@ class Engine(abc.ABC):
     # -- the traffic profile (prewarm, probes) ------------------------------------------
     #: True when the engine takes whole traffic-profile requests (generate_requests:
     #: chat or completions, sampling parameters, answer lengths).  Prewarm then warms
-    #: the profile (traffic.py) instead of the token-id grid, and readiness probes are
+    #: the profile (warmup/traffic.py) instead of the token-id grid, and readiness probes are
     #: real-looking requests that time decode too.  False (default): token ids only.
     speaks_profile: bool = False
     #: The APIs the engine answers ("chat", "completions"); filled by an engine that
@@ -215,7 +215,7 @@ class Engine(abc.ABC):
 
     def others_served_within(self, seconds: float) -> float | None:
         """Seconds since the server last took a request from another client, when that
-        is at most `seconds` ago, else None (engines/server_traffic.py). Default None:
+        is at most `seconds` ago, else None (engines/openai/server_traffic.py). Default None:
         the engine cannot tell."""
         return None
 

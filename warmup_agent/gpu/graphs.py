@@ -4,7 +4,7 @@ One decode step (one token per sequence against a static KV cache) is captured
 per warmed batch size; a request of that batch then pays one graph launch per
 generated token instead of hundreds of kernel launches.
 
-With the native model (engines/native_lm.py), which brings its own static cache
+With the native model (engines/torch/native_lm.py), which brings its own static cache
 and the same call signature, the prefill is captured too: one graph per warmed
 (prompt length, batch size).  A prompt of n tokens is right-padded to the
 smallest captured length >= n and its logits are taken at position n - 1.  This

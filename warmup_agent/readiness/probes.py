@@ -145,7 +145,7 @@ class ProbeLog:
     def freeze(self, cold_decode: Callable[[FirstRequest, list[Probe]], dict | None] | None = None) -> FirstRequest | None:
         """Fix the first-request figures to the gate's probes so far (the gate opened).
         `cold_decode(figures, gate probes)`: on a server that pays per decode length,
-        the first user's whole answer predicted from them (cold_decode.py)."""
+        the first user's whole answer predicted from them (warmup/cold_decode.py)."""
         self._frozen_at = len(self.probes)
         figures = self._figures()
         if figures is not None and cold_decode is not None:

@@ -47,7 +47,7 @@ def _torch_model(engine: Any) -> Any:
 
 def _reference(model: Any) -> Any:
     """The model config.json describes, on the meta device, built by the same
-    implementation as the loaded one: the native Llama/Qwen2 (engines/native_lm.py,
+    implementation as the loaded one: the native Llama/Qwen2 (engines/torch/native_lm.py,
     no transformers import) or transformers' from_config."""
     import torch
 

@@ -16,7 +16,7 @@ coldstart_log = logging.getLogger("warmup_agent.coldstart")
 
 def coldstart(event: str, stage: str, phase: int, **fields: Any) -> None:
     """One structured `[COLDSTART]` line; fields also go to JSON logs as keys.  With
-    start-up traces on (tracing.py) the line ends with the trace's `trace_id`."""
+    start-up traces on (run/tracing.py) the line ends with the trace's `trace_id`."""
     if (trace_id := current_trace_id()) is not None:
         fields["trace_id"] = trace_id
     text = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
@@ -159,7 +159,7 @@ def summary_table(record: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    # The first-request figures as probes.py computed them (the record carries them; no arithmetic here).
+    # The first-request figures as readiness/probes.py computed them (the record carries them; no arithmetic here).
     first, steady = record.get("first_request_seconds"), record.get("steady_first_token_seconds")
     tax = record.get("first_request_tax_ratio")
     if first is not None and steady and tax is not None:

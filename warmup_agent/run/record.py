@@ -5,7 +5,7 @@ The Agent (pipeline.py) writes the timeline -- when the run started, the
 startup stage, each stage's `StageTiming`, when it reached SERVING -- and
 nothing else here; every other figure is read from the collaborators in the
 StageContext: the state machine, readiness, the probe log (whose first-request
-figures are computed once, in probes.py), the engine driver and the stage
+figures are computed once, in readiness/probes.py), the engine driver and the stage
 outputs.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ class RunRecord:
             "probe_count": len(log.probes),
             # after SERVING, watch probes not sent while the server served other clients
             "watch_probes_skipped": ctx.watch_skipped,
-            # The first-request figures, frozen when the gate opened (probes.py)
+            # The first-request figures, frozen when the gate opened (readiness/probes.py)
             "first_request_seconds": None if fr is None else fr.ttft_seconds,
             "steady_first_token_seconds": None if fr is None else fr.steady_ttft_seconds,
             "first_request_tax_ratio": None if fr is None else fr.ttft_tax,
@@ -111,5 +111,5 @@ class RunRecord:
             "failure_reason": sm.failure_reason,
             "failure_message": sm.failure_message,
             "transitions": [{"state": s.name, "at_seconds": t - self.started} for s, t in sm.history],
-            "trace_id": self._trace_id(),   # the start-up trace (tracing.py); null when tracing is off
+            "trace_id": self._trace_id(),   # the start-up trace (run/tracing.py); null when tracing is off
         }

@@ -7,7 +7,7 @@ server's spawn is on the critical path of every start, and the server's own star
 `start(argv)` first thing: it loads and checks the configuration exactly as the run
 will (config.load: the file, the environment, the flags, the requests file), works
 out from it the command and environment the openai engine would start
-(server_command.py), and spawns it.  The CLI then reuses that configuration
+(server/command.py), and spawns it.  The CLI then reuses that configuration
 (`loaded_config`).
 
 A bad configuration starts nothing: config.load raises, nothing is spawned, and the

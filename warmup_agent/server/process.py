@@ -1,5 +1,5 @@
 """How a supervised server process is started: one Popen, shared by the supervisor
-(supervisor.py) and the early spawn (early_spawn.py), so that both start it the same
+(server/supervisor.py) and the early spawn (server/early_spawn.py), so that both start it the same
 way.  Standard library only: the early spawn imports it before the rest of the agent.
 """
 from __future__ import annotations

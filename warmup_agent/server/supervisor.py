@@ -17,7 +17,7 @@ One job: keep one server process alive and tell the agent when it comes and goes
 Every Popen happens on the monitor thread: PR_SET_PDEATHSIG fires when the
 *thread* that forked the child ends, so forking from a short-lived stage thread
 would kill the server when that thread returns.  The one exception is a server the
-CLI spawned on its main thread before its own imports (early_spawn.py), which the
+CLI spawned on its main thread before its own imports (server/early_spawn.py), which the
 first start adopts: the main thread lasts as long as the process.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Supervisor:
         self._first_error: EngineError | None = None
         self._monitor: threading.Thread | None = None
         self._readers: list[threading.Thread] = []
-        # A server the CLI spawned before anything else was imported (early_spawn.py),
+        # A server the CLI spawned before anything else was imported (server/early_spawn.py),
         # with exactly this command and environment: the first start adopts it.
         self._adopt, self._adopted_at = adopt, adopted_spawn_time
         # Seconds from the agent's process start to the first spawn: what comes before

@@ -5,7 +5,7 @@ The Agent (pipeline.py) creates one `StageContext` and owns it as
 nothing else of the Agent.  It carries
   - the collaborators: the configuration (typed sections, `ctx.cfg.prewarm.x`),
     the engine, the engine driver (driver.py: the engine lock, `send`, probe
-    prompts), the state machine, readiness, the probe log (probes.py), the
+    prompts), the state machine, readiness, the probe log (readiness/probes.py), the
     metrics and the progress display;
   - the run services the stages call: `checkpoint`, `fail`, `move` and `probe`;
   - the stage outputs: a stage hands later stages (and the run record) what it
@@ -94,7 +94,7 @@ class StageContext:
     probe_length: int | None = None
     #: prewarm, engines that speak the traffic profile: the (prompt, prompt + answer)
     #: tokens of every warmup request, and the profile's prompt lengths it warmed;
-    #: ready predicts the first user's whole answer from them (cold_decode.py).
+    #: ready predicts the first user's whole answer from them (warmup/cold_decode.py).
     decoded_ranges: list[tuple[int, int]] = field(default_factory=list)
     profile_lengths: list[int] = field(default_factory=list)
     #: prewarm: output tokens of the first readiness probe (the profile's longest

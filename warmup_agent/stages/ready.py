@@ -124,7 +124,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     first where they were a harder predecessor than a probe: StageContext.replay_for).
     A first probe that was cold beyond its control means the warmup left something
     cold, which it has now paid: another pair follows, up to
-    prewarm.max_calls_per_path pairs; the figures stay the first pair's (probes.py).
+    prewarm.max_calls_per_path pairs; the figures stay the first pair's (readiness/probes.py).
     Probes double as the last warmup."""
     cfg = ctx.cfg
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None

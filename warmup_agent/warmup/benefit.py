@@ -89,7 +89,7 @@ class Controlled:
     """A "first" call and its control: the same shape with a fresh prompt, sent after
     the same predecessor (prompt length, requests at once).  The one cold-start
     measurement: the warmup's stop rule (`warm_path`, `warm_wave`), the readiness
-    gate and the exported first-request figures (probes.py) all read it."""
+    gate and the exported first-request figures (readiness/probes.py) all read it."""
     first: Call
     control: Call
 

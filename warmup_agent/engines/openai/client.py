@@ -39,9 +39,9 @@ class _Rejected(Exception):
 class StreamingClient(Engine):
     """Requests to the server (the bottom layer of OpenAIEngine)."""
 
-    # The engine's state, set in OpenAIEngine.__init__ (openai_engine.py) and shared
-    # by the layers: this client, discovery (openai_discovery.py), the server glue
-    # (openai_server.py).
+    # The engine's state, set in OpenAIEngine.__init__ (engines/openai/engine.py) and shared
+    # by the layers: this client, discovery (engines/openai/discovery.py), the server glue
+    # (engines/openai/server.py).
     cfg: Config
     log: logging.Logger
     url: str

@@ -137,7 +137,7 @@ class Discovery(StreamingClient):
             self._request({"prompt": "Hello", "max_tokens": 1}, api, True)
 
     def _wait_remote_healthy(self) -> None:
-        import urllib.error  # here, not at the top: see OpenAIClient (openai_client.py)
+        import urllib.error  # here, not at the top: see OpenAIClient (engines/openai/client.py)
         import urllib.request
         deadline = time.monotonic() + self.cfg.openai.ready_timeout_seconds
         last = ""

@@ -15,8 +15,8 @@ then prompt lengths are exact by construction), whether it accepts vLLM's
 model's own tokenizer and chat template (engines/text_prompts.py).
 
 The class is built in layers, each in its own module: the HTTP client
-(openai_client.py), discovery and capabilities (openai_discovery.py), the
-server glue (openai_server.py), the command-line helpers (server_command.py);
+(engines/openai/client.py), discovery and capabilities (engines/openai/discovery.py), the
+server glue (engines/openai/server.py), the command-line helpers (server/command.py);
 this module adds what makes it an Engine.  Its public names stay importable
 from here.
 
@@ -102,7 +102,7 @@ class OpenAIEngine(ServerGlue):
         self._start_error: EngineError | None = None
         self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
         self.startup: dict[str, float] = {}
-        self.spawn: dict = {}                  # the supervised server's spawn: early (early_spawn.py) or not, and why
+        self.spawn: dict = {}                  # the supervised server's spawn: early (server/early_spawn.py) or not, and why
         self.adapters: list[str] = []      # registered LoRA adapter names
         self.health_path = "/" + cfg.openai.health_path.lstrip("/")
         self.api_setting = cfg.openai.api   # auto | chat | completions

@@ -1,5 +1,5 @@
 """The openai engine's server glue: the command and environment it starts the
-server with, the supervisor (supervisor.py) that keeps it running, its start-up
+server with, the supervisor (server/supervisor.py) that keeps it running, its start-up
 log lines, the wait for health, interrupting and closing."""
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ a user batch never use the model (or the static caches, which a probe of the
 same batch size would overwrite) at the same time.
 
 Every event for a request (text, end, failure) goes to its `deliver` callback,
-called from the scheduler thread; the HTTP side (torch_serving.py) hands them to
+called from the scheduler thread; the HTTP side (engines/torch/serving.py) hands them to
 its event loop.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ DEFAULT_MAX_BATCH = 8
 
 
 class ServedEngine(Protocol):
-    """What the batcher needs of the torch engine (engines/torch_engine.py)."""
+    """What the batcher needs of the torch engine (engines/torch/engine.py)."""
     model: Any
     tokenizer: Any
     device: Any

@@ -2,8 +2,8 @@
 
 Loads any Hugging Face-layout model directory with safetensors weights.  Two
 implementations of the forward (model.implementation): native, a plain-torch
-Llama/Qwen2 (engines/native_lm.py) that never imports transformers, for the
-models it runs exactly (engines/native_config.py); and transformers, for every
+Llama/Qwen2 (engines/torch/native_lm.py) that never imports transformers, for the
+models it runs exactly (engines/torch/native_config.py); and transformers, for every
 other architecture and for FP8.  auto picks native where it can and records
 why it did not (engine_facts.extra).  Every
 integrity problem a model directory can have (empty or non-JSON config.json,
@@ -95,7 +95,7 @@ class TorchEngine(Engine):
         self.options: dict[str, Any] = {"progressive": True, "chunk_bytes": 64 << 20, "buffers": 4, "workers": 4,
                                         "manifest": None, "cuda_context_timeout": 60.0,
                                         "kernel_compile_timeout": 600.0, "graph_max_len": 512,
-                                        # users' batching window (engines/torch_batcher.py)
+                                        # users' batching window (engines/torch/batcher.py)
                                         "batch_window_seconds": 0.003}
         self.load_report: LoadReport | None = None
         self.context_seconds: float | None = None
@@ -110,7 +110,7 @@ class TorchEngine(Engine):
         self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization/)
         self.fp8_layers = 0
         #: The engine lock: the agent's driver holds it around each of its calls into the
-        #: engine (driver.py) and the users' batches around each batch (engines/torch_batcher.py),
+        #: engine (driver.py) and the users' batches around each batch (engines/torch/batcher.py),
         #: so a watch probe, a re-warm and a user batch never use the model from two threads at once.
         self.lock: threading.Lock = threading.Lock()
         self._warmed_shapes: list[tuple[int, int]] = []   # (prompt length, batch) solidify froze
@@ -194,7 +194,7 @@ class TorchEngine(Engine):
 
     def _choose_implementation(self, config: dict) -> str:
         """native or transformers, decided once from config.json: native when asked
-        for or auto and the model qualifies (engines/native_config.py), else
+        for or auto and the model qualifies (engines/torch/native_config.py), else
         transformers with the reason; native asked for but impossible is an error."""
         if self.implementation is None:
             from warmup_agent.engines.torch import native_config
@@ -277,7 +277,7 @@ class TorchEngine(Engine):
 
     def _start_skeleton(self) -> None:
         """Import transformers (only the model's own configuration and modelling
-        modules where config.json names them: engines/model_classes.py) and build
+        modules where config.json names them: engines/torch/model_classes.py) and build
         the model skeleton on the meta device in a background thread; the weights
         are read meanwhile and load_weights waits for the result.  Started by
         prestart(), else by load_weights."""
@@ -481,7 +481,7 @@ class TorchEngine(Engine):
     # -- users (issue 41) -----------------------------------------------------------------
     def openai_backend(self) -> TorchOpenAIBackend:
         """The in-process OpenAI-compatible responder the proxy serves users from
-        (engines/torch_serving.py); one per engine, made on first ask.  Its scheduler
+        (engines/torch/serving.py); one per engine, made on first ask.  Its scheduler
         batches users' requests onto the warmed batch sizes under `lock`."""
         if self._openai is None:
             from warmup_agent.engines.torch.serving import TorchOpenAIBackend
@@ -565,7 +565,7 @@ class TorchEngine(Engine):
             # probe was the first request on that path and took 5.0-5.7 ms on the H200
             # against 4.8 ms for the next nine (1.5B): an exported tax of up to 1.20.
             replay()
-        # Users' batches (engines/torch_batcher.py) also run prompts of different lengths
+        # Users' batches (engines/torch/batcher.py) also run prompts of different lengths
         # together, left-padded, and sample: paid here rather than by the first such batch.
         from warmup_agent.engines.torch import batcher as torch_batcher
         t1 = time.perf_counter()

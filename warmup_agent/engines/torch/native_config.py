@@ -1,6 +1,6 @@
 """Which models the torch engine can run without transformers, read from config.json alone.
 
-The native implementation (engines/native_lm.py) is a plain-torch Llama/Qwen2
+The native implementation (engines/torch/native_lm.py) is a plain-torch Llama/Qwen2
 decoder: it saves the `import transformers` that costs ~9 s of a cold start on
 the H200 (bench/results/import_costs_h200.json; issue 25).  It covers what the
 Llama and Qwen2 checkpoints that matter use, and nothing else: any key that

@@ -11,7 +11,7 @@ sdpa attention path, to float32 rounding (tests/test_native_lm.py) — parameter
 names, RMSNorm in float32, rotary embedding from float32 inv_freq with cos/sin
 cast to the model dtype, GQA by repeating key/value heads, positions counted
 from the cache length (as transformers' model() does when given no
-position_ids, padding included).  Which configs qualify: native_config.py.
+position_ids, padding included).  Which configs qualify: engines/torch/native_config.py.
 
 The call signature is the subset of transformers' that the engine and
 gpu/graphs.py use: `model(input_ids=, attention_mask=, past_key_values=,

@@ -1,6 +1,6 @@
 """The model's tokenizer.json through the `tokenizers` library, without transformers.
 
-The torch engine's native path (engines/native_lm.py) must not import
+The torch engine's native path (engines/torch/native_lm.py) must not import
 transformers at all, and AutoTokenizer does.  A fast tokenizer is
 tokenizer.json; transformers' PreTrainedTokenizerFast wraps the same object.
 What this class adds is the little the engine asks of a tokenizer: encode

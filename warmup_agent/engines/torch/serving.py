@@ -28,7 +28,7 @@ template (embedded_model.CHAT_TEMPLATE).
 
 Bad requests get OpenAI's error body, status 400:
 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`.
-The batching (engines/torch_batcher.py) runs the model; this module only speaks
+The batching (engines/torch/batcher.py) runs the model; this module only speaks
 HTTP and JSON, on the proxy's event loop.
 """
 from __future__ import annotations

@@ -467,7 +467,7 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
                agent_first_request_tax=rec.get("first_request_tax_ratio"),
                agent_first_request_total_tax=rec.get("first_request_total_tax_ratio"),
                # where decode pays per length: the first probe's own whole-answer tax, and the
-               # prediction exported instead (warmup_agent/warmup/cold_decode.py)
+               # prediction exported instead (warmup_agent/readiness/cold_decode.py)
                agent_first_probe_total_tax=rec.get("first_probe_total_tax_ratio"),
                cold_decode=rec.get("first_request_cold_decode"),
                probe_ttft_seconds=rec.get("probes_seconds"), probe_total_seconds=rec.get("probe_total_seconds"),

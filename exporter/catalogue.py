@@ -116,7 +116,7 @@ CORE: tuple[MetricSpec, ...] = (
                    "found that decode pays per sequence length, the first probe warms its own lengths, so the "
                    "figure is the first user's whole answer predicted from it: its extra cost per decode step "
                    "at a length nothing had reached, times the mean of such steps left at the profile's prompt "
-                   "lengths after the probes (warmup_agent/warmup/cold_decode.py; the run record keeps the probe's own "
+                   "lengths after the probes (warmup_agent/readiness/cold_decode.py; the run record keeps the probe's own "
                    "as first_probe_total_tax_ratio). In-process engines' probes are 1 token."),
     MetricSpec("warmup_first_user_request_tax_ratio", "gauge",
                "Time to first token of the users' real first request after SERVING (through the proxy) divided by the median of the users' answers after it; 0 until measured.",

@@ -1,5 +1,5 @@
 """The first user's whole answer on a server that pays per decode length
-(warmup_agent/warmup/cold_decode.py), with the H200 figures it was built from.
+(warmup_agent/readiness/cold_decode.py), with the H200 figures it was built from.
 
 H200 bench run 3 (bench/results/gpu_server_tfserve_default_h200_run3.json,
 transformers serve with its defaults), start 0: the agent's warmup requests, its
@@ -14,8 +14,8 @@ from pathlib import Path as FsPath
 
 import pytest
 
+from warmup_agent.readiness import cold_decode
 from warmup_agent.readiness.probes import FirstRequest, Probe, ProbeLog
-from warmup_agent.warmup import cold_decode
 
 RESULTS = FsPath(__file__).resolve().parent.parent / "bench" / "results"
 

@@ -17,6 +17,50 @@ PACKAGES = ("warmup_agent", "exporter")
 EXPORTER_MAY_IMPORT = {"warmup_agent.config", "warmup_agent.webconfig", "warmup_agent.host.hardware", "warmup_agent.gpu.memory"}
 
 
+# The layers of warmup_agent/, lowest first (issue 42): a module may import its own
+# layer and the layers below, never one above ("an import that runs back up").
+# A module belongs to the layer of the longest prefix here that names it; every
+# module of warmup_agent/ must be named (test_every_module_has_a_layer); the package
+# itself ("warmup_agent": its __init__) is named alone, not as a prefix.  exporter/
+# is checked on its own (test_the_exporter_imports_no_agent_internals).
+LAYERS: list[tuple[str, ...]] = [
+    # the ground floor: imports nothing of the agent above it
+    ("warmup_agent", "warmup_agent.errors", "warmup_agent.failures",
+     "warmup_agent.periodic", "warmup_agent.config_sections", "warmup_agent.signals"),
+    # pure parts, each about one thing, that know nothing of the config or the engines
+    ("warmup_agent.warmup", "warmup_agent.model", "warmup_agent.quantization", "warmup_agent.gpu",
+     "warmup_agent.host", "warmup_agent.states"),
+    # the configuration
+    ("warmup_agent.config", "warmup_agent.webconfig"),
+    # a model server as a child process, the proxy, the kernel cache
+    ("warmup_agent.server", "warmup_agent.proxy", "warmup_agent.kernel_cache"),
+    # the engines, behind engines.base
+    ("warmup_agent.engines",),
+    # readiness: the probes, the window, the gate (validation reads the native model)
+    ("warmup_agent.readiness",),
+    # agent traffic to the engine
+    ("warmup_agent.driver",),
+    # what a person sees while the run goes on: the timeline, progress, traces
+    ("warmup_agent.run.timeline", "warmup_agent.run.tracing", "warmup_agent.run.progress"),
+    # the four stages, over the StageContext
+    ("warmup_agent.stages",),
+    # what is left of a run: its record (over the StageContext) and the report of it
+    ("warmup_agent.run", "warmup_agent.run.record", "warmup_agent.run.report"),
+    # the composition root and the command line
+    ("warmup_agent.pipeline",),
+    ("warmup_agent.cli", "warmup_agent.__main__"),
+]
+
+
+def _layer(module: str) -> int | None:
+    best, found = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or (module.startswith(p + ".") and p != "warmup_agent")) and len(p) > best:
+                best, found = len(p), i
+    return found
+
+
 def _modules() -> dict[str, str]:
     mods = {}
     for pkg in PACKAGES:
@@ -95,3 +139,21 @@ def test_the_exporter_imports_no_agent_internals():
     reached = {m: sorted(v for v in deps if v.startswith("warmup_agent") and v not in EXPORTER_MAY_IMPORT)
                for m, deps in g.items() if m.startswith("exporter")}
     assert {m: v for m, v in reached.items() if v} == {}
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in _graph() if m.startswith("warmup_agent") and _layer(m) is None] == []
+
+
+def test_the_layers_are_read_by_the_longest_prefix():
+    assert _layer("warmup_agent.run.record") > _layer("warmup_agent.stages.context") > _layer("warmup_agent.run.progress")
+    assert _layer("warmup_agent.engines.openai.engine") == _layer("warmup_agent.engines.base")
+    assert _layer("warmup_agent.errors") == 0 and _layer("warmup_agent.nothing_here") is None
+
+
+def test_no_import_runs_back_up_the_layers():
+    """Lazy and type-only imports included, as for cycles."""
+    g = _graph()
+    up = sorted(f"{m} -> {d}" for m, deps in g.items() if m.startswith("warmup_agent")
+                for d in deps if d.startswith("warmup_agent") and _layer(d) > _layer(m))
+    assert up == []

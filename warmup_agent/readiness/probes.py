@@ -22,7 +22,7 @@ no request has reached, as the first probe did, and meets what it met.
 Without a control (a gate of one probe), the first probe over the steady level.
 On a server that pays per decode length, the whole-answer tax is the one a
 user's first request meets after the probes have warmed their own lengths
-(warmup_agent/warmup/cold_decode.py); `measured_total_tax` keeps the first probe's.
+(warmup_agent/readiness/cold_decode.py); `measured_total_tax` keeps the first probe's.
 The figures are frozen when the gate opens (`freeze`): probes after SERVING
 (one token each, to keep the window fresh) do not change what the first
 request met.  With a single probe there is no steady level and both are None.
@@ -145,7 +145,7 @@ class ProbeLog:
     def freeze(self, cold_decode: Callable[[FirstRequest, list[Probe]], dict | None] | None = None) -> FirstRequest | None:
         """Fix the first-request figures to the gate's probes so far (the gate opened).
         `cold_decode(figures, gate probes)`: on a server that pays per decode length,
-        the first user's whole answer predicted from them (warmup/cold_decode.py)."""
+        the first user's whole answer predicted from them (readiness/cold_decode.py)."""
         self._frozen_at = len(self.probes)
         figures = self._figures()
         if figures is not None and cold_decode is not None:

@@ -94,7 +94,7 @@ class StageContext:
     probe_length: int | None = None
     #: prewarm, engines that speak the traffic profile: the (prompt, prompt + answer)
     #: tokens of every warmup request, and the profile's prompt lengths it warmed;
-    #: ready predicts the first user's whole answer from them (warmup/cold_decode.py).
+    #: ready predicts the first user's whole answer from them (readiness/cold_decode.py).
     decoded_ranges: list[tuple[int, int]] = field(default_factory=list)
     profile_lengths: list[int] = field(default_factory=list)
     #: prewarm: output tokens of the first readiness probe (the profile's longest

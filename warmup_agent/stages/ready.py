@@ -18,11 +18,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from warmup_agent.readiness import validation
+from warmup_agent.readiness import cold_decode, validation
 from warmup_agent.readiness.probes import FirstRequest, Probe
 from warmup_agent.readiness.window import nearest_rank
 from warmup_agent.stages.context import StageContext
-from warmup_agent.warmup import cold_decode
 
 if TYPE_CHECKING:  # types only
     from exporter.metrics import AgentMetrics
@@ -154,7 +153,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
 
 def cold_decode_of(ctx: StageContext) -> Callable[[FirstRequest, list[Probe]], dict | None] | None:
     """Where prewarm's per-length test found that decode pays per sequence length:
-    the prediction of the first user's whole answer (warmup_agent/warmup/cold_decode.py)."""
+    the prediction of the first user's whole answer (warmup_agent/readiness/cold_decode.py)."""
     summary = ctx.warmup_summary or {}
     if not summary.get("per_length", {}).get("pays") or ctx.profile is None or ctx.probe_length is None:
         return None

@@ -115,8 +115,8 @@ def test_a_counted_failure_moves_its_zero_series(tmp_path):
     from warmup_agent import config
     from warmup_agent.pipeline import Agent
 
-    class NoEngine:  # the agent's constructor only reads its config; nothing is run
-        pass
+    class NoEngine:  # the agent's constructor reads only its config and Engine.lock; nothing is run
+        lock = None
     Agent(config.load(env={}), NoEngine(), metrics=m)
     assert m.registry.get_sample_value("model_loading_failures_total", {"reason": "weights_corrupt"}) == 0.0
     sm = StateMachine(m)

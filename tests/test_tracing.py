@@ -412,7 +412,7 @@ def test_off_by_default_and_setup_imports_nothing():
     cfg = config.load(env={})
     assert cfg["tracing.enabled"] is False and not tracing.enabled(cfg, {})
     assert not tracing.enabled(_cfg(enabled="true"), {"OTEL_SDK_DISABLED": "true"})
-    code = ("import sys; from warmup_agent import config, tracing; "
+    code = ("import sys; from warmup_agent import config; from warmup_agent.run import tracing; "
             "t = tracing.setup(config.load(env={})); "
             "assert t is tracing.NOOP and tracing.current_trace_id() is None; "
             "import warmup_agent.pipeline, warmup_agent.cli; "

@@ -534,21 +534,30 @@ def run(ctx: StageContext, detail: dict) -> None:
     seconds["fingerprint"] = clock() - t
     t3 = clock()
 
-    prompts = ctx.driver.start_prompts()
+    ctx.driver.start_prompts()
     lengths = warmup_lengths(cfg, engine.tokenize)
     batches = warmup_batches(cfg, facts, ctx.gpu_free_bytes, max(lengths))
-    max_new = cfg.prewarm.max_new_tokens
     if engine.speaks_profile:
         warm_profile(ctx, lengths, batches, detail, t3)
         detail["seconds"].update(seconds)
-        ctx.move(State.PRIME)
-        return
+    else:
+        warm_shape_grid(ctx, lengths, batches, detail)
+        detail["seconds"] = {**seconds, "traffic": clock() - t3}
+    ctx.move(State.PRIME)
+
+
+def warm_shape_grid(ctx: StageContext, lengths: list[int], batches: list[int], detail: dict) -> None:
+    """The in-process engines' (prompt length x batch size) grid, each shape until its
+    calls stop getting faster or match the steady level (warmup_agent/warmup/shapes.py,
+    issue 25; prewarm.requests_per_shape raises the cap).  Sets ctx.warmed_shapes and
+    ctx.replay_for (the last shape, re-sent before the first probe's control)."""
+    cfg, prompts = ctx.cfg, ctx.driver.prompts
+    assert prompts is not None, "prewarm makes the prompt factory before the grid"
+    max_new = cfg.prewarm.max_new_tokens
     try:
         batches = _fit_budget(ctx, lengths, batches, max_new)
         shapes = grid(lengths, batches)
         backoff = memory_budget.BackOff()   # a shape that runs out of memory drops its batch size and larger ones
-        # Each shape until its calls stop getting faster or match the steady level
-        # (warmup_agent/warmup/shapes.py, issue 25); requests_per_shape raises the cap.
         cap = max(cfg.prewarm.requests_per_shape, cfg.prewarm.max_calls_per_path)
         done = 0
         last: list[Shape] = []        # the predecessor of the first probe
@@ -569,8 +578,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     except memory_budget.BudgetExceeded as e:
         ctx.fail(e.reason, str(e))
     detail.update(shapes=len(warmed), requests=ctx.driver.warmup_requests, lengths=lengths, batches=batches,
-                  dropped_batches=sorted({s.batch for s in shapes} - {s.batch for s in warmed}),
-                  seconds={**seconds, "traffic": clock() - t3})
+                  dropped_batches=sorted({s.batch for s in shapes} - {s.batch for s in warmed}))
     ctx.warmed_shapes = [(s.prompt_tokens, s.batch) for s in warmed]
 
     def replay_for(length: int, batch: int) -> Callable[[], None] | None:
@@ -579,7 +587,9 @@ def run(ctx: StageContext, detail: dict) -> None:
         shape = last[0]
 
         def replay() -> None:
-            send_shape(shape)
+            try:
+                send_shape(shape)
+            except shape_warmup.Dropped:
+                pass        # out of memory now: the control follows what the first probe followed anyway
         return replay
     ctx.replay_for = replay_for
-    ctx.move(State.PRIME)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import signal
-import statistics
 import subprocess
 import time
 import urllib.request
@@ -24,7 +23,7 @@ import pytest
 from tests.conftest import ROOT, agent_cmd
 from tests.helpers import llamacpp_server as ls
 from tests.helpers.servers import free_port, http_get, wait_until
-from tests.helpers.warmup_record import requests_in_record
+from tests.helpers.warmup_record import controlled_tax, exported_pair, requests_in_record
 from tools import build_llama_server as build
 
 # The fixture may have to build llama-server first: 38 min on 2 busy cores, about 11 on idle ones.
@@ -112,17 +111,17 @@ def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_dra
     assert caps["model"] == gguf                     # /v1/models: the -m path as given
     assert record["engine_facts"]["extra"]["server_spawn"]["early"] is True   # spawned before the agent's imports
     # the first request's figures exist (their size is not asserted: timings) and are the
-    # first pair's: 1 + (first probe - its control, the second probe; never below 0) / the
-    # median of the probes after the first
-    gate = next(s for s in record["stages"] if s["name"] == "ready")["probes"]
-    ttfts, totals = record["probes_seconds"][:gate], record["probe_total_seconds"][:gate]
-    assert record["first_request_seconds"] == ttfts[0] > 0
-    assert record["first_request_tax_ratio"] == pytest.approx(
-        1 + max(0.0, ttfts[0] - ttfts[1]) / statistics.median(ttfts[1:]), rel=1e-12)
+    # exported pair's: 1 + (its first probe - its control; never below 0) / the median of
+    # the probes after that first
+    ready = next(s for s in record["stages"] if s["name"] == "ready")
+    prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
+    ttfts, totals = record["probes_seconds"][:ready["probes"]], record["probe_total_seconds"][:ready["probes"]]
+    first = exported_pair(ready, prewarm)
+    assert record["first_request_seconds"] == ttfts[first] > 0
+    assert record["first_request_tax_ratio"] == pytest.approx(controlled_tax(ttfts, first), rel=1e-12)
     # every probe answers 4 tokens (llama-server honours ignore_eos): whole answers compare directly
     assert record["first_request_output_tokens"] == 4
-    assert record["first_probe_total_tax_ratio"] == pytest.approx(
-        1 + max(0.0, totals[0] - totals[1]) / statistics.median(totals[1:]), rel=1e-12)
+    assert record["first_probe_total_tax_ratio"] == pytest.approx(controlled_tax(totals, first), rel=1e-12)
     cold_decode = record["first_request_cold_decode"]
     assert record["first_request_total_tax_ratio"] == (
         cold_decode["total_tax"] if cold_decode else record["first_probe_total_tax_ratio"])

@@ -9,7 +9,6 @@ shows what went over the wire (transformers serve logs no request ids).
 from __future__ import annotations
 
 import json
-import statistics
 import time
 import urllib.request
 
@@ -18,7 +17,7 @@ import pytest
 
 from tests.helpers import transformers_server as ts
 from tests.helpers.servers import free_port, require_binary
-from tests.helpers.warmup_record import requests_in_record
+from tests.helpers.warmup_record import controlled_tax, exported_pair, requests_in_record
 from tests.http_relay import Relay
 from warmup_agent import config
 from warmup_agent.engines.openai.engine import OpenAIEngine
@@ -180,10 +179,10 @@ def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_t
     assert (predict is not None) == pays
     record = agent.record()
     assert (record["first_request_cold_decode"] is not None) <= pays
-    # the first probe's whole answer less its control's (the second probe), over the steady whole answer
+    # the exported pair's first probe's whole answer less its control's, over the steady whole answer
     totals = agent.probe_totals[:ready_detail["probes"]]
-    assert record["first_probe_total_tax_ratio"] == pytest.approx(
-        1 + max(0.0, totals[0] - totals[1]) / statistics.median(totals[1:]), rel=1e-12)
+    first = exported_pair(ready_detail, agent.stages[1].detail)
+    assert record["first_probe_total_tax_ratio"] == pytest.approx(controlled_tax(totals, first), rel=1e-12)
 
 
 def agent_warmup(served) -> dict:
@@ -199,15 +198,15 @@ def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
     for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
         exact = float(np.quantile(np.array(tpots), q, method="inverted_cdf"))
         assert reg.get_sample_value("warmup_time_per_output_token_window_seconds", {"percentile": label}) == exact
-    totals = agent.probe_totals
+    totals = agent.probe_totals[:gate]
     # first and later probes both answered 4 tokens here: whole answers compare directly,
-    # the first probe's less its control's (the second probe), over the median of the
-    # probes after the first; unless decode read "pays per length" on the shared cores
-    # (then the prediction is exported)
+    # the exported pair's first probe's less its control's, over the median of the probes
+    # after that first; unless decode read "pays per length" on the shared cores (then the
+    # prediction is exported)
     predicted = agent.probe_log.figures.cold_decode
+    first = exported_pair(agent.stages[-1].detail, agent.stages[1].detail)
     assert reg.get_sample_value("warmup_first_request_total_tax_ratio") == pytest.approx(
-        predicted["total_tax"] if predicted else 1 + max(0.0, totals[0] - totals[1]) / float(np.median(totals[1:gate])),
-        rel=1e-12)
+        predicted["total_tax"] if predicted else controlled_tax(totals, first), rel=1e-12)
     # A probe's times against the wall clock around it: the first token comes
     # before the end, the end before the call returned; TPOT is the rest per token.
     t0 = time.perf_counter()
@@ -233,14 +232,17 @@ def test_outside_clients_first_chat_request_is_answered(served):
 
 
 def test_first_request_tax_on_time_to_first_token_is_exported_exactly(served):
-    """1 + (first probe - its control, the second probe, never below 0) / median TTFT of the probes after the first."""
+    """1 + (the exported pair's first probe - its control, never below 0) / median TTFT of
+    the probes after that first."""
     _, agent, _, _, _ = served
     reg = agent.metrics.registry
     figures = agent.probe_log.figures
     probes = agent.probes[:agent.stages[-1].detail["probes"]]
-    assert figures.ttft_seconds == probes[0] and figures.control is not None and figures.control.ttft == probes[1]
+    first = exported_pair(agent.stages[-1].detail, agent.stages[1].detail)
+    assert figures.ttft_seconds == probes[first] and figures.control is not None
+    assert figures.control.ttft == probes[first + 1]
     assert reg.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(
-        1 + max(0.0, probes[0] - probes[1]) / statistics.median(probes[1:]), rel=1e-12)
+        controlled_tax(probes, first), rel=1e-12)
 
 
 def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refuses(tmp_path, embedded_model):

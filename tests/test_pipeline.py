@@ -9,6 +9,7 @@ import pytest
 from exporter.collectors import register_default_collectors
 from exporter.metrics import AgentMetrics
 from exporter.server import ExporterServer
+from tests.helpers.warmup_record import controlled_tax, exported_pair
 from warmup_agent import config
 from warmup_agent.engines.torch.engine import TorchEngine
 from warmup_agent.pipeline import STAGES, Agent
@@ -191,10 +192,9 @@ def test_preload_deadline_fails_the_run(embedded_model):
 
 def test_first_request_tax_gauge_is_the_first_probe_less_its_control_over_median_of_the_rest(served):
     """1 + (first probe - its control, never below 0) / median of the probes after the first (readiness/probes.py)."""
-    import statistics
     agent, _, _, _ = served
     probes = agent.probes[:agent.stages[-1].detail["probes"]]   # the gate's probes, before any watch probe
-    expected = 1 + max(0.0, probes[0] - probes[1]) / statistics.median(probes[1:])
+    expected = controlled_tax(probes, exported_pair(agent.stages[-1].detail))
     assert agent.metrics.registry.get_sample_value("warmup_first_request_tax_ratio") == pytest.approx(expected, rel=1e-12)
 
 

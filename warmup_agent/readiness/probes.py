@@ -16,9 +16,12 @@ more in its slot, warm or not.  The probes after the control give the steady lev
                             probes' whole answers when they have as many output
                             tokens, else steady TTFT + (tokens - 1) x median steady
                             time per output token
-Where a first probe was cold beyond its control, the gate sends another pair, but
-the figures stay the first pair's: a user's first request comes at a prompt length
-no request has reached, as the first probe did, and meets what it met.
+Where a first probe was cold beyond its control, the gate sends another pair.  The
+figures are the last pair's (the first probe paid a one-time cost for everyone: a
+user meets the state after it), except where prewarm's per-length test found that
+each new prompt length pays once: then a user's first request, at a length no
+request reached, meets what the first pair's first probe met, and the figures stay
+the first pair's.
 Without a control (a gate of one probe), the first probe over the steady level.
 On a server that pays per decode length, the whole-answer tax is the one a
 user's first request meets after the probes have warmed their own lengths

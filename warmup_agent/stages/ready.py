@@ -123,13 +123,19 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     first where they were a harder predecessor than a probe: StageContext.replay_for).
     A first probe that was cold beyond its control means the warmup left something
     cold, which it has now paid: another pair follows, up to
-    prewarm.max_calls_per_path pairs; the figures stay the first pair's (readiness/probes.py).
-    Probes double as the last warmup."""
+    prewarm.max_calls_per_path pairs.  The figures are the last pair's, or the first's
+    where each new prompt length pays (readiness/probes.py).  Probes double as the last
+    warmup."""
     cfg = ctx.cfg
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
     tokens = ctx.first_probe_tokens if profile_probes else None
     tol = cfg.prewarm.converge_tolerance
     pairs: list[dict] = []
+    # Whose figures are exported: where each new prompt length pays once (prewarm's
+    # per-length test), a user's first request at a length no request reached pays what
+    # the first pair's first probe paid; elsewhere a cold first probe paid a one-time
+    # cost for everyone, and the users meet the state of the last pair.
+    each_length_pays = bool(((ctx.warmup_summary or {}).get("per_length") or {}).get("prefill_pays_each_new_length"))
     while len(pairs) < cfg.prewarm.max_calls_per_path and len(ctx.probe_log.gate_probes) + 2 <= max_probes:
         at = len(ctx.probe_log.gate_probes)
         probe(tokens)
@@ -139,7 +145,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
         if replay is not None:
             replay()
         probe(tokens)
-        pair = ctx.probe_log.pair(at, at + 1, figures=not pairs)
+        pair = ctx.probe_log.pair(at, at + 1, figures=not (pairs and each_length_pays))
         pairs.append({**pair.as_dict(), "cold": pair.cold(tol),
                       "replayed_requests": ctx.driver.warmup_requests - before})
         if not pairs[-1]["cold"]:

@@ -218,7 +218,10 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
     log = logging.getLogger("warmup_agent")
     # An engine that answers OpenAI requests in this process (the torch engine's
     # openai_backend()) is the proxy's main engine where no upstream URL is set.
-    local_backend = engine.openai_backend() if cfg.proxy.listen and not cfg.proxy.upstream_url else None
+    local_backend = None
+    if cfg.proxy.listen and not cfg.proxy.upstream_url:
+        engine.configure(batch_window_seconds=cfg.proxy.batch_window_seconds)
+        local_backend = engine.openai_backend()
     proxy = routing.from_config(agent, cfg, local_backend)  # None unless proxy.listen is set
     host, _, port = cfg.exporter.listen.rpartition(":")
     security = webconfig.resolve(cfg.exporter)   # TLS, basic auth, admin token: worked out here only

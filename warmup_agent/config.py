@@ -219,6 +219,8 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="a number > 0"),
     Key("proxy.max_body_bytes", "int", 8388608, "The largest request body the proxy takes (bytes); a larger one is answered 413 with an OpenAI error body.",
         check=_positive, expected="an integer > 0 (bytes)"),
+    Key("proxy.batch_window_seconds", "float", 0.003, "torch engine behind --proxy-listen: users' requests that arrive within this many seconds of each other run as one batch, padded to a warmed batch size (0: no wait; every lone request pays the window).",
+        check=lambda v: 0 <= v <= 1, expected="seconds between 0 and 1"),
     Key("validation.enabled", "bool", True, "Validate structure, numerics and performance before SERVING; a failure is a named reason (validation_structure, validation_numerics, validation_performance; for an FP8 model fp8_saturation, fp8_roundtrip_error)."),
     Key("validation.logits_mean_min", "float", -5.0, "Numerics: the mean logit on each fixed prompt must be above this (seed -5).",
         expected="a number"),

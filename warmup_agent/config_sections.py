@@ -195,6 +195,7 @@ class ProxySection:
     retry_after_seconds: int
     timeout_seconds: float
     max_body_bytes: int
+    batch_window_seconds: float
 
 
 @dataclass(frozen=True)

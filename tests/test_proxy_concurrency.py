@@ -111,9 +111,22 @@ def test_an_oversized_body_is_413_with_an_openai_error_and_never_reaches_the_ups
         assert s.recv(65536).startswith(b"HTTP/1.1 413")
         s.close()
         assert standin.started == []
-        # Within the bound: answered.
+        # Within the bound: answered; a client that asks whether to send its body is told to at once.
         status, _, body = post(proxy.port, CHAT)
         assert status == 200 and body.endswith(b"data: [DONE]\n\n") and len(standin.started) == 1
+        s = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+        small = json.dumps(CHAT).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(small))
+        s.settimeout(0.5)
+        assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue")
+        s.settimeout(10)
+        s.sendall(small)
+        got = b""
+        while b"[DONE]" not in got:
+            got += s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200")
+        s.close()
     finally:
         proxy.stop()
         standin.stop()

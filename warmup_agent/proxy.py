@@ -60,7 +60,8 @@ GET_PATHS = ("/v1/models",)
 WARMUP_HEADER = "X-Warmup"
 # Hop-by-hop headers (RFC 9110 §7.6.1) are the proxy's own business on each leg.
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-        "transfer-encoding", "upgrade", "host", "content-length"}
+        "transfer-encoding", "upgrade", "host", "content-length",
+        "expect"}   # answered by the proxy (100 Continue); the upstream gets the whole body at once
 # Pooled keep-alive connections to one upstream: enough for hundreds of concurrent streams.
 UPSTREAM_CONNECTIONS = 1024
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -422,6 +423,10 @@ class RoutingProxy:
             length = request.content_length
             if length is not None and length > self.max_body_bytes:
                 return _too_large(self.max_body_bytes, length)
+            if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
+                # The body follows our go-ahead (curl asks so for large bodies, else waits 1 s).
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0      # the answer has not begun (as aiohttp's own handler does)
             try:
                 if length is not None:
                     body = await request.content.readexactly(length) if length else b""

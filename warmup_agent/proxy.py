@@ -140,8 +140,9 @@ _CANCELLED_OR_TIMEOUTS: tuple[type[BaseException], ...] = (asyncio.CancelledErro
 
 class UpstreamBackend:
     """An OpenAI-compatible server at `url`, over one aiohttp ClientSession whose
-    connector keeps up to UPSTREAM_CONNECTIONS connections alive.  `timeout`: the most
-    seconds without a byte from the server (its answer's head, or the next chunk)."""
+    connector keeps up to UPSTREAM_CONNECTIONS connections alive.  `timeout` bounds the
+    connect (10 s at most); a server that stalls after it is timed out by the proxy's
+    sweep (RoutingProxy._sweep), not by a read timer per chunk."""
 
     def __init__(self, url: str, timeout: float, connections: int = UPSTREAM_CONNECTIONS):
         u = urllib.parse.urlsplit(url)

@@ -26,6 +26,20 @@ def embedded_model(data_dir) -> str:
     return ensure_embedded_model(data_dir)
 
 
+@pytest.fixture(scope="session")
+def llama_server() -> str:
+    """llama.cpp's llama-server, CPU build (tools/build_llama_server.py; built once, cached)."""
+    from tests.helpers import llamacpp_server
+    return llamacpp_server.ensure_binary(cuda="off")
+
+
+@pytest.fixture(scope="session")
+def gguf(embedded_model) -> str:
+    """The embedded model as a GGUF for llama-server (tools/gguf_convert.py; cached)."""
+    from tests.helpers import llamacpp_server
+    return llamacpp_server.ensure_gguf(embedded_model)
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     """No WARMUP_AGENT_* variables leak in from the developer's shell."""

@@ -40,16 +40,6 @@ PROBE_TIMEOUT = 1.5   # readiness.watch_probe_timeout_seconds
 SLACK = 0.6           # a loaded 2-core machine: the poll, a scheduling delay
 
 
-@pytest.fixture(scope="module")
-def llama_server() -> str:
-    return ls.ensure_binary(cuda="off")
-
-
-@pytest.fixture(scope="module")
-def gguf(embedded_model) -> str:
-    return ls.ensure_gguf(embedded_model)
-
-
 def metric(url: str, name: str, **labels: str) -> float:
     text = http_get(url + "/metrics")[1]
     sel = ",".join(f'{k}="{v}"' for k, v in labels.items())

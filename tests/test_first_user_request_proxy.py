@@ -14,7 +14,6 @@ scheduling noise, not exactly.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -31,20 +30,7 @@ from tests.helpers.servers import free_port, http_get, stop_process, wait_until
 STEADY = 5
 OVERHEAD = 0.008   # seconds: the most a request's client-side time exceeds the proxy's (2 loaded cores)
 
-_PROXY = open(os.path.join(ROOT, "warmup_agent", "proxy.py"), encoding="utf-8").read()
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
-              pytest.mark.skipif("user_answer(" not in _PROXY.split('"""', 2)[2],
-                                 reason="the proxy does not call gate.user_answer yet")]
-
-
-@pytest.fixture(scope="module")
-def llama_server() -> str:
-    return ls.ensure_binary(cuda="off")
-
-
-@pytest.fixture(scope="module")
-def gguf(embedded_model) -> str:
-    return ls.ensure_gguf(embedded_model)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def gauge(url: str, name: str) -> float:

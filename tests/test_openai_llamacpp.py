@@ -30,16 +30,6 @@ from tools import build_llama_server as build
 SLOW = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
-@pytest.fixture(scope="module")
-def llama_server() -> str:
-    return ls.ensure_binary(cuda="off")
-
-
-@pytest.fixture(scope="module")
-def gguf(embedded_model) -> str:
-    return ls.ensure_gguf(embedded_model)
-
-
 def outside_chat_chunks(port: int, model: str) -> list[dict]:
     """A user's streamed, sampled chat request straight to the server: its choices'
     deltas with the time each arrived.  llama-server opens with a role chunk whose

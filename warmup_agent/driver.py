@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from exporter.recorder import BatchStats, Recorder
 from warmup_agent.warmup.traffic import PromptFactory, TrafficProfile, WarmRequest, probe_request
 
 if TYPE_CHECKING:  # types only
@@ -32,6 +33,8 @@ class EngineDriver:
     def __init__(self, engine: Engine, metrics: AgentMetrics, probe_prompt_length: int):
         self.engine = engine
         self.metrics = metrics
+        #: Where its batches' stats become metrics (exporter/recorder.py).
+        self.recorder = Recorder(metrics)
         #: The engine lock (see the module docstring).  An engine that serves users in
         #: process too (the torch engine: engines/torch/batcher.py) owns it, so its users'
         #: batches and the agent's calls take turns; otherwise the driver's own.
@@ -65,9 +68,7 @@ class EngineDriver:
             busy = time.perf_counter() - t0
         self.last_results = results
         ttft = max(r.first_token_seconds for r in results)
-        self.metrics.warmup_requests_total.labels(kind=kind).inc(len(batch))
-        self.metrics.warmup_first_token_latency_seconds.labels(kind=kind).observe(ttft)
-        self.metrics.warmup_engine_seconds_total.labels(kind=kind).inc(busy)
+        self.recorder.batch(BatchStats(kind, busy, requests=len(batch), first_token_seconds=ttft))
         if kind == "warmup":
             self.warmup_requests += len(batch)
         return results
@@ -82,7 +83,7 @@ class EngineDriver:
             yield
             busy = time.perf_counter() - t0
         if kind is not None:
-            self.metrics.warmup_engine_seconds_total.labels(kind=kind).inc(busy)
+            self.recorder.batch(BatchStats(kind, busy))
 
     def engine_seconds(self) -> float:
         """Engine-seconds of all agent traffic so far (every kind)."""

@@ -3,9 +3,10 @@ thresholds, the breaker and the water level to the state machine and metrics.
 
 The Agent builds it once, in its `__init__` (the composition root), and hands it
 what it works with: the config, the state machine, the metrics and the clock.
-It owns the time-to-first-token window and is the only writer of the window and
+It owns the time-to-first-token window and is the only source of the window and
 threshold gauges (`warmup_first_token_window_seconds`,
-`warmup_readiness_threshold_seconds`); `thresholds_in_force()` is what those
+`warmup_readiness_threshold_seconds`, written by exporter/recorder.py from the
+records it fills); `thresholds_in_force()` is what those
 gauges show and what the run record stores, so the two always agree (with
 readiness.adaptive, the re-fitted thresholds, not the configured ceiling).
 
@@ -35,6 +36,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from exporter.recorder import Recorder, TaxStats, ThresholdStats, WindowStats, percentile_label
 from warmup_agent.readiness.breaker import Breaker, BreakerState
 from warmup_agent.readiness.first_user import FirstUserRequest, UserAnswer
 from warmup_agent.readiness.thresholds import Thresholds
@@ -72,17 +74,15 @@ def failure_cause(error: BaseException) -> tuple[str, str]:
     return "bad_answer", message
 
 
-def percentile_label(q: float) -> str:
-    """0.5 -> "p50", 0.99 -> "p99"."""
-    return f"p{q * 100:g}"
-
-
 class Readiness:
     def __init__(self, cfg: Config, sm: StateMachine, metrics: AgentMetrics,
                  clock: Callable[[], float] = time.monotonic):
         rc, bc = cfg.readiness, cfg.breaker
         self.sm = sm
         self.metrics = metrics
+        #: Where a sample's window, the thresholds and the first user's figures become
+        #: metrics (exporter/recorder.py).
+        self.recorder = Recorder(metrics)
         # "the last N probes or the last T seconds" (window_seconds 0: the last N only)
         self.window = SlidingWindow(rc.window_size, rc.window_seconds, clock)
         self.thresholds = Thresholds(
@@ -144,8 +144,7 @@ class Readiness:
             return  # a request that started before the trip: the main path is frozen
         self.window.add(ttft)
         if self.thresholds.sample_added(self.window):
-            self.metrics.warmup_readiness_threshold_refits_total.inc()
-            self._publish_thresholds()
+            self._publish_thresholds(refit=True)
         if self.breaker_enabled and self.sm.state == State.SERVING:
             p90 = self.window.quantile(0.9)
             self.breaker.closed_sample(p90 is not None and p90 > self.thresholds.p90)
@@ -213,12 +212,10 @@ class Readiness:
     def _publish_first_user(self, figures: object) -> None:
         """0 means "not measured yet" (the alert then reads the predicted figure)."""
         from warmup_agent.readiness.first_user import FirstUserFigures
-        ttft = total = 0.0
         if isinstance(figures, FirstUserFigures):
-            ttft = figures.ttft_tax
-            total = figures.total_tax or 0.0
-        self.metrics.warmup_first_user_request_tax_ratio.set(ttft)
-        self.metrics.warmup_first_user_request_total_tax_ratio.set(total)
+            self.recorder.first_user_request(TaxStats(figures.ttft_tax, figures.total_tax))
+        else:
+            self.recorder.first_user_request(TaxStats(None, None))
 
     def _state_moved(self, frm: State, to: State) -> None:
         """The state machine moved.  PRELOAD (a re-warm): the breaker judges afresh;
@@ -305,10 +302,8 @@ class Readiness:
             self.metrics.warmup_breaker_state.labels(state=s.value).set(1 if s == self.breaker.state else 0)
         self.metrics.warmup_fallback_active.set(1 if self.breaker.main_frozen else 0)
 
-    def _publish_thresholds(self) -> None:
-        for label, v in self.thresholds_in_force().items():
-            self.metrics.warmup_readiness_threshold_seconds.labels(percentile=label).set(v)
+    def _publish_thresholds(self, refit: bool = False) -> None:
+        self.recorder.thresholds(ThresholdStats(self.thresholds_in_force(), refit=refit))
 
     def _publish_window(self) -> None:
-        for q, v in self.window.quantiles().items():
-            self.metrics.warmup_first_token_window_seconds.labels(percentile=percentile_label(q)).set(v)
+        self.recorder.first_token_window(WindowStats(self.window.quantiles()))

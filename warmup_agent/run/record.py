@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from exporter.recorder import percentile_label
 from warmup_agent import __version__
-from warmup_agent.readiness.runtime import percentile_label
 from warmup_agent.run.timeline import StageTiming
 
 __all__ = ["RunRecord", "StageTiming"]

@@ -1,0 +1,214 @@
+"""Where the agent's stats become metric updates (issue 42), as in vLLM's
+`PrometheusStatLogger.record()` (vllm/v1/metrics/loggers.py).
+
+The driver, readiness and the stages fill the small records below; `Recorder`
+turns each into the gauge, histogram and counter updates it feeds, here and
+nowhere else.  A probe's time to first token, for one, reaches every metric it
+feeds through this module:
+  - `batch(BatchStats)`: warmup_requests_total, warmup_first_token_latency_seconds
+    and warmup_engine_seconds_total{kind} (the driver, per batch of agent traffic);
+  - `decode_window(WindowStats)`: warmup_time_per_output_token_window_seconds
+    (the probe log's decode window, StageContext.probe);
+  - `first_token_window(WindowStats)` and `thresholds(ThresholdStats)`:
+    warmup_first_token_window_seconds, warmup_readiness_threshold_seconds and
+    warmup_readiness_threshold_refits_total (readiness/runtime.py);
+  - `first_request(TaxStats)`: the first-request tax gauges (the ready stage, once
+    the gate opens).
+
+A record carries plain values (numbers, strings, mappings), never an agent
+object: exporter/ imports nothing of the agent's internals
+(tests/test_import_graph.py), so the records are declared here and the agent
+imports them.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only
+    from exporter.metrics import AgentMetrics
+
+
+def percentile_label(q: float) -> str:
+    """0.5 -> "p50", 0.99 -> "p99" (the `percentile` label of the window gauges)."""
+    return f"p{q * 100:g}"
+
+
+# -- agent traffic and the probes ---------------------------------------------------------
+@dataclass(frozen=True)
+class BatchStats:
+    """One call into the engine by the agent (driver.py).  With `first_token_seconds`,
+    a batch of `requests` requests (the slowest first token of the batch); without,
+    a stage's own engine calls, whose engine-seconds alone count."""
+    kind: str
+    engine_seconds: float
+    requests: int = 0
+    first_token_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """A window's quantiles, {0.5: s, 0.9: s, ...}."""
+    quantiles: Mapping[float, float]
+
+
+@dataclass(frozen=True)
+class ThresholdStats:
+    """The readiness thresholds in force, {"p50": s, "p90": s}; `refit`: the adaptive
+    thresholds were just re-fitted."""
+    in_force: Mapping[str, float]
+    refit: bool = False
+
+
+@dataclass(frozen=True)
+class TaxStats:
+    """A first request's figures: its time-to-first-token and whole-answer tax
+    (ratios over the steady level); None: not measured."""
+    ttft_tax: float | None
+    total_tax: float | None
+
+
+# -- the stages -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuId:
+    """The `gpu` and `uuid` labels of a per-GPU gauge."""
+    index: int
+    uuid: str
+
+
+@dataclass(frozen=True)
+class ReserveStats:
+    """reserve: one timed sub-step, or the bytes reserved on a GPU."""
+    step: str | None = None
+    step_seconds: float = 0.0
+    gpu: GpuId | None = None
+    reserved_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """prewarm, loading: the remedy the server was started with, the model's
+    quantization labels, the weights' load rate (bytes over seconds)."""
+    server_remedy: str | None = None
+    quantization: Mapping[str, str] | None = None
+    weight_bytes: int = 0
+    weight_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class WarmupStats:
+    """prewarm, the measured-benefit warmup: its budget, the per-length test's decode
+    ratios and remedy, how many paths ended how ({result: n})."""
+    budget_seconds: float | None = None
+    per_length_ratios: list[float] = field(default_factory=list)
+    per_length_remedy: str | None = None
+    paths: Mapping[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class SolidifyStats:
+    """solidify: why it fell back (its text before the first ":" is the label), the
+    CUDA graphs captured on `gpu`, the GPU utilisation ramp's slope."""
+    fallback_reason: str | None = None
+    gpu: GpuId | None = None
+    cuda_graphs: int | None = None
+    ramp_slope: float | None = None
+
+
+@dataclass(frozen=True)
+class CheckStats:
+    """ready: one validation check's outcome; for the FP8 range check, its ranges
+    ({name: {"checked": n, "saturated": n, "max_error": r}})."""
+    check: str
+    result: str | None = None
+    fp8_ranges: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+
+class Recorder:
+    """Turns the records above into updates of the agent's metrics (`AgentMetrics`)."""
+
+    def __init__(self, metrics: AgentMetrics):
+        self.metrics = metrics
+
+    # -- agent traffic and the probes -------------------------------------------------
+    def batch(self, s: BatchStats) -> None:
+        m = self.metrics
+        if s.first_token_seconds is not None:
+            m.warmup_requests_total.labels(kind=s.kind).inc(s.requests)
+            m.warmup_first_token_latency_seconds.labels(kind=s.kind).observe(s.first_token_seconds)
+        m.warmup_engine_seconds_total.labels(kind=s.kind).inc(s.engine_seconds)
+
+    def decode_window(self, s: WindowStats) -> None:
+        for q, v in s.quantiles.items():
+            self.metrics.warmup_time_per_output_token_window_seconds.labels(percentile=percentile_label(q)).set(v)
+
+    def first_token_window(self, s: WindowStats) -> None:
+        for q, v in s.quantiles.items():
+            self.metrics.warmup_first_token_window_seconds.labels(percentile=percentile_label(q)).set(v)
+
+    def thresholds(self, s: ThresholdStats) -> None:
+        if s.refit:
+            self.metrics.warmup_readiness_threshold_refits_total.inc()
+        for label, v in s.in_force.items():
+            self.metrics.warmup_readiness_threshold_seconds.labels(percentile=label).set(v)
+
+    def first_request(self, s: TaxStats) -> None:
+        """The gate's first probe, standing for the first user request (probes.py)."""
+        if s.ttft_tax is not None:
+            self.metrics.warmup_first_request_tax_ratio.set(s.ttft_tax)
+        if s.total_tax is not None:
+            self.metrics.warmup_first_request_total_tax_ratio.set(s.total_tax)
+
+    def first_user_request(self, s: TaxStats) -> None:
+        """The users' real first request (first_user.py); 0 means "not measured yet"
+        (the alert then reads the predicted figure)."""
+        self.metrics.warmup_first_user_request_tax_ratio.set(s.ttft_tax or 0.0)
+        self.metrics.warmup_first_user_request_total_tax_ratio.set(s.total_tax or 0.0)
+
+    # -- the stages ---------------------------------------------------------------------
+    def reserve(self, s: ReserveStats) -> None:
+        if s.step is not None:
+            self.metrics.warmup_reserve_step_duration_seconds.labels(step=s.step).set(s.step_seconds)
+        if s.gpu is not None and s.reserved_bytes is not None:
+            self.metrics.warmup_gpu_memory_reserved_bytes.labels(gpu=str(s.gpu.index), uuid=s.gpu.uuid).set(
+                s.reserved_bytes)
+
+    def load(self, s: LoadStats) -> None:
+        m = self.metrics
+        if s.server_remedy:
+            m.warmup_server_remedy_applied_info.labels(remedy=s.server_remedy).set(1)
+        if s.quantization is not None:
+            m.warmup_model_quantization_info.info(dict(s.quantization))
+        if s.weight_seconds > 0:
+            m.warmup_weight_load_bytes_per_second.set(s.weight_bytes / s.weight_seconds)
+
+    def warmup(self, s: WarmupStats) -> None:
+        m = self.metrics
+        if s.budget_seconds is not None:
+            m.warmup_budget_seconds.set(s.budget_seconds)
+        if s.per_length_ratios:
+            m.warmup_per_length_decode_ratio.set(min(s.per_length_ratios))
+        if s.per_length_remedy is not None:
+            m.warmup_per_length_remedy_info.labels(remedy=s.per_length_remedy).set(1)
+        for result, n in (s.paths or {}).items():
+            m.warmup_paths.labels(result=result).set(n)
+
+    def solidify(self, s: SolidifyStats) -> None:
+        m = self.metrics
+        if s.fallback_reason:
+            m.warmup_solidify_fallbacks_total.labels(reason=s.fallback_reason.split(":")[0]).inc()
+        if s.gpu is not None and s.cuda_graphs is not None:
+            m.warmup_cuda_graphs.labels(gpu=str(s.gpu.index), uuid=s.gpu.uuid).set(s.cuda_graphs)
+        if s.gpu is not None and s.ramp_slope is not None:
+            m.warmup_gpu_utilization_ramp_slope.labels(gpu=str(s.gpu.index), uuid=s.gpu.uuid).set(s.ramp_slope)
+
+    def check(self, s: CheckStats) -> None:
+        """A validation outcome (with `result`), and/or the FP8 ranges it measured."""
+        m = self.metrics
+        for name, r in s.fp8_ranges.items():
+            m.warmup_fp8_range_checked_values.labels(range=name).set(r["checked"])
+            m.warmup_fp8_range_saturated_values.labels(range=name).set(r["saturated"])
+            m.warmup_fp8_range_roundtrip_error_ratio.labels(range=name).set(r["max_error"])
+        if s.result is not None:
+            m.warmup_validation_checks_total.labels(check=s.check, result=s.result).inc()

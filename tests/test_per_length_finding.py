@@ -11,6 +11,7 @@ import logging
 from types import SimpleNamespace
 
 from exporter.metrics import AgentMetrics
+from exporter.recorder import Recorder
 from warmup_agent.stages.prewarm import _ProfileWarmup, per_length_line, remedy_for
 from warmup_agent.warmup import benefit
 from warmup_agent.warmup.benefit import Call, Path
@@ -29,7 +30,9 @@ def scripted_warmup(fresh: list[Call], controls: list[Call]) -> tuple[_ProfileWa
     `fresh` call and then its control (the same length again) in turn; returns it and
     the lengths it sent, in order."""
     w = object.__new__(_ProfileWarmup)
-    w.ctx = SimpleNamespace(metrics=AgentMetrics(), engine=SimpleNamespace(server_name="transformers serve"))
+    metrics = AgentMetrics()
+    w.ctx = SimpleNamespace(metrics=metrics, recorder=Recorder(metrics),
+                            engine=SimpleNamespace(server_name="transformers serve"))
     w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8)
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
     w.budget = benefit.Budget(0, "none")

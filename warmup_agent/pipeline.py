@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Literal
 
 from exporter.metrics import AgentMetrics
+from exporter.recorder import Recorder
 from warmup_agent import __version__
 from warmup_agent.config import Config
 from warmup_agent.driver import EngineDriver
@@ -72,7 +73,7 @@ class Agent:
         self.memory = MemorySampler()
         # What the stages see and share (stages/context.py); lives as long as the agent.
         self.context = StageContext(cfg, engine, self.driver, self.sm, self.readiness, self.probe_log,
-                                    self.metrics, self.progress)
+                                    Recorder(self.metrics), self.progress)
         self.tracing = tracing.active()   # start-up traces (run/tracing.py); NOOP unless the CLI set one up
         self.run_record = RunRecord(self.context, clock, lambda: self.tracing.trace_id)
         self._boundary = self.started

@@ -6,7 +6,8 @@ nothing else of the Agent.  It carries
   - the collaborators: the configuration (typed sections, `ctx.cfg.prewarm.x`),
     the engine, the engine driver (driver.py: the engine lock, `send`, probe
     prompts), the state machine, readiness, the probe log (readiness/probes.py), the
-    metrics and the progress display;
+    recorder (exporter/recorder.py: the stages fill its stats records, it alone
+    turns them into metrics; no stage sets a metric) and the progress display;
   - the run services the stages call: `checkpoint`, `fail`, `move` and `probe`;
   - the stage outputs: a stage hands later stages (and the run record) what it
     found through these fields and nothing else: no stage sets attributes of
@@ -25,13 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
+from exporter.recorder import WindowStats
 from warmup_agent.errors import AgentFailure
 from warmup_agent.readiness.probes import Probe
-from warmup_agent.readiness.runtime import percentile_label
 from warmup_agent.states import State
 
 if TYPE_CHECKING:  # types only: the sampler and the cache are imported where they are made
-    from exporter.metrics import AgentMetrics
+    from exporter.recorder import Recorder
     from warmup_agent.config import Config
     from warmup_agent.driver import EngineDriver
     from warmup_agent.engines.base import Engine
@@ -54,7 +55,7 @@ class StageContext:
     sm: StateMachine
     readiness: Readiness
     probe_log: ProbeLog
-    metrics: AgentMetrics
+    recorder: Recorder
     progress: Progress
 
     # -- the stage outputs -----------------------------------------------------------
@@ -150,8 +151,7 @@ class StageContext:
         probe = Probe(r.first_token_seconds, r.total_seconds, r.output_tokens, r.prompt_tokens)
         self.record_probe(r.first_token_seconds, probe=probe)
         if self.probe_log.add_decode(probe):
-            for q, v in self.probe_log.decode.quantiles().items():
-                self.metrics.warmup_time_per_output_token_window_seconds.labels(percentile=percentile_label(q)).set(v)
+            self.recorder.decode_window(WindowStats(self.probe_log.decode.quantiles()))
         return r.first_token_seconds
 
     def record_probe(self, ttft: float, kind: str = "probe", probe: Probe | None = None) -> None:

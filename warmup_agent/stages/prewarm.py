@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from exporter.recorder import LoadStats, WarmupStats
 from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
@@ -216,7 +217,7 @@ class _ProfileWarmup:
         seconds, why = benefit.budget_for(ctx.engine.server_start_seconds, pc.budget_ratio, pc.budget_min_seconds,
                                           pc.budget_seconds)
         self.budget = benefit.Budget(seconds, why)
-        ctx.metrics.warmup_budget_seconds.set(seconds)
+        ctx.recorder.warmup(WarmupStats(budget_seconds=seconds))
         self.tol, self.max_calls = pc.converge_tolerance, pc.max_calls_per_path
         self.answer = max(2, min(pc.warm_answer_tokens, profile.max_tokens))
         self.fam0 = probe_family(profile)
@@ -395,12 +396,10 @@ class _ProfileWarmup:
             per_length["server_prefill_ms"] = [[round(pair.first.server_prefill * 1e3, 3),  # type: ignore[operator]
                                                 round(pair.control.server_prefill * 1e3, 3)]  # type: ignore[operator]
                                                for pair in pairs]
-        if ratios:
-            ctx.metrics.warmup_per_length_decode_ratio.set(min(ratios))
-        if pays:
-            remedy = remedy_for(ctx.engine.server_name)
+        remedy = remedy_for(ctx.engine.server_name) if pays else None
+        ctx.recorder.warmup(WarmupStats(per_length_ratios=list(ratios), per_length_remedy=remedy))
+        if remedy is not None:
             per_length["remedy"] = remedy
-            ctx.metrics.warmup_per_length_remedy_info.labels(remedy=remedy).set(1)
             first = [pair.first.ttft / pair.control.ttft for pair in pairs] if per_length["prefill_pays"] else []
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
@@ -461,8 +460,8 @@ class _ProfileWarmup:
         ctx.settle = self.settle
         ctx.decoded_ranges, ctx.profile_lengths = list(self.decoded), list(self.plens)
         counts = Counter(o.result for o in outcomes)
-        for result in ("warm_on_first_call", "converged", "still_improving", "skipped"):
-            ctx.metrics.warmup_paths.labels(result=result).set(counts[result])
+        ctx.recorder.warmup(WarmupStats(paths={result: counts[result] for result in
+                                               ("warm_on_first_call", "converged", "still_improving", "skipped")}))
         skipped = [{"path": o.path.label, "reason": o.reason} for o in outcomes if o.result == "skipped"]
         ctx.warmup_summary = summary = {
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
@@ -513,19 +512,18 @@ def run(ctx: StageContext, detail: dict) -> None:
     if remedy:
         log.info(f"openai.apply_server_remedy: the server was started with {remedy} "
                  f"({engine.server_name} pays per sequence length without it)")
-        ctx.metrics.warmup_server_remedy_applied_info.labels(remedy=remedy).set(1)
+        ctx.recorder.load(LoadStats(server_remedy=remedy))
         detail["server_remedy_applied"] = remedy
     facts = engine.facts()
     ctx.engine_facts = vars(facts)
     quant = engine.quantization     # warmup_agent/quantization/ (issue 16)
     if quant is not None:
-        ctx.metrics.warmup_model_quantization_info.info(quant.labels())
+        ctx.recorder.load(LoadStats(quantization=quant.labels()))
         detail["quantization"] = quant.as_dict()
     report = engine.load_report
     if report is not None:
         detail["weight_load"] = report.as_dict()
-        if report.seconds > 0:
-            ctx.metrics.warmup_weight_load_bytes_per_second.set(report.bytes / report.seconds)
+        ctx.recorder.load(LoadStats(weight_bytes=report.bytes, weight_seconds=report.seconds))
     if engine.skeleton_wait_seconds is not None:
         # the wait for the background import + skeleton: transformers' on that path, torch alone on the native one
         detail["waited_for_skeleton_seconds"] = engine.skeleton_wait_seconds

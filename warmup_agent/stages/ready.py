@@ -16,15 +16,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from exporter.recorder import CheckStats, Recorder, TaxStats
 from warmup_agent.readiness import cold_decode, validation
 from warmup_agent.readiness.probes import FirstRequest, Probe
 from warmup_agent.readiness.window import nearest_rank
 from warmup_agent.stages.context import StageContext
-
-if TYPE_CHECKING:  # types only
-    from exporter.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +98,8 @@ def run(ctx: StageContext, detail: dict) -> None:
                  f"after the probes, a first request at the profile's prompt lengths meets {c['mean_unreached_steps']:g} "
                  f"on average (at most {c['worst_unreached_steps']}, from {c['worst_prompt_tokens']} tokens): "
                  f"whole-answer tax {c['total_tax']:.2f}x exported")
-    if figures is not None and figures.ttft_tax is not None:
-        ctx.metrics.warmup_first_request_tax_ratio.set(figures.ttft_tax)
-    if figures is not None and figures.total_tax is not None:
-        ctx.metrics.warmup_first_request_total_tax_ratio.set(figures.total_tax)
+    if figures is not None:
+        ctx.recorder.first_request(TaxStats(figures.ttft_tax, figures.total_tax))
     detail.update(probes=len(ctx.probe_log.probes), probe_prompt_tokens=ctx.probe_length)
     if cfg.validation.enabled:
         validate(ctx, detail)
@@ -171,11 +167,8 @@ def cold_decode_of(ctx: StageContext) -> Callable[[FirstRequest, list[Probe]], d
     return predict
 
 
-def export_fp8_ranges(metrics: AgentMetrics, check: validation.Check) -> None:
-    for name, r in check.detail.get("ranges", {}).items():
-        metrics.warmup_fp8_range_checked_values.labels(range=name).set(r["checked"])
-        metrics.warmup_fp8_range_saturated_values.labels(range=name).set(r["saturated"])
-        metrics.warmup_fp8_range_roundtrip_error_ratio.labels(range=name).set(r["max_error"])
+def export_fp8_ranges(recorder: Recorder, check: validation.Check) -> None:
+    recorder.check(CheckStats(check.name, fp8_ranges=check.detail.get("ranges", {})))
 
 
 def validate(ctx: StageContext, detail: dict) -> None:
@@ -189,7 +182,7 @@ def validate(ctx: StageContext, detail: dict) -> None:
     def record(c: validation.Check) -> None:
         checks.append(c)
         detail.setdefault("validation", {})[c.name] = {"result": c.result, "message": c.message, **c.detail}
-        ctx.metrics.warmup_validation_checks_total.labels(check=c.name, result=c.result).inc()
+        ctx.recorder.check(CheckStats(c.name, c.result))
         if not c.ok:
             ctx.fail(c.reason, c.message)
 
@@ -200,7 +193,7 @@ def validate(ctx: StageContext, detail: dict) -> None:
         if cfg.validation.fp8_ranges:   # numerics of an FP8 model (seed 003 §3)
             fp8 = validation.check_fp8_ranges(ctx.engine, cfg.validation.fp8_max_saturated_ratio,
                                               cfg.validation.fp8_max_roundtrip_error)
-            export_fp8_ranges(ctx.metrics, fp8)
+            export_fp8_ranges(ctx.recorder, fp8)
             record(fp8)
     # Last: a baseline is recorded only for a model that passed the other two.
     path = cfg.validation.baseline_file

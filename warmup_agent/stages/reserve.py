@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any
 
+from exporter.recorder import GpuId, ReserveStats
 from warmup_agent.gpu import sizing
 from warmup_agent.host import hardware
 from warmup_agent.model.directory import check_model_dir, check_safetensors_header, safetensors_files
@@ -70,12 +71,12 @@ class Steps:
     the warmup_reserve_step_duration_seconds gauge (one clock: perf_counter)."""
 
     def __init__(self, ctx: StageContext, detail: dict):
-        self._gauge = ctx.metrics.warmup_reserve_step_duration_seconds
+        self._recorder = ctx.recorder
         self.seconds = detail.setdefault("steps_seconds", {})
 
     def record(self, name: str, seconds: float) -> None:
         self.seconds[name] = round(seconds, 6)
-        self._gauge.labels(step=name).set(seconds)
+        self._recorder.reserve(ReserveStats(step=name, step_seconds=seconds))
         coldstart("step", "reserve", 1, step=name, duration=round(seconds, 6))
 
     @contextlib.contextmanager
@@ -156,4 +157,4 @@ def run(ctx: StageContext, detail: dict) -> None:
             with step("memory_reserve"):
                 reserved = ctx.engine.reserve_memory(plan.total_bytes)
             detail["reserved_bytes"] = reserved
-            ctx.metrics.warmup_gpu_memory_reserved_bytes.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(reserved)
+            ctx.recorder.reserve(ReserveStats(gpu=GpuId(gpu.index, gpu.uuid), reserved_bytes=reserved))

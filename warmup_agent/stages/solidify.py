@@ -14,6 +14,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from exporter.recorder import GpuId, SolidifyStats
 from warmup_agent.stages.context import StageContext
 
 if TYPE_CHECKING:  # types only: imported where it is opened
@@ -27,7 +28,7 @@ def open_kernel_cache(ctx: StageContext) -> KernelCache | None:
     local tier and restored from the shared tier; None when it cannot be used."""
     try:
         from warmup_agent.kernel_cache import KernelCache
-        cache = KernelCache.from_config(ctx.cfg, ctx.metrics)
+        cache = KernelCache.from_config(ctx.cfg, ctx.recorder.metrics)   # the cache records its own
         os.environ.update(cache.env())
         cache.restore()
         return cache
@@ -67,17 +68,14 @@ def run(ctx: StageContext, detail: dict) -> None:
     if cache is not None:
         detail["kernel_cache"] = "degraded" if cache.degraded else "ok"
     detail.update(method=report.method, shapes=report.shapes, **report.detail)
-    reason = report.detail.get("fallback_reason")
-    if reason:
-        ctx.metrics.warmup_solidify_fallbacks_total.labels(reason=reason.split(":")[0]).inc()
-    gpu = ctx.gpu
-    if gpu is not None:
-        ctx.metrics.warmup_cuda_graphs.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(
-            len(report.detail.get("graphs", [])) + len(report.detail.get("prefill_graphs", [])))
+    gpu = GpuId(ctx.gpu.index, ctx.gpu.uuid) if ctx.gpu is not None else None
+    ctx.recorder.solidify(SolidifyStats(
+        fallback_reason=report.detail.get("fallback_reason"), gpu=gpu,
+        cuda_graphs=len(report.detail.get("graphs", [])) + len(report.detail.get("prefill_graphs", []))))
     ramp = ctx.ramp
     if ramp is not None:
         slope = ramp.stop()
         detail["ramp_samples"] = len(ramp.samples)
         if slope is not None and gpu is not None:
             detail["ramp_slope_per_second"] = slope
-            ctx.metrics.warmup_gpu_utilization_ramp_slope.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(slope)
+            ctx.recorder.solidify(SolidifyStats(gpu=gpu, ramp_slope=slope))

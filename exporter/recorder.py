@@ -139,6 +139,11 @@ class Recorder:
             m.warmup_first_token_latency_seconds.labels(kind=s.kind).observe(s.first_token_seconds)
         m.warmup_engine_seconds_total.labels(kind=s.kind).inc(s.engine_seconds)
 
+    def engine_seconds(self) -> float:
+        """Engine-seconds of all agent traffic so far (every kind), as counted by `batch`."""
+        return sum(s.value for m in self.metrics.warmup_engine_seconds_total.collect()
+                   for s in m.samples if s.name.endswith("_total"))
+
     def decode_window(self, s: WindowStats) -> None:
         for q, v in s.quantiles.items():
             self.metrics.warmup_time_per_output_token_window_seconds.labels(percentile=percentile_label(q)).set(v)

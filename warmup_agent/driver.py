@@ -7,7 +7,8 @@ It owns
   - `send`: one batch of token-id prompts or of traffic-profile requests
     (traffic.WarmRequest), counted as agent traffic in
     warmup_requests_total{kind}, warmup_first_token_latency_seconds{kind} and
-    the engine-seconds behind warmup_cost_ratio;
+    the engine-seconds behind warmup_cost_ratio (a BatchStats record, written by
+    exporter/recorder.py);
   - `busy`: the lock around a stage's own engine calls, with their
     engine-seconds counted too where asked (solidify);
   - probe prompts: a fresh prompt for every probe (an engine with prefix caching
@@ -32,7 +33,6 @@ if TYPE_CHECKING:  # types only
 class EngineDriver:
     def __init__(self, engine: Engine, metrics: AgentMetrics, probe_prompt_length: int):
         self.engine = engine
-        self.metrics = metrics
         #: Where its batches' stats become metrics (exporter/recorder.py).
         self.recorder = Recorder(metrics)
         #: The engine lock (see the module docstring).  An engine that serves users in
@@ -87,8 +87,7 @@ class EngineDriver:
 
     def engine_seconds(self) -> float:
         """Engine-seconds of all agent traffic so far (every kind)."""
-        return sum(s.value for m in self.metrics.warmup_engine_seconds_total.collect()
-                   for s in m.samples if s.name.endswith("_total"))
+        return self.recorder.engine_seconds()
 
     def probe_prompt(self) -> list[int]:
         """A different prompt of readiness.probe_prompt_length tokens for every probe."""

@@ -216,11 +216,12 @@ def test_reserve_step_is_logged(caplog):
     import logging
     from types import SimpleNamespace
 
+    from exporter.recorder import Recorder
     from warmup_agent.stages.reserve import Steps
     metrics = AgentMetrics()
     detail = {}
     with caplog.at_level(logging.INFO, logger="warmup_agent.coldstart"):
-        with Steps(SimpleNamespace(metrics=metrics), detail)("torch_import"):
+        with Steps(SimpleNamespace(recorder=Recorder(metrics)), detail)("torch_import"):
             time.sleep(0.01)
     assert detail["steps_seconds"]["torch_import"] >= 0.01
     assert any("[COLDSTART] phase1 reserve step step=torch_import duration=" in r.getMessage() for r in caplog.records)

@@ -285,11 +285,10 @@ class _ProfileWarmup:
 
     def replay_for(self, length: int, batch: int) -> Callable[[], None] | None:
         """What re-sends the last requests before a control, where a call of `length`
-        tokens, `batch` at once, would not be as good a predecessor: the last ones had a
-        longer prompt or more requests at once (on llama.cpp those cost the next request
-        60-100 ms in its slot, warm or not).  None: no replay needed."""
+        tokens, `batch` at once, would not be as good a predecessor
+        (benefit.harder_predecessor).  None: no replay needed."""
         last = list(self.last)
-        if not last or (len(last) <= batch and max(r.prompt_tokens for r in last) <= length):
+        if not last or not benefit.harder_predecessor(len(last), max(r.prompt_tokens for r in last), batch, length):
             return None
 
         def replay() -> None:
@@ -580,7 +579,7 @@ def warm_shape_grid(ctx: StageContext, lengths: list[int], batches: list[int], d
     ctx.warmed_shapes = [(s.prompt_tokens, s.batch) for s in warmed]
 
     def replay_for(length: int, batch: int) -> Callable[[], None] | None:
-        if not last or (last[0].batch <= batch and last[0].prompt_tokens <= length):
+        if not last or not benefit.harder_predecessor(last[0].batch, last[0].prompt_tokens, batch, length):
             return None
         shape = last[0]
 

@@ -115,6 +115,15 @@ class Controlled:
                 "first_total_ms": round(self.first.total * 1e3, 2), "control_total_ms": round(self.control.total * 1e3, 2)}
 
 
+def harder_predecessor(at_once: int, longest_prompt: int, batch: int, length: int) -> bool:
+    """Whether the last requests (`at_once` of them, the longest prompt `longest_prompt`
+    tokens) are a harder predecessor than a call of `batch` requests of `length` tokens:
+    then a control must follow them again (they are re-sent) to meet what its first met
+    (on llama.cpp a request after a longer one or after concurrent ones pays 60-100 ms in
+    its slot, warm or not)."""
+    return at_once > batch or longest_prompt > length
+
+
 #: Why a path got one call only although its first did not match steady (the record).
 ORDINARY = "its control, sent after the same predecessor, paid the same: the server's ordinary cost, not a cold start"
 

@@ -14,10 +14,7 @@ import difflib
 import keyword
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
-
-import yaml
 
 from warmup_agent import config_sections
 from warmup_agent.config_sections import Sections
@@ -36,15 +33,22 @@ class ConfigError(Exception):
         self.key = key
 
 
-@dataclass(frozen=True)
 class Key:
-    path: str                      # dotted key, e.g. "readiness.p50_threshold_seconds"
-    kind: str                      # str | int | float | bool | int_list | str_or_null
-    default: Any
-    doc: str
-    check: Callable[[Any], bool] | None = None
-    expected: str = ""             # what the check wants, for the error line
-    choices: tuple[str, ...] | None = None
+    """One configuration key.  A plain class, not a dataclass: this module is imported
+    before a supervised server is spawned (server/early_spawn.py), and `dataclasses`
+    (with `inspect`) plus one generated __init__ per class cost tens of milliseconds
+    on that path."""
+    __slots__ = ("path", "kind", "default", "doc", "check", "expected", "choices")
+
+    def __init__(self, path: str, kind: str, default: Any, doc: str, check: Callable[[Any], bool] | None = None,
+                 expected: str = "", choices: tuple[str, ...] | None = None) -> None:
+        self.path = path            # dotted key, e.g. "readiness.p50_threshold_seconds"
+        self.kind = kind            # str | int | float | bool | int_list | str_or_null
+        self.default = default
+        self.doc = doc
+        self.check = check
+        self.expected = expected    # what the check wants, for the error line
+        self.choices = choices
 
     @property
     def env(self) -> str:
@@ -299,17 +303,17 @@ KEYS: tuple[Key, ...] = (
         check=_positive, expected="a number > 0"),
     Key("prewarm.max_calls_per_path", "int", 4, "At most this many calls per warmup path (openai engine: endpoint x family x batch size x prompt length; torch and vllm: per grid shape, or prewarm.requests_per_shape if larger); a path still getting faster then is recorded as still_improving.",
         check=_positive, expected="an integer > 0"),
-    Key("prewarm.warm_answer_tokens", "int", 2, "openai engine: output tokens of a warmup call (2: the fewest that take the decode path); length paths ask for 1 (prefill only), the per-length test for prewarm.per_length_tokens and decode coverage for the profile's longest answer.",
+    Key("prewarm.warm_answer_tokens", "int", 2, "openai engine: output tokens of a warmup call (2: the fewest that take the decode path); the anchor path and the per-length test's probe pair ask for prewarm.per_length_tokens and decode coverage for the profile's longest answer.",
         check=lambda v: v >= 2, expected="an integer >= 2"),
     Key("prewarm.per_length_ratio", "float", 1.5, "openai engine: the server pays per sequence length when decode at two new lengths is slower than steady by more than this factor (then decode_coverage auto covers the profile's lengths, and the finding is logged with its remedy and exported as warmup_per_length_remedy_info).",
         check=lambda v: v >= 1, expected="a number >= 1"),
-    Key("prewarm.per_length_tokens", "int", 8, "openai engine: output tokens of the per-length test's calls (enough to time decode at new sequence lengths against their controls).",
+    Key("prewarm.per_length_tokens", "int", 8, "openai engine: output tokens of the per-length test's calls, the anchor path's and the gate's first probe pair (enough to time decode at new sequence lengths against their controls).",
         check=lambda v: v >= 3, expected="an integer >= 3"),
-    Key("readiness.min_probes_server", "int", 3, "openai engine: probes before the gate may open (instead of min_probes). The first stands for the first user request: the profile's sampling and longest answer, at a profile length no warmup request used; the others, at the same length with fresh prompts, give the steady level.",
+    Key("readiness.min_probes_server", "int", 2, "openai engine: probes before the gate may open (instead of min_probes). The first stands for the first user request: the profile's sampling, at a profile length no warmup request used (the profile's longest answer where decode pays per sequence length); the second is its control, and with the later ones, at the same length with fresh prompts, gives the steady level. 2: the first pair alone, which is also prewarm's per-length test.",
         check=lambda v: v >= 2, expected="an integer >= 2"),
     Key("prewarm.max_output_tokens", "int", 64, "openai engine, without a requests file: the longest answer warmed; each sampling family is sent once per batch size with this many output tokens.",
         check=_positive, expected="an integer > 0"),
-    Key("readiness.probe_max_tokens", "int", 8, "openai engine: output tokens of the readiness probes before SERVING after the first (which asks for the profile's longest answer), so that probes also time decode (time per output token). Probes after SERVING ask for one token: the breaker judges time to first token, and decoding on every watch probe cost a slow server 12 % of its time.",
+    Key("readiness.probe_max_tokens", "int", 8, "openai engine: output tokens of the readiness probes before SERVING (the first asks for the profile's longest answer where decode pays per sequence length), so that probes also time decode (time per output token). Probes after SERVING ask for one token: the breaker judges time to first token, and decoding on every watch probe cost a slow server 12 % of its time.",
         check=_positive, expected="an integer > 0"),
     Key("readiness.require_decode", "bool", True, "openai engine: the gate also waits until decode has converged: the time-per-output-token window holds min_probes samples, its P90 is at most tpot_p90_threshold_seconds, and decode is no longer getting faster (tpot_convergence_ratio)."),
     Key("readiness.tpot_p90_threshold_seconds", "float", 0.5, "Gate on decode: the window's P90 time per output token must be at or under this.",
@@ -437,6 +441,31 @@ class Config(Sections):
         return tree
 
 
+def _env_value(raw: str) -> Any:
+    """An environment override's value, read as YAML (`[1, 4]`, `true`, `0.5`); a value
+    that is not YAML stays the string.  Numbers, booleans, null and plain words skip the
+    YAML import (a start configured by the environment alone spawns its server sooner)."""
+    text = raw.strip()
+    if not text:
+        return None
+    if text in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[text]
+    digits = text[1:] if text.startswith("-") else text
+    if digits.isdigit() and (digits == "0" or not digits.startswith("0")):
+        return int(text)
+    whole, dot, frac = digits.partition(".")
+    if dot and whole.isdigit() and (frac.isdigit() or not frac):
+        return float(text)
+    if (text[0].isalpha() or text[0] == "/") and text.replace("_", "").replace("-", "").replace("/", "").replace(".", "").isalnum() \
+            and text.lower() not in ("yes", "no", "on", "off", "true", "false", "null", "~"):
+        return raw
+    import yaml
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
 def load(path: str | None = None, env: dict[str, str] | None = None,
          flags: dict[str, Any] | None = None) -> Config:
     """Build a Config from defaults, a YAML file, the environment and flags.
@@ -451,6 +480,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None,
                 text = f.read()
         except OSError as e:
             raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+        import yaml  # here, not at the top: a start without a file spawns its server sooner
         try:
             tree = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -476,10 +506,7 @@ def load(path: str | None = None, env: dict[str, str] | None = None,
             close = difflib.get_close_matches(name, list(BY_ENV), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"environment: unknown variable {name}{hint}", name)
-        try:
-            parsed = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            parsed = raw
+        parsed = _env_value(raw)
         if key.kind in ("str", "str_or_null") and parsed is not None:
             parsed = raw  # keep strings verbatim ("0123" stays a string)
         values[key.path] = _coerce(key, parsed, f"environment {name}")
@@ -582,7 +609,7 @@ def _class_name(section: str) -> str:
 
 
 def sections_source() -> str:
-    """warmup_agent/config_sections.py: one frozen dataclass per section of KEYS, and
+    """warmup_agent/config_sections.py: one read-only class per section of KEYS, and
     `Sections`, the typed attributes that Config carries."""
     for k in KEYS:
         leaf = k.path.split(".")[-1]
@@ -590,16 +617,38 @@ def sections_source() -> str:
             raise ValueError(f"key {k.path!r}: {leaf!r} cannot be a Python attribute")
     sections = _sections()
     top = [k for k in keys_by_section() if "." not in k.path]
-    lines = ['"""Typed sections of the configuration: one frozen dataclass per section of',
+    lines = ['"""Typed sections of the configuration: one read-only class per section of',
              "`KEYS`, so that `cfg.readiness.p90_threshold_seconds` is an attribute mypy",
-             "checks.  Config (warmup_agent/config.py) inherits `Sections`.", "",
+             "checks.  Config (warmup_agent/config.py) inherits `Sections`.  Plain classes with",
+             "__slots__, not dataclasses: this module is imported before a supervised server is",
+             "spawned (server/early_spawn.py), where `dataclasses` and 17 generated classes cost",
+             "tens of milliseconds.", "",
              "GENERATED by `python -m warmup_agent.config` from KEYS in warmup_agent/config.py;",
              "do not edit by hand (tests/test_config.py fails when it is stale).", '"""',
-             "from __future__ import annotations", "", "from dataclasses import dataclass", ""]
+             "from __future__ import annotations", "", "from typing import Any", "", "",
+             "class _Section:",
+             '    """Keyword construction with exactly the declared keys; read-only after."""',
+             "    __slots__: tuple[str, ...] = ()", "",
+             "    def __init__(self, **values: Any) -> None:",
+             "        if set(values) != set(self.__slots__):",
+             "            raise TypeError(f\"{type(self).__name__}: keys {sorted(set(values) ^ set(self.__slots__))} "
+             "do not match\")",
+             "        for name, value in values.items():",
+             "            object.__setattr__(self, name, value)", "",
+             "    def __setattr__(self, name: str, value: Any) -> None:",
+             "        raise AttributeError(f\"{type(self).__name__} is read-only\")", "",
+             "    def __repr__(self) -> str:",
+             "        return f\"{type(self).__name__}(\" + \", \".join(f\"{n}={getattr(self, n)!r}\" for n in self.__slots__) + \")\"",
+             "",
+             "    def __eq__(self, other: object) -> bool:",
+             "        return type(other) is type(self) and all(getattr(self, n) == getattr(other, n) for n in self.__slots__)",
+             "",
+             "    __hash__ = None  # type: ignore[assignment]", ""]
     for name, keys in sections.items():
-        lines += ["", "@dataclass(frozen=True)", f"class {_class_name(name)}:",
-                  f'    """`{name}.*` (docs/config.md)."""']
-        lines += [f"    {k.path.split('.', 1)[1]}: {_py_type(k)}" for k in keys]
+        leaves = [k.path.split(".", 1)[1] for k in keys]
+        lines += ["", f"class {_class_name(name)}(_Section):", f'    """`{name}.*` (docs/config.md)."""',
+                  "    __slots__ = (" + ", ".join(f'"{leaf}"' for leaf in leaves) + ("," if len(leaves) == 1 else "") + ")"]
+        lines += [f"    {leaf}: {_py_type(k)}" for leaf, k in zip(leaves, keys, strict=True)]
         lines.append("")
     lines += ["", "class Sections:", '    """The typed attributes of Config, set in its __init__."""']
     lines += [f"    {k.path}: {_py_type(k)}" for k in top]
@@ -624,6 +673,7 @@ def reference_yaml() -> str:
         elif len(parts) == 1:
             section = None
         indent = "  " if len(parts) == 2 else ""
+        import yaml  # the docs only
         default = "null" if k.default is None else yaml.safe_dump(k.default, default_flow_style=True).strip()
         if default.endswith("\n...") or default.endswith("..."):
             default = default.replace("\n...", "").replace("...", "").strip()

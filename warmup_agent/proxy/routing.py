@@ -22,7 +22,8 @@ The stack is asynchronous (aiohttp, client and server, on uvloop where it is
 installed), on its own event loop in its own thread, so that the exporter's
 endpoints (a separate server) keep their own thread.  Where the main engine
 is:
-  - an HTTP server: `UpstreamBackend`, one pooled keep-alive `ClientSession`;
+  - an HTTP server: `UpstreamBackend` (upstream.py), pooled keep-alive connections whose
+    answers' bytes go from the upstream socket's callback to the client's transport;
   - in this process (the torch engine): any `Backend`, handed to `from_config`.
 A client that goes away cancels its upstream request (the upstream connection
 is closed, the local backend's iterator closed); request bodies are bounded
@@ -42,28 +43,24 @@ import socket
 import sys
 import threading
 import time
-import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
-    from aiohttp import ClientSession, web
+    from aiohttp import web
 
     from exporter.metrics import AgentMetrics
     from warmup_agent.config import Config
+
+from warmup_agent.proxy.upstream import HOP as _HOP
+from warmup_agent.proxy.upstream import BackendUnavailable, UpstreamBackend, UpstreamConnection
 
 log = logging.getLogger("warmup_agent.proxy")
 
 POST_PATHS = ("/v1/completions", "/v1/chat/completions")
 GET_PATHS = ("/v1/models",)
 WARMUP_HEADER = "X-Warmup"
-# Hop-by-hop headers (RFC 9110 §7.6.1) are the proxy's own business on each leg.
-_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-        "transfer-encoding", "upgrade", "host", "content-length",
-        "expect"}   # answered by the proxy (100 Continue); the upstream gets the whole body at once
-# Pooled keep-alive connections to one upstream: enough for hundreds of concurrent streams.
-UPSTREAM_CONNECTIONS = 1024
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The last `"completion_tokens": N` of an answer (the usage object ends OpenAI and vLLM
 # answers); a quote inside generated text is escaped, so it cannot match there.
@@ -128,108 +125,10 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-class BackendUnavailable(Exception):
-    """The backend could not take the request (the proxy answers 502 upstream_unavailable)."""
-
-
 # A backend's own timeouts (asyncio.TimeoutError is TimeoutError from 3.11 on), and with
 # the cancel that the sweep or a client that went away sends.
 _TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)
 _CANCELLED_OR_TIMEOUTS: tuple[type[BaseException], ...] = (asyncio.CancelledError, *_TIMEOUTS)
-
-
-class UpstreamBackend:
-    """An OpenAI-compatible server at `url`, over one aiohttp ClientSession whose
-    connector keeps up to UPSTREAM_CONNECTIONS connections alive.  `timeout` bounds the
-    connect (10 s at most); a server that stalls after it is timed out by the proxy's
-    sweep (RoutingProxy._sweep), not by a read timer per chunk."""
-
-    def __init__(self, url: str, timeout: float, connections: int = UPSTREAM_CONNECTIONS):
-        u = urllib.parse.urlsplit(url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
-        self.url, self.timeout, self.connections = url, timeout, connections
-        self.base = url.rstrip("/")
-        self._session: ClientSession | None = None
-
-    def _open(self) -> ClientSession:
-        import aiohttp
-        connector = aiohttp.TCPConnector(limit=self.connections, limit_per_host=0, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False,   # bytes pass through as the server sent them
-            cookie_jar=aiohttp.DummyCookieJar(),          # a proxy keeps no cookies
-            # No header the client did not send: the upstream sees the user's request.
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-            # No read timeout: a timer rescheduled on every chunk costs the relay; the proxy's
-            # sweep (RoutingProxy._sweep) times out a stalled answer instead.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, self.timeout)))
-        return self._session
-
-    async def request(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> BackendResponse:
-        import aiohttp
-        session = self._session or self._open()
-        for attempt in (0, 1):
-            try:
-                resp = await session.request(method, self.base + path, data=body or None, headers=dict(headers),
-                                             allow_redirects=False)
-                break
-            except aiohttp.ServerDisconnectedError:
-                # A pooled keep-alive connection the server closed meanwhile: once more on a fresh one.
-                if attempt == 1:
-                    raise BackendUnavailable("the server closed the connection") from None
-            except _TIMEOUTS:
-                raise
-            except aiohttp.ClientError as e:
-                raise BackendUnavailable(str(e) or type(e).__name__) from None
-        # As the server spelt them (the parsed headers are canonicalised: Content-Type).
-        out: dict[str, str] = {}
-        for raw_key, raw_value in resp.raw_headers:
-            key = raw_key.decode("latin-1")
-            if key.lower() not in _HOP:
-                out[key] = raw_value.decode("latin-1")
-        if resp.headers.get("Content-Length") is not None and "chunked" not in resp.headers.get("Transfer-Encoding", ""):
-            out["Content-Length"] = resp.headers["Content-Length"]
-        return BackendResponse(resp.status, out, _UpstreamBody(resp))
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
-class _UpstreamBody:
-    """An upstream answer's body chunks as they come (an iterator class rather than an async
-    generator: one frame less per chunk).  At its end the connection goes back to the pool;
-    closed before (client gone, stall) the connection is closed: the server sees it."""
-
-    def __init__(self, resp: Any):
-        self.resp = resp
-        self.readany = resp.content.readany
-        self.done = False
-
-    def __aiter__(self) -> _UpstreamBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        import aiohttp
-        try:
-            chunk: bytes = await self.readany()
-        except aiohttp.ClientPayloadError as e:
-            self.resp.close()
-            raise BackendUnavailable(f"the answer broke off: {e}") from None
-        except BaseException:
-            self.resp.close()       # a timeout, or the client went away (cancelled)
-            raise
-        if not chunk:
-            self.done = True
-            self.resp.release()     # the connection goes back to the pool
-            raise StopAsyncIteration
-        return chunk
-
-    async def aclose(self) -> None:
-        if not self.done:
-            self.done = True
-            self.resp.close()
 
 
 # -- the proxy ------------------------------------------------------------------------------
@@ -284,9 +183,9 @@ class RoutingProxy:
         self.metrics = metrics if metrics is not None else agent.metrics
         self.gate = agent.readiness
         self.timeout = timeout_seconds
-        self.main: Backend = (UpstreamBackend(upstream_url, timeout_seconds) if isinstance(upstream_url, str)
+        self.main: Backend | UpstreamBackend = (UpstreamBackend(upstream_url, timeout_seconds) if isinstance(upstream_url, str)
                               else upstream_url)
-        self.fallback: Backend | None = (UpstreamBackend(fallback_url, timeout_seconds) if isinstance(fallback_url, str)
+        self.fallback: Backend | UpstreamBackend | None = (UpstreamBackend(fallback_url, timeout_seconds) if isinstance(fallback_url, str)
                                          else fallback_url)
         self.retry_after_seconds = retry_after_seconds
         self.max_body_bytes = max_body_bytes
@@ -357,9 +256,15 @@ class RoutingProxy:
         over the requests in flight a few times per timeout, instead of a timer per chunk."""
         loop = asyncio.get_running_loop()
         every = min(1.0, max(0.02, self.timeout / 5))
+        idle_at = loop.time() + 5.0
         while True:
             await asyncio.sleep(every)
             now = loop.time()
+            if now >= idle_at:               # idle upstream connections closed after a while
+                idle_at = now + 5.0
+                for b in (self.main, self.fallback):
+                    if isinstance(b, UpstreamBackend):
+                        b.close_idle()
             for w in list(self._watches):
                 if not w.waiting or w.chunks != w.seen:
                     w.seen, w.since = w.chunks, now      # progress, or waiting on the client: not a stall
@@ -465,7 +370,9 @@ class RoutingProxy:
             self._watches.discard(watch)
 
     async def _answer(self, request: web.BaseRequest, method: str, body: bytes, headers: dict[str, str], route: str,
-                      backend: Backend, warmup: bool, t0: float, watch: _Watch) -> web.StreamResponse:
+                      backend: Backend | UpstreamBackend, warmup: bool, t0: float, watch: _Watch) -> web.StreamResponse:
+        if isinstance(backend, UpstreamBackend):
+            return await self._relay_upstream(request, method, body, headers, route, backend, warmup, t0, watch)
         try:
             watch.waiting = True
             try:
@@ -569,6 +476,94 @@ class RoutingProxy:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()     # the work behind it ends (a no-op once the body is done)
+
+    async def _relay_upstream(self, request: web.BaseRequest, method: str, body: bytes, headers: dict[str, str],
+                              route: str, backend: UpstreamBackend, warmup: bool, t0: float,
+                              watch: _Watch) -> web.StreamResponse:
+        """An HTTP upstream's answer, relayed by its connection (upstream.py): the head
+        waits for the first body byte (an upstream that stalls before it is a clean 504);
+        then every byte goes from the upstream connection's callback to the client's
+        transport, while this task waits for the end (or for the client to drain)."""
+        from aiohttp import web
+        conn: UpstreamConnection | None = None
+        resp: web.StreamResponse | None = None
+        first: float | None = None
+        sse = False
+        try:
+            watch.waiting = True
+            try:
+                conn = await backend.open(method, request.path_qs, body, headers)
+                conn.watch = watch
+                await conn.wait_first()
+            finally:
+                watch.waiting = False
+            status = conn.status
+            measured = not warmup and status == 200
+            stream = measured and _is_stream(body)
+            answered = measured and route == "main" and method == "POST"
+            resp = web.StreamResponse(status=status, headers=conn.headers)
+            if conn.length is not None:
+                resp.content_length = conn.length
+            else:
+                resp.enable_chunked_encoding()
+            sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in conn.headers.items())
+            first = conn.first_at
+            self._count(route, status, warmup)
+            await resp.prepare(request)
+            if first is not None and stream:
+                self._first_token(route, first - t0)
+            transport = request.transport
+            if transport is None:
+                raise ConnectionResetError("the client went away")
+            conn.attach(transport, request.protocol, reframe=conn.length is None and not conn.chunked)
+            while True:
+                watch.waiting = True
+                try:
+                    ended = await conn.wait()
+                finally:
+                    watch.waiting = False
+                if ended:
+                    break
+                await request.writer.drain()     # a slow client: the upstream waits meanwhile
+                conn.resume()
+            if first is not None and answered:
+                self._user_answer(first - t0, time.perf_counter() - t0, conn.tail_prev + conn.tail_last)
+            conn.flush()                         # a sized answer's last bytes, once it is recorded
+            await resp.write_eof()
+            return resp
+        except _CANCELLED_OR_TIMEOUTS as e:
+            if isinstance(e, asyncio.CancelledError) and not watch.stalled:
+                raise                        # the client went away: the finally aborts the upstream connection
+            _uncancel(watch)
+            message = f"{route} upstream {_name(backend)} sent nothing for {self.timeout:g} s (proxy.timeout_seconds)"
+            if resp is None:
+                if conn is not None:         # the connect timing out is a 504 too, but no stall
+                    log.warning("%s", message)
+                self._count(route, 504, warmup)
+                return _error(504, "upstream_timeout", message)
+            log.warning("%s", message)
+            if sse and conn is not None and conn.length is None and conn.at_boundary:
+                # Mid-stream: the status is gone; an error event is what OpenAI clients read.
+                await resp.write(b"data: " + _error_body(504, "upstream_timeout", message) + b"\n\n")
+                await resp.write_eof()
+            resp.force_close()
+            _hang_up(request)
+            return resp
+        except (OSError, BackendUnavailable) as e:
+            # A client that went away (a failed write) or an answer that broke off.
+            if isinstance(e, BackendUnavailable):
+                log.warning("%s upstream: %s", route, e)
+                if resp is None:
+                    self._count(route, 502, warmup)
+                    return _error(502, "upstream_unavailable", f"{route} upstream {_name(backend)}: {e}")
+            if resp is None:
+                raise
+            resp.force_close()
+            _hang_up(request)
+            return resp
+        finally:
+            if conn is not None:
+                conn.finish()                # to the pool when it ended cleanly, else aborted
 
     def _first_token(self, route: str, ttft: float) -> None:
         """A user request's time to first token: histogram, and the readiness window."""

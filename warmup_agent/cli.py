@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the CLI imports these lazily: `--help` stays fast and impor
     from warmup_agent.config import Config
     from warmup_agent.engines.base import Engine
     from warmup_agent.pipeline import Agent
-    from warmup_agent.proxy import RoutingProxy
+    from warmup_agent.proxy import ProxyProcess, RoutingProxy
     from warmup_agent.run.progress import Progress
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
@@ -208,7 +208,7 @@ def _make_agent(cfg: Config, engine: Engine, progress: Progress) -> Agent:
 
 
 def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
-                     model_path: str | None) -> tuple[ExporterServer, RoutingProxy | None]:
+                     model_path: str | None) -> tuple[ExporterServer, RoutingProxy | ProxyProcess | None]:
     """The exporter's server (started) and the proxy when proxy.listen asks for one."""
     import logging
 

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from exporter.metrics import AgentMetrics
-    from warmup_agent.config import Config
 
 from warmup_agent.proxy.upstream import HOP as _HOP
 from warmup_agent.proxy.upstream import BackendUnavailable, UpstreamBackend, UpstreamConnection
@@ -177,7 +176,7 @@ class RoutingProxy:
     restored by stop(); from_config sets it where the main engine is an HTTP server."""
 
     def __init__(self, agent: RoutedAgent, upstream_url: str | Backend, fallback_url: str | Backend | None = None,
-                 listen: tuple[str, int] = ("127.0.0.1", 0), metrics: AgentMetrics | None = None,
+                 listen: tuple[str, int] | socket.socket = ("127.0.0.1", 0), metrics: AgentMetrics | None = None,
                  retry_after_seconds: int = 5, timeout_seconds: float = 300.0,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tune_gc: bool = False):
         self.metrics = metrics if metrics is not None else agent.metrics
@@ -195,7 +194,8 @@ class RoutingProxy:
             self._answer_tokens = "output_tokens" in inspect.signature(self.gate.user_answer).parameters
         except (AttributeError, TypeError, ValueError):
             self._answer_tokens = False
-        self.sock = _bind(listen)
+        self.sock = _bind(listen) if isinstance(listen, tuple) else listen   # or a listening socket (process.py)
+        self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
         self.loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.ServerRunner | None = None
@@ -586,32 +586,6 @@ class RoutingProxy:
     def _count(self, route: str, code: int, warmup: bool) -> None:
         if not warmup:
             self.metrics.warmup_proxy_requests_total.labels(route=route, code=str(code)).inc()
-
-
-def from_config(agent: RoutedAgent, cfg: Config, local_backend: Backend | None = None) -> RoutingProxy | None:
-    """The proxy `proxy.*` asks for (None when proxy.listen is empty), not started.
-    The main engine: proxy.upstream_url, else `local_backend` (an engine in this process,
-    e.g. the torch engine's openai_backend()), else openai.url.  Raises ConfigError (one
-    line) for a missing upstream or an address in use."""
-    from warmup_agent.config import ConfigError
-    pc = cfg.proxy
-    if not pc.listen:
-        return None
-    upstream: str | Backend | None = pc.upstream_url or local_backend or cfg.openai.url
-    if not upstream:
-        raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL "
-                          "(proxy.upstream_url, or openai.url with --engine openai)", "proxy.upstream_url")
-    if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
-        raise ConfigError(f"key 'proxy.upstream_url': got {upstream!r}; expected a URL starting with http:// or https://",
-                          "proxy.upstream_url")
-    host, _, port = pc.listen.rpartition(":")
-    try:
-        return RoutingProxy(agent, upstream, pc.fallback_url, (host.strip("[]"), int(port)),
-                            retry_after_seconds=pc.retry_after_seconds, timeout_seconds=pc.timeout_seconds,
-                            max_body_bytes=pc.max_body_bytes, tune_gc=isinstance(upstream, str))
-    except OSError as e:
-        raise ConfigError(f"key 'proxy.listen': cannot listen on {pc.listen}: {e.strerror}",
-                          "proxy.listen") from None
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -1,0 +1,420 @@
+"""The proxy in a process of its own, where the main engine is an HTTP server (issue 41).
+
+In the agent's process the proxy's event loop and the agent's threads (the exporter's
+/readyz and /metrics, the watch probes, the samplers) took turns at one GIL: under
+users' load the pod's endpoints waited behind the relay, and the relay behind every
+/metrics scrape.  Here the agent keeps the listening socket (bound at start-up, so an
+address in use fails at once, and kept across a restart of the child) and runs
+`python -m warmup_agent.proxy.child` with it; the child is an ordinary RoutingProxy
+whose gate and metrics are stand-ins:
+
+  - what the gate says (state, main engine open, the breaker's freeze) is published by
+    the agent into a small shared memory (`SharedGate`) on every change of state, and
+    at least every PUBLISH_SECONDS for the breaker; the child reads it per request;
+  - what the proxy reports (requests by route and code, first-token times, the users'
+    requests and answers, its log records) is batched by the child every
+    FLUSH_SECONDS and sent on a pipe; a thread of the agent applies it to the real
+    metrics and gate, so every exported figure is the same as in process, applied at
+    most FLUSH_SECONDS (plus a read) later.
+
+The child exits when the agent closes its end of a lifeline pipe (stop(), or the agent
+dying); a child that dies is started again on the same socket.  With an engine in the
+agent's process (the torch engine) the proxy stays in process: the engine is there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from warmup_agent.proxy.routing import DEFAULT_MAX_BODY_BYTES, Backend, RoutedAgent, RoutingProxy, _bind
+from warmup_agent.states import State
+
+if TYPE_CHECKING:
+    from warmup_agent.config import Config
+
+log = logging.getLogger("warmup_agent.proxy")
+
+PUBLISH_SECONDS = 0.002
+FLUSH_SECONDS = 0.01
+START_SECONDS = 60.0
+_STATES = [s.name for s in State]
+# A sequence number (odd while a write is under way), then the state's index, whether the
+# main engine is open, the breaker's remaining freeze (< 0: none) and when it was read (monotonic).
+_SEQ = struct.Struct("<q")
+_LAYOUT = struct.Struct("<iidd")
+_SIZE = _SEQ.size + _LAYOUT.size
+
+
+class SharedGate:
+    """The gate's few facts the proxy routes by, in shared memory: one writer (the agent),
+    readers that retry while a write is under way (a sequence lock).  Bytes are copied in
+    whole (slice assignment), never packed in place: struct.pack_into clears a field
+    before it writes it, and a reader saw state INIT for that instant."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.mm = mmap.mmap(fd, _SIZE)
+        self.seq = _SEQ.unpack_from(self.mm, 0)[0]
+
+    @classmethod
+    def create(cls) -> SharedGate:
+        fd = os.memfd_create("warmup-agent-proxy-gate", 0)
+        os.ftruncate(fd, _SIZE)
+        return cls(fd)
+
+    def write(self, state: str, main_open: bool, frozen: float) -> None:
+        data = _LAYOUT.pack(_STATES.index(state), int(main_open), frozen, time.monotonic())
+        mm = self.mm
+        self.seq += 1
+        mm[0:_SEQ.size] = _SEQ.pack(self.seq)        # odd: writing
+        mm[_SEQ.size:_SIZE] = data
+        self.seq += 1
+        mm[0:_SEQ.size] = _SEQ.pack(self.seq)        # even: done
+
+    def read(self) -> tuple[str, bool, float]:
+        mm = self.mm
+        while True:
+            before = mm[0:_SEQ.size]
+            data = mm[_SEQ.size:_SIZE]
+            if before == mm[0:_SEQ.size] and not _SEQ.unpack(before)[0] & 1:
+                break
+        state, main_open, frozen, at = _LAYOUT.unpack(data)
+        if frozen >= 0:
+            frozen = max(0.0, frozen - (time.monotonic() - at))
+        return _STATES[state], bool(main_open), frozen
+
+
+class ProxyProcess:
+    """RoutingProxy's life cycle (start, stop, host, port, main_name) for a proxy that
+    runs in a child process; `agent` is the real one (its gate and metrics)."""
+
+    def __init__(self, agent: RoutedAgent, upstream_url: str, fallback_url: str | None = None,
+                 listen: tuple[str, int] = ("127.0.0.1", 0), retry_after_seconds: int = 5,
+                 timeout_seconds: float = 300.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.gate, self.metrics = agent.readiness, agent.metrics
+        self.main_name = upstream_url
+        self.sock = _bind(listen)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.settings = {"upstream": upstream_url, "fallback": fallback_url, "retry_after_seconds": retry_after_seconds,
+                         "timeout_seconds": timeout_seconds, "max_body_bytes": max_body_bytes}
+        self.shared = SharedGate.create()
+        import inspect
+        try:
+            self._answer_tokens = "output_tokens" in inspect.signature(self.gate.user_answer).parameters
+        except (AttributeError, TypeError, ValueError):
+            self._answer_tokens = False
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._lifeline: int | None = None
+        self._stopping = threading.Event()
+        self._changed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> ProxyProcess:
+        self._publish()
+        sm = getattr(self.gate, "sm", None)
+        if sm is not None and hasattr(sm, "on_change"):
+            sm.on_change(lambda _was, _now: self._changed.set())   # a new state reaches the child at once
+        events = self._spawn()
+        self._threads = [threading.Thread(target=self._publisher, name="proxy-gate", daemon=True),
+                         threading.Thread(target=self._reader, args=(events,), name="proxy-events", daemon=True)]
+        for t in self._threads:
+            t.start()
+        log.info("routing proxy on %s:%d (process %d) -> main %s, fallback %s", self.host, self.port,
+                 self.proc.pid if self.proc else -1, self.main_name,
+                 self.settings["fallback"] or "none (503 while not SERVING)")
+        return self
+
+    def _spawn(self) -> Any:
+        ev_r, ev_w = os.pipe()
+        life_r, life_w = os.pipe()
+        args = {**self.settings, "sock": self.sock.fileno(), "gate": self.shared.fd, "events": ev_w,
+                "lifeline": life_r, "log_level": logging.getLogger().getEffectiveLevel()}
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "warmup_agent.proxy.child", json.dumps(args)],
+                                         pass_fds=(self.sock.fileno(), self.shared.fd, ev_w, life_r),
+                                         stdin=subprocess.DEVNULL)
+        finally:
+            os.close(ev_w)
+            os.close(life_r)
+        self._lifeline = life_w
+        events = os.fdopen(ev_r, "rb")
+        ready, _, _ = select.select([events], [], [], START_SECONDS)
+        line = events.readline() if ready else b""
+        if not line.startswith(b'{"ready"'):
+            events.close()
+            self._end_child()
+            raise RuntimeError(f"the proxy process did not start (exit code {self.proc.poll()})")
+        return events
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._changed.set()
+        self._end_child()
+        for t in self._threads:
+            t.join(10)
+        self.sock.close()
+
+    def _end_child(self) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)     # the child sees EOF and stops
+            self._lifeline = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    # -- the agent's side ------------------------------------------------------------------------
+    def _publish(self) -> None:
+        frozen = self.gate.retry_after(-1.0) if self.gate.state_name == "DEGRADED" else -1.0
+        self.shared.write(self.gate.state_name, self.gate.main_open(), frozen)
+
+    def _publisher(self) -> None:
+        while not self._stopping.is_set():
+            self._changed.wait(PUBLISH_SECONDS)
+            self._changed.clear()
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - keep publishing
+                log.exception("proxy: publishing the gate failed")
+
+    def _reader(self, events: Any) -> None:
+        while True:
+            for line in events:
+                try:
+                    self._apply(json.loads(line))
+                except Exception:  # noqa: BLE001 - one bad batch must not stop the figures
+                    log.exception("proxy: applying the proxy process's report failed")
+            events.close()
+            if self._stopping.is_set():
+                return
+            code = self.proc.wait() if self.proc is not None else None
+            log.error("the proxy process exited (code %s); starting it again on %s:%d", code, self.host, self.port)
+            time.sleep(1.0)
+            if self._stopping.is_set():
+                return
+            try:
+                if self._lifeline is not None:
+                    os.close(self._lifeline)
+                    self._lifeline = None
+                events = self._spawn()
+            except Exception:  # noqa: BLE001 - tried again after a second
+                log.exception("proxy: restarting the proxy process failed")
+                events = open(os.devnull, "rb")
+
+    def _apply(self, batch: dict) -> None:
+        m, gate = self.metrics, self.gate
+        for _ in range(batch.get("u", 0)):
+            gate.user_request()
+        for route, code, n in batch.get("c", ()):
+            m.warmup_proxy_requests_total.labels(route=route, code=code).inc(n)
+        for route, ttft in batch.get("f", ()):
+            m.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
+        for ttft in batch.get("o", ()):
+            gate.observe(ttft)
+        for ttft, total, tokens in batch.get("a", ()):
+            try:
+                if self._answer_tokens:
+                    gate.user_answer(ttft, total, output_tokens=tokens)  # type: ignore[call-arg]
+                else:
+                    gate.user_answer(ttft, total)
+            except Exception:  # noqa: BLE001 - as in process
+                log.exception("gate.user_answer failed")
+        for level, name, message in batch.get("l", ()):
+            logging.getLogger(name).log(level, "%s", message)
+
+
+# -- the child's side ------------------------------------------------------------------------------
+
+class _Report:
+    """What the child's proxy reports, until the next flush."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.u = 0
+        self.c: dict[tuple[str, str], int] = {}
+        self.f: list[tuple[str, float]] = []
+        self.o: list[float] = []
+        self.a: list[tuple[float, float, int | None]] = []
+        self.logs: list[tuple[int, str, str]] = []
+
+    def take(self) -> bytes | None:
+        if not (self.u or self.c or self.f or self.o or self.a or self.logs):
+            return None
+        logs, self.logs = self.logs, []
+        batch = {"u": self.u, "c": [[r, c, n] for (r, c), n in self.c.items()], "f": self.f, "o": self.o, "a": self.a,
+                 "l": logs}
+        self.u, self.c, self.f, self.o, self.a = 0, {}, [], [], []
+        return json.dumps(batch).encode() + b"\n"
+
+
+class _ChildGate:
+    """The Gate as the child sees it: routing facts from SharedGate, reports to _Report."""
+
+    def __init__(self, shared: SharedGate, report: _Report):
+        self.shared, self.report = shared, report
+
+    @property
+    def state_name(self) -> str:
+        return self.shared.read()[0]
+
+    def main_open(self) -> bool:
+        return self.shared.read()[1]
+
+    def retry_after(self, default: float) -> float:
+        frozen = self.shared.read()[2]
+        return frozen if frozen > 0 else default
+
+    def user_request(self) -> None:
+        self.report.u += 1
+
+    def observe(self, ttft: float) -> None:
+        self.report.o.append(ttft)
+
+    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
+        self.report.a.append((ttft, total, output_tokens))
+
+
+class _Counter:
+    def __init__(self, report: _Report, key: tuple[str, str]):
+        self.report, self.key = report, key
+
+    def inc(self, n: int = 1) -> None:
+        self.report.c[self.key] = self.report.c.get(self.key, 0) + n
+
+
+class _Histogram:
+    def __init__(self, report: _Report, route: str):
+        self.report, self.route = report, route
+
+    def observe(self, value: float) -> None:
+        self.report.f.append((self.route, value))
+
+
+class _Family:
+    def __init__(self, make: Any):
+        self.make = make
+        self.children: dict[tuple, Any] = {}
+
+    def labels(self, **labels: str) -> Any:
+        key = tuple(sorted(labels.items()))
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = self.make(**labels)
+        return child
+
+
+class _ChildMetrics:
+    """The two proxy metrics, as the proxy uses them, reported to the agent."""
+
+    def __init__(self, report: _Report):
+        self.warmup_proxy_requests_total = _Family(lambda route, code: _Counter(report, (route, code)))
+        self.warmup_proxy_first_token_seconds = _Family(lambda route: _Histogram(report, route))
+
+
+class _ChildAgent:
+    def __init__(self, shared: SharedGate, report: _Report):
+        self.readiness = _ChildGate(shared, report)
+        self.metrics = _ChildMetrics(report)
+
+
+class _LogToReport(logging.Handler):
+    def __init__(self, report: _Report):
+        super().__init__()
+        self.report = report
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            if record.exc_info:
+                message += "\n" + logging.Formatter().formatException(record.exc_info)
+            self.report.logs.append((record.levelno, record.name, message))
+        except Exception:  # noqa: BLE001 - logging must not fail the proxy
+            self.handleError(record)
+
+
+def child_main(args: dict) -> int:
+    import asyncio
+    import socket
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's Ctrl-C is the agent's to handle
+    report = _Report()
+    root = logging.getLogger()
+    root.handlers[:] = [_LogToReport(report)]
+    root.setLevel(args["log_level"])
+    sock = socket.socket(fileno=args["sock"])
+    shared = SharedGate(args["gate"])
+    proxy = RoutingProxy(_ChildAgent(shared, report), args["upstream"], args["fallback"], listen=sock,  # type: ignore[arg-type]
+                         retry_after_seconds=args["retry_after_seconds"], timeout_seconds=args["timeout_seconds"],
+                         max_body_bytes=args["max_body_bytes"], tune_gc=True)
+    proxy.start()
+    loop = proxy.loop
+    assert loop is not None
+    events = args["events"]
+
+    def write(data: bytes) -> None:
+        # Blocking, and small (one batch per FLUSH_SECONDS): the agent's reader thread does nothing else.
+        view = memoryview(data)
+        while view:
+            view = view[os.write(events, view):]
+
+    async def flusher() -> None:
+        write(b'{"ready": true}\n')
+        while True:
+            await asyncio.sleep(FLUSH_SECONDS)
+            if (data := report.take()) is not None:
+                write(data)
+
+    asyncio.run_coroutine_threadsafe(flusher(), loop)
+    while os.read(args["lifeline"], 1):      # until the agent closes it (or dies)
+        pass
+    proxy.stop()                              # in-flight requests answered or cancelled, their reports taken
+    if (data := report.take()) is not None:
+        write(data)
+    return 0
+
+
+def from_config(agent: RoutedAgent, cfg: Config, local_backend: Backend | None = None) -> RoutingProxy | ProxyProcess | None:
+    """The proxy `proxy.*` asks for (None when proxy.listen is empty), not started.
+    The main engine: proxy.upstream_url, else `local_backend` (an engine in this process,
+    e.g. the torch engine's openai_backend()), else openai.url.  An HTTP main engine
+    gets a proxy process of its own (ProxyProcess); an engine in this process, a proxy
+    in this process.  Raises ConfigError (one line) for a missing upstream or an
+    address in use."""
+    from warmup_agent.config import ConfigError
+    pc = cfg.proxy
+    if not pc.listen:
+        return None
+    upstream: str | Backend | None = pc.upstream_url or local_backend or cfg.openai.url
+    if not upstream:
+        raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL "
+                          "(proxy.upstream_url, or openai.url with --engine openai)", "proxy.upstream_url")
+    if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
+        raise ConfigError(f"key 'proxy.upstream_url': got {upstream!r}; expected a URL starting with http:// or https://",
+                          "proxy.upstream_url")
+    host, _, port = pc.listen.rpartition(":")
+    listen = (host.strip("[]"), int(port))
+    try:
+        if isinstance(upstream, str):
+            return ProxyProcess(agent, upstream, pc.fallback_url, listen, retry_after_seconds=pc.retry_after_seconds,
+                                timeout_seconds=pc.timeout_seconds, max_body_bytes=pc.max_body_bytes)
+        return RoutingProxy(agent, upstream, pc.fallback_url, listen,
+                            retry_after_seconds=pc.retry_after_seconds, timeout_seconds=pc.timeout_seconds,
+                            max_body_bytes=pc.max_body_bytes)
+    except OSError as e:
+        raise ConfigError(f"key 'proxy.listen': cannot listen on {pc.listen}: {e.strerror}",
+                          "proxy.listen") from None
+

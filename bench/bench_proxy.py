@@ -561,7 +561,8 @@ def main() -> int:
                      "seconds_per_cell": args.seconds, "warmup_seconds_per_cell": args.warmup_seconds,
                      "reps": args.reps, "levels": levels, "modes": modes, "targets": targets,
                      "nginx": "1 worker, proxy_buffering off, proxy_http_version 1.1, upstream keepalive 512",
-                     "proxy": "warmup-agent run --engine openai --proxy-listen (openai.url = the stand-in)",
+                     "proxy": "warmup-agent run --engine openai --proxy-listen (openai.url = the stand-in); the proxy "
+                              "runs in its own process (warmup_agent/proxy/process.py), its CPU counted with the agent's",
                      "uvloop": _has_uvloop()},
         "machine_load": {"loadavg_before": [round(x, 2) for x in load_before],
                          "loadavg_after": [round(x, 2) for x in os.getloadavg()],

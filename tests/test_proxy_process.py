@@ -36,8 +36,7 @@ def test_from_config_runs_an_http_main_engine_in_a_process_and_a_local_one_in_pr
     env = {"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0", "WARMUP_AGENT_PROXY_UPSTREAM_URL": standin.url}
     proxy = from_config(agent, config.load(env=env))
     assert isinstance(proxy, ProxyProcess)
-    proxy.sock.close()
-    proxy.shared.mm.close()
+    proxy.stop()                  # never started: the socket and the shared memory are released
 
     class Local:
         async def request(self, *a):

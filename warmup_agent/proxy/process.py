@@ -81,6 +81,10 @@ class SharedGate:
         self.seq += 1
         mm[0:_SEQ.size] = _SEQ.pack(self.seq)        # even: done
 
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.fd)
+
     def read(self) -> tuple[str, bool, float]:
         mm = self.mm
         while True:
@@ -164,6 +168,7 @@ class ProxyProcess:
         for t in self._threads:
             t.join(10)
         self.sock.close()
+        self.shared.close()
 
     def _end_child(self) -> None:
         if self._lifeline is not None:

@@ -18,10 +18,10 @@ probes use), so real traffic feeds the breaker; every user request the main
 engine answers with 200 (streamed or not) is reported to the gate as
 `user_answer(ttft, total)`: the users' real first request.
 
-The stack is asynchronous (aiohttp, client and server, on uvloop where it is
-installed), on its own event loop in its own thread, so that the exporter's
-endpoints (a separate server) keep their own thread.  Where the main engine
-is:
+The stack is asynchronous (aiohttp's server, on uvloop where it is installed), on its
+own event loop in its own thread; where the main engine is an HTTP server that thread
+is in a process of its own (process.py), so that the relay and the agent's exporter
+(/readyz, /metrics) never wait for one GIL.  Where the main engine is:
   - an HTTP server: `UpstreamBackend` (upstream.py), pooled keep-alive connections whose
     answers' bytes go from the upstream socket's callback to the client's transport;
   - in this process (the torch engine): any `Backend`, handed to `from_config`.

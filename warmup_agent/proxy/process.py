@@ -9,8 +9,9 @@ address in use fails at once, and kept across a restart of the child) and runs
 whose gate and metrics are stand-ins:
 
   - what the gate says (state, main engine open, the breaker's freeze) is published by
-    the agent into a small shared memory (`SharedGate`) on every change of state, and
-    at least every PUBLISH_SECONDS for the breaker; the child reads it per request;
+    the agent into a small shared memory (`SharedGate`) on every change of state (every
+    breaker step is one), and at least every PUBLISH_SECONDS; the child reads it per
+    request;
   - what the proxy reports (requests by route and code, first-token times, the users'
     requests and answers, its log records) is batched by the child every
     FLUSH_SECONDS and sent on a pipe; a thread of the agent applies it to the real
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("warmup_agent.proxy")
 
-PUBLISH_SECONDS = 0.002
+PUBLISH_SECONDS = 0.02        # a backstop: every change of state is published at once (sm.on_change)
 FLUSH_SECONDS = 0.01
 START_SECONDS = 60.0
 _STATES = [s.name for s in State]

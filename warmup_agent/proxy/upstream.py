@@ -85,7 +85,8 @@ class UpstreamBackend:
         if body or method == "POST":
             lines.append(f"Content-Length: {len(body)}\r\n")
         lines.append("\r\n")
-        return "".join(lines).encode("latin-1")
+        # As aiohttp's parser decoded them (UTF-8, undecodable bytes kept as surrogates): the bytes the client sent.
+        return "".join(lines).encode("utf-8", "surrogateescape")
 
     async def open(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamConnection:
         """Send the request; return the connection once the answer's head has come (its

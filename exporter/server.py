@@ -99,8 +99,12 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
-        for _ in range(self.workers):
-            self._queue.put(None)
+        # A bind that fails (port in use) closes the server before server_activate
+        # ran: there are no workers to stop then.
+        queue = self.__dict__.get("_queue")
+        if queue is not None:
+            for _ in range(self.workers):
+                queue.put(None)
 
     def finish_request(self, request: Any, client_address: Any) -> Any:
         # The TLS handshake runs here, in the connection's own thread: wrapping the

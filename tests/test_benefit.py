@@ -136,6 +136,7 @@ def test_pays_per_length_needs_every_new_length_slower_than_its_control():
     assert benefit.pays_per_length(mixed, 1.5)[0] is False
     one_token = [benefit.Controlled(Call(0.03, 0.03, 1), Call(0.03, 0.03, 1))]
     assert benefit.pays_per_length(one_token, 1.5) == (False, [])
+    assert benefit.pays_per_length(slow[:1], 1.5) == (False, [3.0])       # one slow pair alone is not enough
 
 
 def test_prefill_is_cold_only_beyond_its_control_and_the_server_clock_decides_where_there_is_one():

@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import ROOT, agent_cmd
 from tests.helpers import llamacpp_server as ls
 from tests.helpers.servers import free_port, http_get, wait_until
-from tests.helpers.warmup_record import controlled_tax, exported_pair, requests_in_record
+from tests.helpers.warmup_record import controlled_tax, controlled_total_tax, exported_pair, requests_in_record
 from tools import build_llama_server as build
 
 # The fixture may have to build llama-server first: 38 min on 2 busy cores, about 11 on idle ones.
@@ -109,9 +109,13 @@ def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_dra
     first = exported_pair(ready, prewarm)
     assert record["first_request_seconds"] == ttfts[first] > 0
     assert record["first_request_tax_ratio"] == pytest.approx(controlled_tax(ttfts, first), rel=1e-12)
-    # every probe answers 4 tokens (llama-server honours ignore_eos): whole answers compare directly
-    assert record["first_request_output_tokens"] == 4
-    assert record["first_probe_total_tax_ratio"] == pytest.approx(controlled_tax(totals, first), rel=1e-12)
+    # llama-server honours ignore_eos: the first pair (prewarm's per-length test) answers
+    # prewarm.per_length_tokens (8) tokens, the gate's other probes 4
+    pairs = len(ready["first_probe_pairs"])
+    tokens = [8, 8] + [4] * (len(ttfts) - 2)
+    assert record["first_request_output_tokens"] == tokens[first] and pairs >= 1
+    assert record["first_probe_total_tax_ratio"] == pytest.approx(controlled_total_tax(ttfts, totals, tokens, first),
+                                                                  rel=1e-9)
     cold_decode = record["first_request_cold_decode"]
     assert record["first_request_total_tax_ratio"] == (
         cold_decode["total_tax"] if cold_decode else record["first_probe_total_tax_ratio"])
@@ -170,15 +174,16 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
         p = paths[f"chat/sampled/batch1/len{n}"]
         assert p["result"] == "skipped" and p["calls"] == 0 and p["reason"] == reason, p
     # every request the warmup sent is a path's (the anchor, the greedy family: a first call and
-    # its control each), the per-length test's (each fresh length, then again as its control,
-    # one at a time), a replayed predecessor's or the settle wave's
+    # its control each), a replayed predecessor's or the settle wave's; the per-length test's
+    # fresh length is the gate's first probe pair (probes, not warmup requests)
     warmup = prewarm["warmup"]
     assert all(p["calls"] == 2 for n, p in paths.items() if n not in ("chat/sampled/batch1/len16", "chat/sampled/batch1/len24"))
     assert warmup["settle_requests"] == warmup["at_once"] >= 1
+    assert per_length["lengths"] == [warmup["probe_length"]] and per_length["probe_pair"]
     assert prewarm["requests"] == requests_in_record(prewarm)
-    # `requests` counts the sends: each path call, the per-length test's two calls and
-    # its replays, the settle wave (one send of as many as the server takes at once)
-    assert warmup["requests"] == sum(p["calls"] for p in paths.values()) + 2 + per_length["replays"] + 1
+    # `requests` counts the sends: each path call, each replay, the settle wave (one send
+    # of as many as the server takes at once)
+    assert warmup["requests"] == sum(p["calls"] for p in paths.values()) + warmup["replays"] + 1
 
 
 def _fake(bin_dir, name: str, script: str) -> None:

@@ -88,7 +88,7 @@ def test_reaches_serving_after_asking_what_the_server_answers(served):
     assert all(p["result"] in ("warm_on_first_call", "converged", "still_improving") and p["calls"] >= 1
                for p in paths.values())
     # every request sent is in the record: the paths' calls (batch 2 sends 2 at once),
-    # the per-length test's two lengths and their controls, the decode-coverage tiles,
+    # the decode-coverage tiles (the per-length test's fresh length is the first probe pair),
     # the predecessors replayed before controls and the settle waves (prewarm's, and the
     # ready stage's before SERVING)
     warmup = detail["warmup"]
@@ -142,7 +142,8 @@ def test_prompts_have_exact_token_lengths_by_the_models_own_template(served, emb
     # waves' short prompts and the probes'
     warmup = agent_warmup(served)
     probe_len = warmup["probe_length"]
-    assert probe_len not in set(LENGTHS) | set(warmup["per_length"]["lengths"])    # a length no warmup used
+    assert probe_len not in set(LENGTHS)                # a length no warmup used
+    assert warmup["per_length"]["lengths"] == [probe_len]   # the per-length test's fresh length is the probes'
     assert chat and set(chat) <= (set(LENGTHS) | {probe_len} | set(warmup["per_length"]["lengths"])
                                   | set(warmup["decode_coverage"]["tiles"]) | {prewarm.SETTLE_PROMPT_TOKENS})
     assert probe_len in chat                          # probes are chat requests
@@ -165,22 +166,32 @@ def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_t
     replayed = sum(p["replayed_requests"] for p in ready_detail["first_probe_pairs"])
     short = (prewarm.SETTLE_PROMPT_TOKENS, prewarm.SETTLE_PROMPT_TOKENS + 1)
     assert settle == agent.engine.concurrency and wire[-settle:] == [short] * settle
-    gate = wire[-(probes + replayed + settle):-settle]
-    probe = (ctx.probe_length, ctx.probe_length + 4)
-    assert [gate[0]] + gate[1 + replayed:] == [probe] * probes
-    assert probe not in gate[1:1 + replayed]
-    warmup = wire[:-(probes + replayed + settle)] + gate[1:1 + replayed] + wire[-settle:]
+    pays = agent_warmup(served)["per_length"]["pays"]
+    if pays:
+        # (rare on the CPU) the gate's pair is a new one after decode coverage: every probe,
+        # the discarded pair's too, is at the probes' length, and none is a warmup range
+        assert sum(1 for n, _ in wire if n == ctx.probe_length) == probes
+        assert all(a != ctx.probe_length for a, _ in ctx.decoded_ranges)
+    else:
+        gate = wire[-(probes + replayed + settle):-settle]
+        # the first pair (prewarm's per-length test) answers prewarm.per_length_tokens, the
+        # probes after it readiness.probe_max_tokens (4 here)
+        pair = (ctx.probe_length, ctx.probe_length + ctx.cfg.prewarm.per_length_tokens)
+        expected = [pair, pair] + [(ctx.probe_length, ctx.probe_length + 4)] * (probes - 2)
+        assert [gate[0]] + gate[1 + replayed:] == expected
+        assert not set(expected) & set(gate[1:1 + replayed])
+        warmup = wire[:-(probes + replayed + settle)] + gate[1:1 + replayed] + wire[-settle:]
+        assert sorted(set(warmup)) == sorted(set(ctx.decoded_ranges))     # batch 2 sends a range twice
     assert short in ctx.decoded_ranges                                        # prewarm's settle wave
-    assert sorted(set(warmup)) == sorted(set(ctx.decoded_ranges))     # batch 2 sends a range twice
     assert ctx.profile_lengths == LENGTHS
     # The prediction is wired exactly where the per-length test found that decode pays.
     predict = ready.cold_decode_of(ctx)
-    pays = agent_warmup(served)["per_length"]["pays"]
     assert (predict is not None) == pays
     record = agent.record()
     assert (record["first_request_cold_decode"] is not None) <= pays
     # the exported pair's first probe's whole answer less its control's, over the steady whole answer
-    totals = agent.probe_totals[:ready_detail["probes"]]
+    gate = len(agent.probe_log.gate_probes)     # after a discarded first pair (pays), the gate's own
+    totals = agent.probe_totals[ready_detail["probes"] - gate:ready_detail["probes"]]
     first = exported_pair(ready_detail, agent.stages[1].detail)
     assert record["first_probe_total_tax_ratio"] == pytest.approx(controlled_tax(totals, first), rel=1e-12)
 
@@ -194,13 +205,13 @@ def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
     reg = agent.metrics.registry
     tpots = agent.tpot_window.values()
     gate = agent.stages[-1].detail["probes"]
-    assert len(tpots) == len(agent.probes) == gate >= 3
+    assert len(tpots) == len(agent.probes) == gate >= 2
     for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
         exact = float(np.quantile(np.array(tpots), q, method="inverted_cdf"))
         assert reg.get_sample_value("warmup_time_per_output_token_window_seconds", {"percentile": label}) == exact
     totals = agent.probe_totals[:gate]
-    # first and later probes both answered 4 tokens here: whole answers compare directly,
-    # the exported pair's first probe's less its control's, over the median of the probes
+    # the first pair and any later probes each answered as many tokens as the others of its kind:
+    # whole answers compare directly, the exported pair's first probe's less its control's, over the median of the probes
     # after that first; unless decode read "pays per length" on the shared cores (then the
     # prediction is exported)
     predicted = agent.probe_log.figures.cold_decode
@@ -381,16 +392,23 @@ def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path
         agent.stop()
         assert state == State.SERVING, (agent.sm.failure_reason, agent.sm.failure_message)
         detail = agent.stages[1].detail
-        assert detail["paths"] and all(p["result"] == "skipped" and p["reason"] == "budget" and p["calls"] == 0
-                                       for p in detail["paths"])
-        # no path and no per-length test sent; the only warmup requests are the settle waves
-        # (one short request per server slot, after the warmup and again before SERVING) and
-        # any replay of the last one before the first probe's control, all in the record
+        # every path skipped for the budget; the profile's other length is skipped with what
+        # the per-length test (the gate's first probe pair, sent whatever the budget) said
+        per_length = detail["warmup"]["per_length"]
+        short = [p for p in detail["paths"] if p["path"].endswith(f"/len{min(LENGTHS)}")]
+        assert len(short) == 1 and short[0]["reason"] == prewarm.length_skip_reason(per_length) is not None
+        assert all(p["result"] == "skipped" and p["reason"] == "budget" and p["calls"] == 0
+                   for p in detail["paths"] if p not in short)
+        assert short[0]["calls"] == 0 and len(detail["paths"]) > 1
+        # no path sent; the only warmup requests are the settle waves (one short request per
+        # server slot, after the warmup and again before SERVING) and any replay of the last
+        # one before the first probe's control, all in the record
         ready = agent.stages[-1].detail
         replayed = sum(p["replayed_requests"] for p in ready["first_probe_pairs"])
         assert detail["warmup"]["settle_requests"] == ready["settle_requests"] == eng.concurrency
         assert agent.warmup_requests == requests_in_record(detail, ready) == 2 * eng.concurrency + replayed
-        assert not detail["warmup"]["per_length"]["tested"]
+        # no anchor pair: the probe pair alone, which cannot say that decode pays per length
+        assert per_length["tested"] and not per_length["anchor_pair"] and per_length["pays"] is False
         assert detail["warmup"]["budget"]["exhausted"] is True
         assert any("warmup budget" in r.getMessage() and "not warmed" in r.getMessage() for r in caplog.records)
         assert len(agent.probes) >= cfg["readiness.min_probes_server"]

@@ -26,26 +26,31 @@ def test_the_line_names_the_first_tokens_only_when_given():
 
 
 def scripted_warmup(fresh: list[Call], controls: list[Call]) -> tuple[_ProfileWarmup, list[int]]:
-    """A _ProfileWarmup past its anchor (310 tokens), whose per-length test gets each
-    `fresh` call and then its control (the same length again) in turn; returns it and
-    the lengths it sent, in order."""
+    """A _ProfileWarmup whose per-length test gets each `fresh` call and then its control
+    (the same length again) in turn: with two, the first pair is the anchor path's first
+    call and its control, the second the gate's first probe pair (StageContext.probe_pair,
+    scripted here); with one, the probe pair alone (no anchor pair).  Returns it and the
+    prompt lengths of the probe pair, in order."""
     w = object.__new__(_ProfileWarmup)
     metrics = AgentMetrics()
-    w.ctx = SimpleNamespace(metrics=metrics, recorder=Recorder(metrics),
-                            engine=SimpleNamespace(server_name="transformers serve"))
+    sent: list[int] = []
+    pairs = list(zip(fresh, controls, strict=True))
+    probe_first, probe_control = pairs[-1]
+
+    def probe_pair(probe, tokens, replay, figures=True):
+        sent.extend([probe_first.prompt_tokens, probe_control.prompt_tokens])
+        pair = benefit.Controlled(probe_first, probe_control)
+        return pair, {**pair.as_dict(), "cold": pair.cold(0.2), "replayed_requests": 0}
+    w.ctx = SimpleNamespace(metrics=metrics, recorder=Recorder(metrics), probe_length=probe_first.prompt_tokens,
+                            engine=SimpleNamespace(server_name="transformers serve"),
+                            probe_log=SimpleNamespace(restart=lambda: None), probe_pair=probe_pair,
+                            probe=lambda max_tokens=None: None, first_pair=None,
+                            driver=SimpleNamespace(warmup_requests=0))
     w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8)
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
-    w.budget = benefit.Budget(0, "none")
-    w.steady = benefit.SteadyLevels()
-    w.concurrency, w.last, w.anchor = 1, [], None      # no anchor pair: the test sends two fresh lengths
-    w.decoded = [(310, 312)] * 3
-    sent: list[int] = []
-    replies = iter([c for pair in zip(fresh, controls, strict=True) for c in pair])
-
-    def send(path: Path, tokens: int | None = None) -> Call:
-        sent.append(path.prompt_tokens)
-        return next(replies)
-    w.send = send                            # type: ignore[method-assign]
+    w.replayed = 0
+    w.anchor = (benefit.Outcome(Path("chat", "sampled", 1, pairs[0][0].prompt_tokens), "converged",
+                                calls=list(pairs[0])) if len(pairs) == 2 else None)
     return w, sent
 
 
@@ -54,7 +59,7 @@ def call(ttft_ms: float, tpot_ms: float, prompt: int) -> Call:
 
 
 def test_defaults_run6_logs_decode_and_first_token_costs(caplog):
-    fresh_lengths = benefit.fresh_lengths(180, 310, [(310, 312)], 2, 8)     # what the test will pick
+    fresh_lengths = [310, 245]      # the anchor's length, then the probes' (a length no request reached)
     # the fresh calls as run 6 start 0 measured them (decode 5.3x and 3.2x steady); their
     # controls, the same lengths again, as a warm server answers them (the steady 47.8 ms
     # first token and 35.5 ms per token: bench/results/diag_server_fresh_h200_default_run*.json
@@ -63,7 +68,8 @@ def test_defaults_run6_logs_decode_and_first_token_costs(caplog):
                               [call(47.8, 35.515, fresh_lengths[0]), call(47.8, 35.515, fresh_lengths[1])])
     with caplog.at_level(logging.WARNING, logger="warmup_agent.stages.prewarm"):
         per_length = w.per_length_test()
-    assert sent == [fresh_lengths[0], fresh_lengths[0], fresh_lengths[1], fresh_lengths[1]]
+    assert sent == [fresh_lengths[1], fresh_lengths[1]]        # the probe pair: a first and its control
+    assert w.ctx.first_pair is not None and w.ctx.first_pair["first_ttft_ms"] == 150.32
     assert per_length["prefill_pays_each_new_length"]
     assert per_length["pays"] and per_length["prefill_pays"]
     lines = [r.getMessage() for r in caplog.records if "pays per sequence length" in r.getMessage()]
@@ -107,13 +113,20 @@ def test_what_the_per_length_test_says_about_warming_the_profiles_lengths():
 
 def test_the_anchors_first_call_and_its_control_are_the_first_pair():
     """The anchor was a length no request had reached: its first call and its control
-    are a fresh length's pair, so the test sends one more fresh length, not two."""
-    w, sent = scripted_warmup([call(60.0, 3.0, 266)], [call(41.0, 3.0, 266)])
-    w.anchor = benefit.Outcome(Path("chat", "sampled", 1, 310), "converged",
-                               calls=[call(90.0, 9.0, 310), call(45.0, 3.0, 310), call(44.0, 3.0, 310)])
+    are a fresh length's pair, and the gate's first probe pair, at another length no
+    request reached, is the second: the per-length test sends nothing of its own."""
+    w, sent = scripted_warmup([call(90.0, 9.0, 310), call(60.0, 3.0, 266)], [call(45.0, 3.0, 310), call(41.0, 3.0, 266)])
     per_length = w.per_length_test()
-    assert len(sent) == 2 and len(set(sent)) == 1 and sent[0] != 310      # one fresh length, then its control
-    assert per_length["anchor_pair"] and len(per_length["pairs"]) == 2
+    assert sent == [266, 266]            # the probes: a first and its control
+    assert per_length["anchor_pair"] and per_length["probe_pair"] and len(per_length["pairs"]) == 2
     assert per_length["pairs"][0]["first_ttft_ms"] == 90.0 and per_length["pairs"][0]["control_ttft_ms"] == 45.0
     assert per_length["pays"] is False                      # decode 3x at the anchor, 1x at the fresh length
     assert per_length["prefill_pays"] and per_length["prefill_pays_each_new_length"]
+
+
+def test_without_an_anchor_pair_one_cold_probe_pair_is_not_each_new_length():
+    """One pair cannot tell a one-time cost from one that each new length pays."""
+    w, _ = scripted_warmup([call(60.0, 3.0, 266)], [call(41.0, 3.0, 266)])
+    per_length = w.per_length_test()
+    assert not per_length["anchor_pair"] and per_length["prefill_pays"]
+    assert not per_length["prefill_pays_each_new_length"]

@@ -26,11 +26,14 @@ class _Section:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
 
+    def _items(self) -> list[tuple[str, Any]]:
+        return [(n, object.__getattribute__(self, n)) for n in self.__slots__]
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
+        return f"{type(self).__name__}(" + ", ".join(f"{n}={v!r}" for n, v in self._items()) + ")"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
+        return type(other) is type(self) and self._items() == other._items()
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -1,6 +1,7 @@
 """What a prewarm stage record says it sent (issue 30's measured-benefit warmup):
-each path's calls (a batch path sends `batch` requests per call), the two
-per-length test calls and the decode-coverage tiles."""
+each path's calls (a batch path sends `batch` requests per call), the
+decode-coverage tiles, the replays and the settle waves (the per-length test's fresh
+length is the gate's first probe pair: probes)."""
 from __future__ import annotations
 
 import re
@@ -16,11 +17,16 @@ def requests_in_record(prewarm_detail: dict, ready_detail: dict | None = None) -
         batch = int(re.search(r"/batch(\d+)/", p["path"]).group(1))
         sent += p["calls"] * batch
     warmup = prewarm_detail["warmup"]
-    replayed = warmup.get("replayed_requests", 0) + warmup.get("settle_requests", 0) + sum(p.get("replayed_requests", 0)
-                                                         for p in (ready_detail or {}).get("first_probe_pairs", []))
+    per_length = warmup["per_length"]
+    ready_pairs = (ready_detail or {}).get("first_probe_pairs", [])
+    if per_length.get("probe_pair"):
+        ready_pairs = ready_pairs[1:]      # prewarm sent the first: its replays are in warmup's
+    replayed = (warmup.get("replayed_requests", 0) + warmup.get("settle_requests", 0)
+                + sum(p.get("replayed_requests", 0) for p in ready_pairs))
     replayed += (ready_detail or {}).get("settle_requests", 0)
-    return (sent + 2 * len(warmup["per_length"].get("lengths", [])) + len(warmup["decode_coverage"]["tiles"])
-            + replayed)
+    # the per-length test's fresh length is the gate's first probe pair: probes, not warmup
+    tested = 0 if per_length.get("probe_pair") else 2 * len(per_length.get("lengths", []))
+    return sent + tested + len(warmup["decode_coverage"]["tiles"]) + replayed
 
 
 def exported_pair(ready_detail: dict, prewarm_detail: dict | None = None) -> int:
@@ -37,3 +43,19 @@ def controlled_tax(values: list[float], first: int) -> float:
     the values after the first: readiness/probes.py's definition, computed independently."""
     import statistics
     return 1 + max(0.0, values[first] - values[first + 1]) / statistics.median(values[first + 1:])
+
+
+def controlled_total_tax(ttfts: list[float], totals: list[float], tokens: list[int], first: int) -> float:
+    """The whole-answer tax of readiness/probes.py, computed independently: 1 + (the
+    first probe's whole answer - its control's, never below 0) / the steady whole
+    answer of the first's length (the later probes' median when all answered as many
+    tokens, else the steady TTFT + (tokens - 1) x the later probes' median time per
+    output token)."""
+    import statistics
+    later = range(first + 1, len(ttfts))
+    if all(tokens[i] == tokens[first] for i in later):
+        steady = statistics.median(totals[i] for i in later)
+    else:
+        tpot = statistics.median((totals[i] - ttfts[i]) / (tokens[i] - 1) for i in later if tokens[i] > 1)
+        steady = statistics.median(ttfts[i] for i in later) + (tokens[first] - 1) * tpot
+    return 1 + max(0.0, totals[first] - totals[first + 1]) / steady

@@ -516,16 +516,7 @@ class RoutingProxy:
             if transport is None:
                 raise ConnectionResetError("the client went away")
             conn.attach(transport, request.protocol, reframe=conn.length is None and not conn.chunked)
-            while True:
-                watch.waiting = True
-                try:
-                    ended = await conn.wait()
-                finally:
-                    watch.waiting = False
-                if ended:
-                    break
-                await request.writer.drain()     # a slow client: the upstream waits meanwhile
-                conn.resume()
+            await _pump(conn, request, watch)
             if first is not None and answered:
                 self._user_answer(first - t0, time.perf_counter() - t0, conn.tail_prev + conn.tail_last)
             conn.flush()                         # a sized answer's last bytes, once it is recorded
@@ -659,3 +650,18 @@ def _hang_up(request: web.BaseRequest) -> None:
     if transport is not None:
         transport.close()
 
+
+
+async def _pump(conn: UpstreamConnection, request: web.BaseRequest, watch: _Watch) -> None:
+    """Waits while the upstream connection relays its answer to the client, until it
+    ends; a slow client makes the upstream wait (its reads paused) until it drains."""
+    while True:
+        watch.waiting = True
+        try:
+            ended = await conn.wait()
+        finally:
+            watch.waiting = False
+        if ended:
+            return
+        await request.writer.drain()
+        conn.resume()

@@ -30,6 +30,7 @@ from exporter.recorder import WindowStats
 from warmup_agent.errors import AgentFailure
 from warmup_agent.readiness.probes import Probe
 from warmup_agent.states import State
+from warmup_agent.warmup.benefit import Controlled
 
 if TYPE_CHECKING:  # types only: the sampler and the cache are imported where they are made
     from exporter.recorder import Recorder
@@ -109,6 +110,12 @@ class StageContext:
     #: request per request the server serves at once), after the warmup and again just
     #: before SERVING, so that the first probe and the users' first request follow the same.
     settle: Callable[[], None] | None = None
+    #: prewarm, engines that speak the traffic profile: the gate's first probe pair
+    #: (`probe_pair`'s dict), sent as the per-length test's fresh prompt length: the
+    #: probes double as the last warmup and the warmup's last test doubles as the first
+    #: pair.  ready goes on from it instead of sending its own (and clears it).  None:
+    #: ready sends the first pair.
+    first_pair: dict | None = None
     #: after SERVING: watch probes not sent because the supervised server was serving
     #: other clients (Agent._server_busy_with_others); the run record's `watch_probes_skipped`.
     watch_skipped: int = 0
@@ -148,11 +155,31 @@ class StageContext:
         rc = self.cfg.readiness
         tokens = (max_tokens or rc.probe_max_tokens) if decode else 1
         r = self.driver.send_probe(self.profile, self.probe_length or rc.probe_prompt_length, tokens)
-        probe = Probe(r.first_token_seconds, r.total_seconds, r.output_tokens, r.prompt_tokens)
+        probe = Probe(r.first_token_seconds, r.total_seconds, r.output_tokens, r.prompt_tokens, r.server_prefill_seconds)
         self.record_probe(r.first_token_seconds, probe=probe)
         if self.probe_log.add_decode(probe):
             self.recorder.decode_window(WindowStats(self.probe_log.decode.quantiles()))
         return r.first_token_seconds
+
+    def probe_pair(self, probe: Callable[[int | None], object], tokens: int | None, replay: bool,
+                   figures: bool = True) -> tuple[Controlled, dict]:
+        """A first probe and its control (benefit.Controlled): the same shape, a fresh
+        prompt, after the same predecessor: with `replay`, the last warmup requests are
+        re-sent between them where they were a harder predecessor than a probe
+        (`replay_for`).  `probe(max_tokens)` sends one probe (the ready stage's counts
+        them for its progress line).  With `figures`, the first-request figures are this
+        pair's (readiness/probes.py).  Returns the pair and its dict for the record."""
+        at = len(self.probe_log.gate_probes)
+        probe(tokens)
+        length = self.probe_length or self.cfg.readiness.probe_prompt_length
+        again = self.replay_for(length, 1) if replay and self.replay_for is not None else None
+        before = self.driver.warmup_requests
+        if again is not None:
+            again()
+        probe(tokens)
+        pair = self.probe_log.pair(at, at + 1, figures=figures)
+        return pair, {**pair.as_dict(), "cold": pair.cold(self.cfg.prewarm.converge_tolerance),
+                      "replayed_requests": self.driver.warmup_requests - before}
 
     def record_probe(self, ttft: float, kind: str = "probe", probe: Probe | None = None) -> None:
         """One time-to-first-token sample of the main engine: a probe, or (kind="user")

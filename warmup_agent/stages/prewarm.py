@@ -172,36 +172,46 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     """Warm the traffic profile by measured benefit (warmup_agent/warmup/benefit.py):
     1. the anchor path (the probe family on the main endpoint, smallest batch, the
        longest profile prompt) until it stops getting faster: the steady level;
-    2. the per-length test: two sequence lengths no request reached, sent at once, then
-       again as their controls; decode slower than its control by more than
-       prewarm.per_length_ratio means the server pays per length (logged with its
-       remedy, exported), a first token slower than its control that prefill does;
-    3. every other family and endpoint, every profile length (prefill only; none when
-       the per-length test's fresh lengths prefilled no slower than their controls)
-       and every larger batch size: one call each, as many at once as the server takes
-       (engine.concurrency), then the same again as their controls; only a path whose
-       first call was cold beyond its control gets more (benefit.warm_wave);
-    4. decode coverage of the profile's lengths, when the server pays per length
-       (prewarm.decode_coverage auto) or always.
+    2. every other family and endpoint and every larger batch size: one call each, as
+       many at once as the server takes (engine.concurrency), then the same again as
+       their controls; only a path whose first call was cold beyond its control gets
+       more (benefit.warm_wave);
+    3. decode coverage of the profile's lengths (prewarm.decode_coverage always);
+    4. the settle wave, then the per-length test, which is the gate's first probe pair:
+       a first probe at a prompt length no request reached and its control (the same
+       length again, after the same predecessor); with the anchor's first call and its
+       control (a fresh length too) it says whether decode is slower at new sequence
+       lengths than at the same length again by more than prewarm.per_length_ratio (the
+       server pays per length: logged with its remedy, exported), and whether prefill
+       pays at each new length.  Where decode pays (decode_coverage auto), the
+       profile's lengths get decode coverage and the gate sends a new first pair.  The
+       profile's prompt lengths get no call of their own: in every outcome of the test
+       the call would buy nothing (length_skip_reason).
     All under one time budget; a path the budget did not reach is skipped, and the
     record says so.  A family the server refuses (HTTP 4xx) is skipped too: user
-    requests of that family fail on it as well, warm or not.  The readiness probes
-    come next and are the last warmup: the first of them is judged against its own
-    control (stages/ready.py)."""
+    requests of that family fail on it as well, warm or not.  Probes double as the last
+    warmup and the warmup's last test as the first probe pair: after the server
+    answers its first request, the agent sends the anchor's pair, the settle wave and
+    this pair, where the per-length test used to be two more pairs of its own."""
     from warmup_agent.warmup.benefit import Path
     w = _ProfileWarmup(ctx, load_profile(ctx, lengths), lengths, batches)
     # 1. the anchor: the steady level every other path is compared with
     w.warm(Path(w.ep0, w.fam0, w.b0, w.hi), tokens=w.pc.per_length_tokens)
     w.anchor = w.outcomes[-1]
-    # 2. does the server pay per sequence length? (the anchor's first call and its control
-    #    are the test's first pair: it was a length no request had reached)
-    per_length = w.per_length_test()
-    # 3. the other paths, one call each, at once, then their controls
-    w.other_paths(per_length, batches)
-    # 4. decode coverage over the profile's lengths
-    coverage = w.decode_coverage(per_length)
-    # 5. leave the server as a plain start leaves it, for the probes and the users
+    # 2. the other paths, one call each, at once, then their controls
+    w.other_paths(batches)
+    # 3. decode coverage over the profile's lengths (always)
+    coverage = w.decode_coverage(always_only=True)
+    # 4. leave the server as a plain start leaves it, then the per-length test = the first probe pair
     w.settle()
+    w.choose_probe_length()
+    per_length = w.per_length_test()
+    if w.pc.decode_coverage == "auto" and per_length.get("pays"):
+        coverage = w.decode_coverage()
+        w.settle()
+        ctx.first_pair = None       # the gate sends a new first pair, with the profile's longest answer
+        ctx.first_probe_tokens = w.profile.max_tokens
+    w.skip_lengths(per_length)
     w.record(per_length, coverage, batches, detail, t_start)
 
 
@@ -236,6 +246,7 @@ class _ProfileWarmup:
         self.last: list[traffic.WarmRequest] = []
         self.anchor: benefit.Outcome | None = None   # the anchor path's outcome (warm_profile)
         self.replayed = 0       # requests re-sent as predecessors of controls
+        self.replays = 0        # ... in this many sends
         self.settled = 0        # requests of the settle waves
 
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
@@ -294,6 +305,7 @@ class _ProfileWarmup:
         def replay() -> None:
             self.send_requests(last, f"replay of {len(last)} request(s) before a control")
             self.replayed += len(last)
+            self.replays += 1
         return replay
 
     def settle(self) -> None:
@@ -344,53 +356,32 @@ class _ProfileWarmup:
                 self.warm(p, tokens.get(p))
 
     def per_length_test(self) -> dict:
-        """Two fresh sequence lengths, one after the other, each with its control (the
-        same length again, a fresh prompt, after the same predecessor, re-sent where it
-        was longer): one request at a time, because requests at once are batched into
-        other shapes than a user's request alone.  The anchor path's first call and its
-        control are the first pair; one more fresh length is sent."""
-        from warmup_agent.warmup.benefit import Controlled, Path
-        ctx, steady, b0 = self.ctx, self.steady, self.b0
-        per_length: dict = {"tested": False}
-        if self.budget.exhausted():
-            return per_length
+        """Does the server pay per sequence length?  Two fresh prompt lengths, each with
+        its control (the same length again, a fresh prompt, after the same predecessor):
+        the anchor path's first call and its control, and the gate's first probe pair at
+        the probes' length, which no request reached (StageContext.probe_pair; it
+        becomes StageContext.first_pair).  One request at a time, because requests at
+        once are batched into other shapes than a user's request alone."""
+        from warmup_agent.warmup.benefit import Controlled
+        ctx = self.ctx
         tokens = self.pc.per_length_tokens
-        # The anchor's first call and its control are a fresh length's pair already.
         anchor = self.anchor
         first_pair = (Controlled(anchor.calls[0], anchor.calls[1])
                       if anchor is not None and len(anchor.calls) >= 2 else None)
-        fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 1 if first_pair else 2, tokens)
-        paths = [Path(self.ep0, self.fam0, b0, n) for n in fresh]
-        firsts: list[benefit.Call] = []
-        controls: list[benefit.Call] = []
-        replays = 0
-        try:
-            for p in paths:
-                replay = self.replay_for(p.prompt_tokens, p.batch)   # what preceded the first
-                firsts.append(self.send(p, tokens))
-                if replay is not None:
-                    replay()
-                    replays += 1
-                controls.append(self.send(p, tokens))
-        except EngineError as e:
-            # A server that refuses a length (its context is shorter, say): not a reason
-            # to fail the start; the finding is "not measured" and says why.
-            if not _refused(e):
-                raise
-            log.warning(f"the per-length test could not run: {e.message}")
-            return {"tested": False, "error": e.message}
-        for p, c in zip(paths, controls, strict=True):
-            steady.add(p, c)      # the controls are warm calls at those lengths
-        pairs = ([first_pair] if first_pair else []) + [Controlled(f, c) for f, c in zip(firsts, controls, strict=True)]
+        ctx.probe_log.restart()         # these probes are the gate's first
+        probe_pair, ctx.first_pair = ctx.probe_pair(lambda n: ctx.probe(max_tokens=n), tokens, replay=True)
+        pairs = ([first_pair] if first_pair else []) + [probe_pair]
         pays, ratios = benefit.pays_per_length(pairs, self.pc.per_length_ratio)
         cold = [benefit.prefill_cold(pair, self.tol) for pair in pairs]
-        per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [f.prompt_tokens for f in firsts],
-                      "anchor_pair": first_pair is not None,
+        per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [ctx.probe_length],
+                      "anchor_pair": first_pair is not None, "probe_pair": True,
                       "prefill_pays": any(cold),
                       # the second fresh length paid too, after the first was warm: each new
                       # length pays once, whatever else was warmed
-                      "prefill_pays_each_new_length": all(cold),
-                      "pairs": [pair.as_dict() for pair in pairs], "replays": replays}
+                      "prefill_pays_each_new_length": len(cold) == 2 and all(cold),
+                      "pairs": [pair.as_dict() for pair in pairs],
+                      # re-sent before the probe pair's control (also in ready's first_probe_pairs)
+                      "replayed_requests": ctx.first_pair["replayed_requests"]}
         if all(pair.first.server_prefill is not None and pair.control.server_prefill is not None for pair in pairs):
             per_length["server_prefill_ms"] = [[round(pair.first.server_prefill * 1e3, 3),  # type: ignore[operator]
                                                 round(pair.control.server_prefill * 1e3, 3)]  # type: ignore[operator]
@@ -403,34 +394,36 @@ class _ProfileWarmup:
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
 
-    def other_paths(self, per_length: dict, batches: list[int]) -> None:
-        """Every other family and endpoint, every profile length (prefill), every larger
-        batch: one call each, together (benefit.warm_wave)."""
+    def other_paths(self, batches: list[int]) -> None:
+        """Every other family and endpoint, every larger batch: one call each, together
+        (benefit.warm_wave)."""
         from warmup_agent.warmup.benefit import Path
         profile, ep0, fam0, b0, hi = self.profile, self.ep0, self.fam0, self.b0, self.hi
         paths: list[Path] = [Path(ep0, fam, b0, hi) for fam in profile.families if fam != fam0]
         for ep in profile.endpoints:
             if ep != ep0:
                 paths += [Path(ep, fam, b0, hi) for fam in profile.families if not (fam == "json_schema" and ep != "chat")]
-        tokens: dict[Path, int] = {}
-        skip = length_skip_reason(per_length)
-        for n in reversed(self.plens[:-1]):
-            if skip:
-                self.outcomes.append(benefit.Outcome(Path(ep0, fam0, b0, n), "skipped", skip))
-                continue
-            paths.append(Path(ep0, fam0, b0, n))
-            tokens[paths[-1]] = 1          # prefill at this length; decode is the anchor's
         paths += [Path(ep0, fam0, b, hi) for b in sorted(set(batches)) if b != b0]
-        self.warm_together(paths, tokens)
+        self.warm_together(paths, {})
 
-    def decode_coverage(self, per_length: dict) -> dict:
-        """Decode over the profile's lengths, when the server pays per length (auto) or always."""
+    def skip_lengths(self, per_length: dict) -> None:
+        """The profile's other prompt lengths, recorded as skipped with what the
+        per-length test said about them (length_skip_reason)."""
+        from warmup_agent.warmup.benefit import Path
+        reason = length_skip_reason(per_length) or "the per-length test did not run"
+        for n in reversed(self.plens[:-1]):
+            self.outcomes.append(benefit.Outcome(Path(self.ep0, self.fam0, self.b0, n), "skipped", reason))
+
+    def decode_coverage(self, always_only: bool = False) -> dict:
+        """Decode over the profile's lengths: with prewarm.decode_coverage always, or
+        (not `always_only`) auto, which the caller sends once the per-length test found
+        that the server pays per length."""
         from warmup_agent.warmup.benefit import Path
         from warmup_agent.warmup.traffic import decode_tiles
         budget, profile = self.budget, self.profile
         mode = self.pc.decode_coverage
         coverage: dict = {"mode": mode, "tiles": [], "skipped_tiles": []}
-        if mode == "always" or (mode == "auto" and per_length.get("pays")):
+        if mode == "always" or (mode == "auto" and not always_only):
             for n in decode_tiles(self.plens, profile.max_tokens):
                 if budget.exhausted():
                     coverage["skipped_tiles"].append(n)
@@ -442,20 +435,24 @@ class _ProfileWarmup:
                             f"prompt lengths {coverage['skipped_tiles']}: the first answers from there may decode cold")
         return coverage
 
-    def record(self, per_length: dict, coverage: dict, batches: list[int], detail: dict, t_start: float) -> None:
-        """The probes' length and answer, the paths' metrics, /startupz's summary, the record."""
-        ctx, profile, budget, outcomes, refused = self.ctx, self.profile, self.budget, self.outcomes, self.refused
-        # The probes' length: a profile length no warmup request used, as a user's would be.
+    def choose_probe_length(self) -> None:
+        """The probes' length: a profile length no warmup request used, as a user's
+        would be.  The probes ask for readiness.probe_max_tokens; where decode pays per
+        sequence length the gate's new first probe asks for the profile's longest
+        answer (warm_profile: its whole answer is then what the first user meets)."""
         used = {a for a, _ in self.decoded}
         probe_length = self.plens[len(self.plens) // 2]
         while probe_length in used:
             probe_length += 1
-        ctx.probe_length = probe_length
-        # The first probe asks for the profile's longest answer where decode pays per
-        # sequence length (its whole answer is then what the first user meets); else the
-        # probes' usual answer: its first token and decode speed tell the same, sooner.
-        ctx.first_probe_tokens = profile.max_tokens if per_length.get("pays") else None
-        ctx.replay_for = self.replay_for
+        self.ctx.probe_length = probe_length
+        self.ctx.first_probe_tokens = None
+        self.ctx.replay_for = self.replay_for
+
+    def record(self, per_length: dict, coverage: dict, batches: list[int], detail: dict, t_start: float) -> None:
+        """The probes' length and answer, the paths' metrics, /startupz's summary, the record."""
+        ctx, profile, budget, outcomes, refused = self.ctx, self.profile, self.budget, self.outcomes, self.refused
+        used = {a for a, _ in self.decoded}
+        probe_length = ctx.probe_length
         ctx.settle = self.settle
         ctx.decoded_ranges, ctx.profile_lengths = list(self.decoded), list(self.plens)
         counts = Counter(o.result for o in outcomes)
@@ -465,7 +462,7 @@ class _ProfileWarmup:
         ctx.warmup_summary = summary = {
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
             "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
-            "replayed_requests": self.replayed, "settle_requests": self.settled}
+            "replayed_requests": self.replayed, "replays": self.replays, "settle_requests": self.settled}
         if budget.exhausted():
             unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
             log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "

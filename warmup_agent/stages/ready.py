@@ -55,7 +55,10 @@ def run(ctx: StageContext, detail: dict) -> None:
     rd.thresholds.min_samples = min_probes
     # Decode is gated only where probes time it (engines that speak the traffic profile).
     gate_decode = cfg.readiness.require_decode and profile_probes
-    ctx.probe_log.restart()     # a re-warm: its first probe is a first request again (the log keeps all)
+    if ctx.first_pair is None:
+        # a re-warm: its first probe is a first request again (the log keeps all); prewarm
+        # restarted the log itself where it sent the first pair
+        ctx.probe_log.restart()
 
     def decode_ok() -> bool:
         return not gate_decode or decode_converged(ctx.probe_log.decode, min_probes,
@@ -70,7 +73,9 @@ def run(ctx: StageContext, detail: dict) -> None:
         sent += 1
         ctx.progress.probe(sent, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
 
+    sent = len(ctx.probe_log.gate_probes)        # prewarm's first pair, where it sent one
     detail["first_probe_pairs"] = first_probe_pairs(ctx, probe, max_probes)
+    ctx.first_pair = None       # a re-warm's prewarm sends its own
     for _ in range(sent, max_probes):
         if rd.thresholds.met(ctx.readiness.window) and decode_ok():
             break
@@ -117,35 +122,26 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     """The gate's first probe and its control (benefit.Controlled): the same shape, a
     fresh prompt, after the same predecessor (the last warmup requests are re-sent
     first where they were a harder predecessor than a probe: StageContext.replay_for).
-    A first probe that was cold beyond its control means the warmup left something
-    cold, which it has now paid: another pair follows, up to
+    An engine that speaks the traffic profile sent the first pair already, as prewarm's
+    per-length test at a fresh prompt length (StageContext.first_pair); the gate goes on
+    from it.  A first probe that was cold beyond its control means the warmup left
+    something cold, which it has now paid: another pair follows, up to
     prewarm.max_calls_per_path pairs.  The figures are the last pair's, or the first's
     where each new prompt length pays (readiness/probes.py).  Probes double as the last
     warmup."""
     cfg = ctx.cfg
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
     tokens = ctx.first_probe_tokens if profile_probes else None
-    tol = cfg.prewarm.converge_tolerance
-    pairs: list[dict] = []
+    pairs: list[dict] = [ctx.first_pair] if ctx.first_pair is not None else []
     # Whose figures are exported: where each new prompt length pays once (prewarm's
     # per-length test), a user's first request at a length no request reached pays what
     # the first pair's first probe paid; elsewhere a cold first probe paid a one-time
     # cost for everyone, and the users meet the state of the last pair.
     each_length_pays = bool(((ctx.warmup_summary or {}).get("per_length") or {}).get("prefill_pays_each_new_length"))
-    while len(pairs) < cfg.prewarm.max_calls_per_path and len(ctx.probe_log.gate_probes) + 2 <= max_probes:
-        at = len(ctx.probe_log.gate_probes)
-        probe(tokens)
-        replay = ctx.replay_for(ctx.probe_length or cfg.readiness.probe_prompt_length, 1) \
-            if ctx.replay_for is not None and not pairs else None
-        before = ctx.driver.warmup_requests
-        if replay is not None:
-            replay()
-        probe(tokens)
-        pair = ctx.probe_log.pair(at, at + 1, figures=not (pairs and each_length_pays))
-        pairs.append({**pair.as_dict(), "cold": pair.cold(tol),
-                      "replayed_requests": ctx.driver.warmup_requests - before})
-        if not pairs[-1]["cold"]:
-            break
+    while (not pairs or pairs[-1]["cold"]) and len(pairs) < cfg.prewarm.max_calls_per_path \
+            and len(ctx.probe_log.gate_probes) + 2 <= max_probes:
+        _, pair = ctx.probe_pair(probe, tokens, replay=not pairs, figures=not (pairs and each_length_pays))
+        pairs.append(pair)
     if pairs and pairs[-1]["cold"]:
         log.warning(f"the first probe was still slower than its control after {len(pairs)} pair(s) "
                     f"({pairs[-1]['first_ttft_ms']:.1f} ms against {pairs[-1]['control_ttft_ms']:.1f} ms): "

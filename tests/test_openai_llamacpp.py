@@ -105,14 +105,17 @@ def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_dra
     # the probes after that first
     ready = next(s for s in record["stages"] if s["name"] == "ready")
     prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
-    ttfts, totals = record["probes_seconds"][:ready["probes"]], record["probe_total_seconds"][:ready["probes"]]
+    gate = slice(ready["gate_first_probe"], ready["probes"])
+    ttfts, totals = record["probes_seconds"][gate], record["probe_total_seconds"][gate]
     first = exported_pair(ready, prewarm)
     assert record["first_request_seconds"] == ttfts[first] > 0
     assert record["first_request_tax_ratio"] == pytest.approx(controlled_tax(ttfts, first), rel=1e-12)
-    # llama-server honours ignore_eos: the first pair (prewarm's per-length test) answers
-    # prewarm.per_length_tokens (8) tokens, the gate's other probes 4
+    # llama-server honours ignore_eos: the first pair answers prewarm.per_length_tokens (8)
+    # tokens where it is prewarm's per-length test, the profile's longest answer where the
+    # gate sent a new one (decode pays per length); the gate's other probes 4
     pairs = len(ready["first_probe_pairs"])
-    tokens = [8, 8] + [4] * (len(ttfts) - 2)
+    head = 8 if ready["gate_first_probe"] == 0 else record["traffic_profile"]["max_tokens"]
+    tokens = [head, head] + [4] * (len(ttfts) - 2)
     assert record["first_request_output_tokens"] == tokens[first] and pairs >= 1
     assert record["first_probe_total_tax_ratio"] == pytest.approx(controlled_total_tax(ttfts, totals, tokens, first),
                                                                   rel=1e-9)

@@ -19,7 +19,7 @@ def requests_in_record(prewarm_detail: dict, ready_detail: dict | None = None) -
     warmup = prewarm_detail["warmup"]
     per_length = warmup["per_length"]
     ready_pairs = (ready_detail or {}).get("first_probe_pairs", [])
-    if per_length.get("probe_pair"):
+    if (ready_detail or {}).get("first_pair_from_prewarm"):
         ready_pairs = ready_pairs[1:]      # prewarm sent the first: its replays are in warmup's
     replayed = (warmup.get("replayed_requests", 0) + warmup.get("settle_requests", 0)
                 + sum(p.get("replayed_requests", 0) for p in ready_pairs))

@@ -157,6 +157,11 @@ class ProbeLog:
         return figures
 
     @property
+    def gate_start(self) -> int:
+        """Index in `probes` of the current gate's first probe."""
+        return self._start
+
+    @property
     def gate_probes(self) -> list[Probe]:
         """The probes of the current gate (up to the one that opened it, once open)."""
         end = len(self.probes) if self._frozen_at is None else self._frozen_at

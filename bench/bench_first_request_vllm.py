@@ -38,6 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tests.helpers import vllm_server  # noqa: E402
+from tests.helpers.engines import openai_engine  # noqa: E402
 from tests.helpers.servers import free_port  # noqa: E402
 from warmup_agent import config  # noqa: E402
 from warmup_agent.engines.openai.engine import OpenAIEngine  # noqa: E402
@@ -86,7 +87,7 @@ def _measure(eng, steady_n: int) -> dict:
 
 def _engine(cfg, scratch: str, model: str) -> OpenAIEngine:
     cmd = vllm_server.server_command(model, free_port())
-    return OpenAIEngine(cfg, server_command=cmd, base_env=vllm_server.server_env(scratch))
+    return openai_engine(cfg, server_command=cmd, base_env=vllm_server.server_env(scratch))
 
 
 def _unwarmed_round(cfg, scratch: str, model: str, steady_n: int) -> dict:

@@ -10,11 +10,11 @@ from dataclasses import MISSING
 import pytest
 
 from exporter.engine_metrics import EngineMetricsCollector
+from tests.helpers.engines import openai_engine
 from tests.helpers.paths import ROOT
 from warmup_agent import config
 from warmup_agent.cli import connect_engine
 from warmup_agent.engines.base import Engine, EngineFacts, RequestResult
-from warmup_agent.engines.openai.engine import OpenAIEngine
 from warmup_agent.engines.torch.engine import TorchEngine
 
 
@@ -70,7 +70,7 @@ def test_an_engine_without_a_server_gets_no_engine_collector():
 
 def test_a_server_engine_gets_its_collector_and_the_crash_callbacks(clean_env):
     cfg = config.load(env={"WARMUP_AGENT_ENGINE": "openai", "WARMUP_AGENT_OPENAI_URL": "http://127.0.0.1:1/"})
-    engine = OpenAIEngine(cfg)
+    engine = openai_engine(cfg)
     agent, registry = AgentStub(), Registry()
     connect_engine(engine, agent, registry)
     assert engine.metrics_url == "http://127.0.0.1:1/metrics"

@@ -136,22 +136,22 @@ def test_server_flags_over_config_json():
 
 
 def test_openai_engine_detects_from_its_server_command_and_the_model_directory(tmp_path, clean_env):
+    from tests.helpers.engines import openai_engine
     from warmup_agent import config
-    from warmup_agent.engines.openai.engine import OpenAIEngine
     from warmup_agent.readiness import validation
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "llama", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
     cfg = config.load(env={"WARMUP_AGENT_ENGINE": "openai"})
-    e = OpenAIEngine(cfg, ["vllm", "serve", str(tmp_path), "--port", "18999", "--kv-cache-dtype", "fp8"])
+    e = openai_engine(cfg, ["vllm", "serve", str(tmp_path), "--port", "18999", "--kv-cache-dtype", "fp8"])
     assert e.quantization.labels() == {"method": "fp8", "weight_dtype": "float8_e4m3fn", "kv_cache_dtype": "fp8"}
     assert e.quantization.source == "config.json + command line"
     # A hub id (no local config.json): the flags alone.
-    e2 = OpenAIEngine(cfg, ["vllm", "serve", "org/some-model", "--port", "18999", "--quantization=fp8"])
+    e2 = openai_engine(cfg, ["vllm", "serve", "org/some-model", "--port", "18999", "--quantization=fp8"])
     assert e2.quantization.labels()["method"] == "fp8" and e2.quantization.source == "command line"
     # The agent cannot see a server's scales: the range check says so instead of passing.
     c = validation.check_fp8_ranges(e, 0.0, 0.0625)
     assert c.result == "skipped" and "docs/fp8.md" in c.message and c.ok
-    e3 = OpenAIEngine(cfg, ["vllm", "serve", "org/some-model", "--port", "18999"])
+    e3 = openai_engine(cfg, ["vllm", "serve", "org/some-model", "--port", "18999"])
     assert validation.check_fp8_ranges(e3, 0.0, 0.0625).message == "the model is not quantized to FP8"
 
 
@@ -162,12 +162,13 @@ def test_vllm_engine_detects_from_the_model_config_json(tmp_path, clean_env):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "llama", "quantization_config": {"quant_method": "fbgemm_fp8"}}))
     cfg = config.load(env={})
-    e = VllmEngine(cfg, str(tmp_path))        # vLLM itself is imported only when loading
+    sections = dict(vllm=cfg.vllm, model=cfg.model, lora=cfg.lora, data_dir=cfg.data_dir)
+    e = VllmEngine(str(tmp_path), **sections)        # vLLM itself is imported only when loading
     assert e.quantization.labels() == {"method": "fbgemm_fp8", "weight_dtype": "float8_e4m3fn", "kv_cache_dtype": "auto"}
     c = validation.check_fp8_ranges(e, 0.0, 0.0625)
     assert c.result == "skipped" and "vllm does not expose its layers' FP8 scales" in c.message
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8", "weight_block_size": 7}}))
-    assert VllmEngine(cfg, str(tmp_path)).quantization == QuantizationInfo()   # malformed: vLLM will say so
+    assert VllmEngine(str(tmp_path), **sections).quantization == QuantizationInfo()   # malformed: vLLM will say so
 
 
 # --- an FP8 checkpoint of the embedded model -----------------------------------------------------

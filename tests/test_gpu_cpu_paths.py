@@ -156,9 +156,9 @@ def test_the_engines_share_one_kv_formula_and_say_unknown_rather_than_guess():
     import inspect
 
     from warmup_agent.engines import vllm_engine
-    from warmup_agent.engines.openai import discovery as openai_discovery
+    from warmup_agent.engines.openai import engine as openai_engine
     from warmup_agent.engines.torch import engine as torch_engine
-    for module in (torch_engine, vllm_engine, openai_discovery):   # openai: its facts are discovery's
+    for module in (torch_engine, vllm_engine, openai_engine):
         source = inspect.getsource(module)
         assert "kv_bytes_per_token_if_known" in source and '"bfloat16": 2' not in source, module.__name__
 

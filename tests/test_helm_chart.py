@@ -665,15 +665,15 @@ def test_every_preset_renders_its_command_line_in_every_mode(helm_env, preset, m
     cfg = agent_config.load(str(path), env={})
     assert cfg["openai.url"] == f"http://127.0.0.1:{PORT}"
     assert cfg["openai.health_path"] == EXPECTED_HEALTH[preset]
-    from warmup_agent.engines.openai.engine import OpenAIEngine
+    from tests.helpers.engines import openai_engine
 
-    engine = OpenAIEngine(cfg, server_command=server_cmd if mode == "entrypoint" else None)
+    engine = openai_engine(cfg, server_command=server_cmd if mode == "entrypoint" else None)
     try:
         assert engine.url == f"http://127.0.0.1:{PORT}"
         assert engine.health_path == EXPECTED_HEALTH[preset]
         assert engine.model == EXPECTED_AGENT_MODEL[preset]
     finally:
-        engine._pool.shutdown(wait=False)
+        engine.close()
 
 
 def test_default_preset_is_vllm_and_unchanged(helm_env):

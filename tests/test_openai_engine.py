@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry
 
 from exporter.engine_metrics import EngineMetricsCollector, fetch_engine_stats
 from tests.helpers import vllm_server
+from tests.helpers.engines import openai_engine
 from tests.helpers.servers import free_port, wait_until
 from tests.helpers.warmup_record import requests_in_record
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
-from warmup_agent.engines.openai.engine import OpenAIEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.states import State
 
@@ -68,7 +68,7 @@ def served(tmp_path_factory):
         events.append(("exit", rc))
         holder["agent"].sm.transition(State.PRELOAD)
 
-    eng = OpenAIEngine(cfg, server_command=cmd, base_env=vllm_server.server_env(str(root / "scratch")),
+    eng = openai_engine(cfg, server_command=cmd, base_env=vllm_server.server_env(str(root / "scratch")),
                        on_server_exit=on_exit, on_server_ready=lambda: events.append(("ready", None)))
     # The agent drives the engine through its four stages (load_tokenizer and
     # load_weights happen in prewarm), exactly as `warmup-agent run --engine openai`.
@@ -152,14 +152,14 @@ def test_local_tokenizer_matches_the_servers(served):
     eng, _, _ = served
     text = "bazo kite lumo rasivu tenapo"
     local = eng.tokenize(text)
-    remote = eng._post_json("/tokenize", {"model": eng.model, "prompt": text, "add_special_tokens": False})["tokens"]
+    remote = eng.client.post_json("/tokenize", {"model": eng.model, "prompt": text, "add_special_tokens": False})["tokens"]
     assert local == remote and len(local) > 0
 
 
 def test_lora_adapter_registered_and_served(served):
     eng, _, lines = served
     assert eng.adapters == ["ad1"]
-    models = {m["id"]: m for m in eng._get_json("/v1/models")["data"]}
+    models = {m["id"]: m for m in eng.client.get_json("/v1/models")["data"]}
     assert models["ad1"]["parent"] == "tiny"
     # load_weights warmed it: a marked request for model ad1 reached the server.
     assert any("Received request cmpl-warmup-" in l for l in lines.lines)
@@ -231,10 +231,10 @@ def test_killed_server_is_restarted_and_serves_again(served):
     # prewarm calls load_weights again: it re-attaches (no second server) and
     # registers the LoRA adapter the new server does not know yet.
     supervisor = eng.supervisor
-    assert "ad1" not in {m["id"] for m in eng._get_json("/v1/models")["data"]}
+    assert "ad1" not in {m["id"] for m in eng.client.get_json("/v1/models")["data"]}
     eng.load_weights()
     assert eng.supervisor is supervisor and eng.supervisor.pid == supervisor.pid
-    assert "ad1" in {m["id"] for m in eng._get_json("/v1/models")["data"]} and eng.adapters == ["ad1"]
+    assert "ad1" in {m["id"] for m in eng.client.get_json("/v1/models")["data"]} and eng.adapters == ["ad1"]
 
 
 def test_close_leaves_no_process_behind(served):

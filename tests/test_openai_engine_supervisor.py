@@ -16,10 +16,11 @@ import textwrap
 import psutil
 import pytest
 
+from tests.helpers.engines import openai_engine
 from tests.helpers.servers import free_port, wait_until
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
-from warmup_agent.engines.openai.engine import OpenAIEngine, fix_vllm_command, option
+from warmup_agent.engines.openai.engine import fix_vllm_command, option
 from warmup_agent.server.supervisor import Supervisor
 
 # A tiny health server.  It starts a grandchild (`sleep`) to prove that the whole
@@ -140,7 +141,7 @@ def _cfg(tmp_path, **env):
 
 
 def test_bad_server_command_is_named(tmp_path):
-    eng = OpenAIEngine(_cfg(tmp_path), server_command=["no-such-model-server", "--port", str(free_port())])
+    eng = openai_engine(_cfg(tmp_path), server_command=["no-such-model-server", "--port", str(free_port())])
     with pytest.raises(EngineError) as e:
         eng.load_weights()
     assert e.value.reason == "server_command_not_found"
@@ -153,7 +154,7 @@ def test_port_in_use_is_named_and_nothing_starts(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        eng = OpenAIEngine(_cfg(tmp_path), server_command=[sys.executable, "-c", HEALTH_SERVER, "--port", str(port)],
+        eng = openai_engine(_cfg(tmp_path), server_command=[sys.executable, "-c", HEALTH_SERVER, "--port", str(port)],
                            base_env=dict(os.environ, STATE_DIR=str(tmp_path)))
         with pytest.raises(EngineError) as e:
             eng.load_weights()
@@ -164,7 +165,7 @@ def test_port_in_use_is_named_and_nothing_starts(tmp_path):
 
 def test_no_command_and_no_url_is_a_named_error(tmp_path):
     with pytest.raises(EngineError) as e:
-        OpenAIEngine(_cfg(tmp_path))
+        openai_engine(_cfg(tmp_path))
     assert e.value.reason == "server_command_missing"
 
 

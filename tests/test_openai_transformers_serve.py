@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import transformers_server as ts
+from tests.helpers.engines import openai_engine
 from tests.helpers.servers import free_port, require_binary
 from tests.helpers.warmup_record import controlled_tax, exported_pair, requests_in_record
 from tests.http_relay import Relay
 from warmup_agent import config
-from warmup_agent.engines.openai.engine import OpenAIEngine
 from warmup_agent.pipeline import Agent
 from warmup_agent.stages import prewarm
 from warmup_agent.states import State
@@ -54,7 +54,7 @@ def served(tmp_path_factory, embedded_model):
                            "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0",
                            # every path warmed, however slow the shared CPU is today
                            "WARMUP_AGENT_PREWARM_BUDGET_SECONDS": "300"})
-    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
+    eng = openai_engine(cfg, server_command=ts.server_command(embedded_model, port),
                        base_env=ts.server_env(str(root)), model_path=embedded_model)
     agent = Agent(cfg, eng)
     state = agent.run()
@@ -279,7 +279,7 @@ def test_requests_file_profile_warms_its_families_and_skips_what_the_server_refu
                            "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "3", "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": "20",
                            "WARMUP_AGENT_READINESS_MIN_PROBES": "4", "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
                            "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
-    eng = OpenAIEngine(cfg, server_command=ts.server_command(embedded_model, port),
+    eng = openai_engine(cfg, server_command=ts.server_command(embedded_model, port),
                        base_env=ts.server_env(str(tmp_path)), model_path=embedded_model)
     try:
         agent = Agent(cfg, eng)
@@ -375,7 +375,7 @@ def no_budget_agent(tmp_path, model: str, lengths: list[int]):
                            "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "4",
                            "WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO": "4",
                            "WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "0"})
-    eng = OpenAIEngine(cfg, server_command=ts.server_command(model, free_port()),
+    eng = openai_engine(cfg, server_command=ts.server_command(model, free_port()),
                        base_env=ts.server_env(str(tmp_path)), model_path=model)
     return cfg, eng
 

@@ -21,11 +21,10 @@ from tests.conftest import ROOT
 SCRIPT = """
 import json, sys
 from warmup_agent import cli
-from warmup_agent.engines import create
 args = cli.build_parser().parse_args(["run", "--no-progress", "--engine", "openai", "--data-dir", sys.argv[1],
                                       "--", "sleep", "30", "--port", "1"])
 cfg, _ = cli._load(args)
-engine = create(cfg, None, server_command=["sleep", "30", "--port", "1"])
+engine = cli.make_engine(cfg, None, ["sleep", "30", "--port", "1"])
 before = set(sys.modules)
 engine.prestart()
 print(json.dumps(sorted(before)))
@@ -76,14 +75,14 @@ def test_the_early_spawn_happens_before_any_of_the_agents_imports(tmp_path):
 def _engine_would_start(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """What the openai engine starts for this command line: the CLI's own parse and
     config load, then the engine's server_command and server_env."""
+    from tests.helpers.engines import openai_engine
     from warmup_agent import cli, config
-    from warmup_agent.engines.openai.engine import OpenAIEngine
     from warmup_agent.server import process as server_process
     args = cli.build_parser().parse_args(argv)
     cfg = config.load(args.config, env={k: v for k, v in environ.items() if k.startswith("WARMUP_AGENT_")},
                       flags={"data_dir": args.data_dir, "engine": "openai"})
     command = [a for a in args.server_command if a != "--"]
-    engine = OpenAIEngine(cfg, server_command=command, base_env=dict(environ))
+    engine = openai_engine(cfg, server_command=command, base_env=dict(environ))
     return engine.server_command(), server_process.final_env(engine.server_env())
 
 

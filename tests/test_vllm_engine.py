@@ -34,7 +34,7 @@ AGENT = textwrap.dedent("""
                                "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
                                "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 64]",
                                "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 4]"})
-        eng = VllmEngine(cfg, model)
+        eng = VllmEngine(model, vllm=cfg.vllm, model=cfg.model, lora=cfg.lora, data_dir=cfg.data_dir)
         seen = []                       # every request id vLLM received, in order
         agent = Agent(cfg, eng)
         import vllm.v1.engine.llm_engine as le

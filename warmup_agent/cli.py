@@ -181,6 +181,14 @@ def _model_path(cfg: Config) -> str | None:
     return model_path
 
 
+def make_engine(cfg: Config, model_path: str | None, server_command: list[str] | None) -> Engine:
+    """The engine `cfg.engine` names, handed the sections it reads (engines.create)."""
+    from warmup_agent.engines import create
+    check = cfg.requests_check
+    return create(cfg.engine, model_path, server_command, model=cfg.model, openai=cfg.openai, vllm=cfg.vllm,
+                  lora=cfg.lora, data_dir=cfg.data_dir, request_apis=check.endpoints if check is not None else ())
+
+
 def _make_agent(cfg: Config, engine: Engine, progress: Progress) -> Agent:
     """The metrics registry with its collectors, the tracer, and the Agent on the
     process's clock, wired to the engine."""
@@ -249,9 +257,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg.engine})", "engine")
     model_path = _model_path(cfg)
 
-    from warmup_agent.engines import EngineError, create
+    from warmup_agent.engines import EngineError
     try:
-        engine = create(cfg, model_path, server_command=server_command)
+        engine = make_engine(cfg, model_path, server_command)
     except EngineError as e:
         print(f"warmup-agent: {e.message}", file=sys.stderr)
         return EXIT_FAILED

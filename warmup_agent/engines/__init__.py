@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
-from warmup_agent.config import Config, ConfigError
+from warmup_agent.config import ConfigError
 from warmup_agent.engines.base import Engine, EngineError
+
+if TYPE_CHECKING:  # types only
+    from warmup_agent.config_sections import LoraSection, ModelSection, OpenaiSection, VllmSection
 
 # What each in-process engine imports beyond the core install, and the extra that
 # brings it.  The openai engine needs nothing more: it is what the small install
@@ -30,19 +35,24 @@ def check_installed(name: str) -> None:
                           f"pip install 'warmup-agent[{extra}]', or use engine openai", "engine")
 
 
-def create(cfg: Config, model_path: str | None, server_command: list[str] | None = None) -> Engine:
-    """Build the engine named by cfg.engine.  Imports are lazy: a torch user never
-    imports vLLM, and `--help` never imports torch."""
-    name = cfg.engine
+def create(name: str, model_path: str | None, server_command: list[str] | None = None, *,
+           model: ModelSection, openai: OpenaiSection, vllm: VllmSection, lora: LoraSection,
+           data_dir: str, request_apis: Collection[str] = ()) -> Engine:
+    """Build engine `name` (the `engine` key) from the sections it reads: `model` (torch:
+    dtype, device, implementation; openai: the directory when model_path is None),
+    `openai`, `vllm`, `lora` and the agent's `data_dir`.  `request_apis`: the APIs
+    prewarm.requests_file uses (the openai engine's discovery asks only those).
+    Imports are lazy: a torch user never imports vLLM, and `--help` never imports torch."""
     if name == "torch":
         from warmup_agent.engines.torch.engine import TorchEngine
         if model_path is None:
             raise ValueError("engine torch needs a model directory (the CLI makes the embedded one when none is given)")
-        return TorchEngine(model_path, dtype=cfg.model.dtype, device=cfg.model.device,
-                           implementation=cfg.model.implementation)
+        return TorchEngine(model_path, dtype=model.dtype, device=model.device,
+                           implementation=model.implementation)
     if name == "openai":
         from warmup_agent.engines.openai.engine import OpenAIEngine
-        return OpenAIEngine(cfg, server_command=server_command, model_path=model_path)
+        return OpenAIEngine(openai, data_dir=data_dir, lora=lora, vllm=vllm, server_command=server_command,
+                            model_path=model_path or model.path, request_apis=request_apis)
     if name == "vllm":
         if not model_path:
             raise EngineError("model_dir_missing", "engine vllm needs --model DIR (model.path)")
@@ -50,5 +60,5 @@ def create(cfg: Config, model_path: str | None, server_command: list[str] | None
             from warmup_agent.engines.vllm_engine import VllmEngine
         except ImportError as e:
             raise EngineError("engine_unavailable", f"engine vllm needs the vllm package ({e}); pip install 'warmup-agent[vllm]'") from None
-        return VllmEngine(cfg, model_path)
+        return VllmEngine(model_path, vllm=vllm, model=model, lora=lora, data_dir=data_dir)
     raise EngineError("engine_unavailable", f"unknown engine '{name}' (known: torch, vllm, openai)")

@@ -182,18 +182,28 @@ class Engine(abc.ABC):
     #: the profile (warmup/traffic.py) instead of the token-id grid, and readiness probes are
     #: real-looking requests that time decode too.  False (default): token ids only.
     speaks_profile: bool = False
-    #: The APIs the engine answers ("chat", "completions"); filled by an engine that
-    #: speaks the profile once it knows.  Default: none.
-    apis: Sequence[str] = ()
     #: Exact-length text prompts from the model's own tokenizer and chat template
     #: (engines/text_prompts.py), needed to learn a profile from prewarm.requests_file.
     #: None: not available.
     text: TextPrompts | None = None
-    #: What the engine learned its server accepts (recorded with the profile).
-    capabilities: Mapping[str, Any] = MappingProxyType({})
-    #: Requests the engine serves at once (llama.cpp's slots, vLLM's batch): the
-    #: profile warmup sends that many of its paths' calls together.  Default 1.
-    concurrency: int = 1
+
+    @property
+    def apis(self) -> Sequence[str]:
+        """The APIs the engine answers ("chat", "completions"), known once an engine
+        that speaks the profile has asked its server.  Default: none."""
+        return ()
+
+    @property
+    def capabilities(self) -> Mapping[str, Any]:
+        """What the engine learned its server accepts (recorded with the profile).
+        Default: nothing."""
+        return MappingProxyType({})
+
+    @property
+    def concurrency(self) -> int:
+        """Requests the engine serves at once (llama.cpp's slots, vLLM's batch): the
+        profile warmup sends that many of its paths' calls together.  Default 1."""
+        return 1
 
     @property
     def server_start_seconds(self) -> float | None:

@@ -25,11 +25,11 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
-from warmup_agent.engines.openai.engine import parse_adapters
 from warmup_agent.gpu import sizing
+from warmup_agent.server.command import parse_adapters
 
 if TYPE_CHECKING:  # types only
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import LoraSection, ModelSection, VllmSection
 
 
 def _one_line(e: BaseException) -> str:
@@ -38,10 +38,16 @@ def _one_line(e: BaseException) -> str:
 
 
 class VllmEngine(Engine):
+    """vLLM on `model_path`, with the `vllm` section's engine arguments, `model.dtype`,
+    the `lora` section's adapters, and its cache folders under `data_dir`."""
+
     name = "vllm"
 
-    def __init__(self, cfg: Config, model_path: str, log: logging.Logger | None = None):
-        self.cfg = cfg
+    def __init__(self, model_path: str, *, vllm: VllmSection, model: ModelSection, lora: LoraSection,
+                 data_dir: str, log: logging.Logger | None = None):
+        self.vllm, self.lora = vllm, lora
+        self.dtype = model.dtype
+        self.data_dir = data_dir
         self._model_path = model_path
         self.log = log or logging.getLogger("warmup_agent.engines.vllm")
         self.llm: Any = None       # vllm.LLM once loaded (vllm is imported lazily)
@@ -70,7 +76,7 @@ class VllmEngine(Engine):
             return quantization.QuantizationInfo()
 
     def _set_cache_dirs(self) -> None:
-        data = self.cfg.data_dir
+        data = self.data_dir
         for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("TRITON_CACHE_DIR", "triton")):
             os.environ.setdefault(var, os.path.join(data, "cache", sub))
@@ -92,24 +98,24 @@ class VllmEngine(Engine):
 
     def engine_args(self) -> dict:
         """Keyword arguments for vllm.LLM, from the config."""
-        cfg = self.cfg
-        args = dict(model=self.model_path, enforce_eager=cfg.vllm.enforce_eager, seed=0)
-        if cfg.model.dtype != "auto":
-            args["dtype"] = cfg.model.dtype
-        if cfg.vllm.max_model_len:
-            args["max_model_len"] = cfg.vllm.max_model_len
-        if cfg.vllm.max_num_seqs:
-            args["max_num_seqs"] = cfg.vllm.max_num_seqs
-        if cfg.vllm.kv_cache_memory_bytes:
-            args["kv_cache_memory_bytes"] = cfg.vllm.kv_cache_memory_bytes
+        vllm = self.vllm
+        args = dict(model=self.model_path, enforce_eager=vllm.enforce_eager, seed=0)
+        if self.dtype != "auto":
+            args["dtype"] = self.dtype
+        if vllm.max_model_len:
+            args["max_model_len"] = vllm.max_model_len
+        if vllm.max_num_seqs:
+            args["max_num_seqs"] = vllm.max_num_seqs
+        if vllm.kv_cache_memory_bytes:
+            args["kv_cache_memory_bytes"] = vllm.kv_cache_memory_bytes
         elif not _has_cuda():
             # The CPU build takes ~8 GiB for KV unless told: a quarter of what is free, at most 4 GiB.
             import psutil
             args["kv_cache_memory_bytes"] = int(min(psutil.virtual_memory().available * 0.25, 4 << 30))
         else:
-            args["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
-        if parse_adapters(cfg.lora.adapters):
-            args.update(enable_lora=True, max_lora_rank=cfg.lora.max_rank)
+            args["gpu_memory_utilization"] = vllm.gpu_memory_utilization
+        if parse_adapters(self.lora.adapters):
+            args.update(enable_lora=True, max_lora_rank=self.lora.max_rank)
         return args
 
     def load_weights(self) -> None:
@@ -131,7 +137,7 @@ class VllmEngine(Engine):
 
     def load_lora_adapters(self) -> None:
         from vllm.lora.request import LoRARequest
-        for i, (name, path) in enumerate(parse_adapters(self.cfg.lora.adapters), start=1):
+        for i, (name, path) in enumerate(parse_adapters(self.lora.adapters), start=1):
             if name in self.adapters:
                 continue
             req = LoRARequest(name, i, path)
@@ -195,7 +201,7 @@ class VllmEngine(Engine):
         """vLLM compiles and captures CUDA graphs inside LLM(...) (unless
         enforce_eager), into the cache directories set above; report that time."""
         return SolidifyReport(method="engine_startup", shapes=len(shapes), seconds=self.load_seconds or 0.0,
-                              detail={"enforce_eager": self.cfg.vllm.enforce_eager})
+                              detail={"enforce_eager": self.vllm.enforce_eager})
 
     def weight_fingerprint(self) -> str:
         """Name, size and safetensors header of each weight file (header only: fast)."""

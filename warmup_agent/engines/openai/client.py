@@ -1,25 +1,23 @@
-"""The openai engine's HTTP client: request bodies for the two APIs, streamed
-requests timed as a client sees them (time to first token: the first chunk that
-carries text; the whole answer: the end of the stream), agent traffic marked
-`X-Warmup: true` with a `warmup-` request id."""
+"""The openai engine's HTTP client: streamed requests on the two APIs, timed as a
+client sees them (time to first token: the first chunk that carries text; the
+whole answer: the end of the stream), agent traffic marked `X-Warmup: true` with
+a `warmup-` request id, and the optional fields the server accepts.  It knows
+nothing of prompts or of what the server is: the engine (engine.py) builds the
+bodies, discovery (discovery.py) asks through it."""
 from __future__ import annotations
 
 import concurrent.futures
 import json
-import logging
-import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-from warmup_agent.engines.base import Engine, EngineError, RequestResult
-from warmup_agent.warmup.traffic import _SEED_TEXT, WarmRequest
+from warmup_agent.engines.base import EngineError, RequestResult
 
 if TYPE_CHECKING:
-    from warmup_agent.config import Config
     from warmup_agent.engines.openai.server_traffic import ServerTraffic
-    from warmup_agent.engines.text_prompts import TextPrompts
-    from warmup_agent.server.supervisor import Supervisor
+
+T = TypeVar("T")
 
 # Optional fields that make a warmup answer exactly max_tokens long on servers
 # that know them (vLLM); dropped for a server that rejects unknown fields.
@@ -36,44 +34,21 @@ class _Rejected(Exception):
         self.message, self.detail = message, detail
 
 
-class StreamingClient(Engine):
-    """Requests to the server (the bottom layer of OpenAIEngine)."""
+class StreamingClient:
+    """HTTP to one server, as httpx's transport is to its client: streamed requests
+    timed as a client sees them, GET/POST of JSON, and a pool that sends a batch at
+    once.  `model` is the served name every request carries (discovery settles it);
+    `rejected_fields` the optional fields the server refused, dropped from then on.
+    Each request leaves a credit in `traffic` (server_traffic.py), so that its line
+    in the server's log counts as ours."""
 
-    # The engine's state, set in OpenAIEngine.__init__ (engines/openai/engine.py) and shared
-    # by the layers: this client, discovery (engines/openai/discovery.py), the server glue
-    # (engines/openai/server.py).
-    cfg: Config
-    log: logging.Logger
-    url: str
-    timeout: float
-    model: str | None
-    model_dir: str | None
-    command: list[str] | None
-    host: str
-    port: int | None
-    base_env: dict[str, str] | None
-    on_server_exit: Callable[[int], None] | None
-    on_server_ready: Callable[[], None] | None
-    supervisor: Supervisor | None
-    startup: dict[str, float]
-    spawn: dict
-    adapters: list[str]
-    health_path: str
-    api_setting: str
-    text: TextPrompts | None
-    apis: list[str]
-    token_id_prompts: bool
-    rejected_fields: set[str]
-    capabilities: dict
-    _variant: int
-    _models_info: dict
-    _pool: concurrent.futures.ThreadPoolExecutor
-    _lock: threading.Lock
-    _start_thread: threading.Thread | None
-    _start_error: EngineError | None
-    _interrupted: threading.Event
-    _tokenizer: Any
-    traffic: ServerTraffic
+    def __init__(self, url: str, timeout: float, traffic: ServerTraffic, model: str | None = None):
+        self.url = url
+        self.timeout = timeout
+        self.traffic = traffic
+        self.model = model
+        self.rejected_fields: set[str] = set()   # our optional fields the server refused (ignore_eos, ...)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="openai-req")
 
     def headers(self, warmup: bool) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -84,66 +59,15 @@ class StreamingClient(Engine):
             h["X-Request-Id"] = f"req-{uuid.uuid4().hex}"
         return h
 
-    def _one_request(self, prompt: list[int], max_new_tokens: int, warmup: bool,
-                     model: str | None = None) -> RequestResult:
-        """A greedy request of these token ids: as ids where the server takes them,
-        else as their text (completions, or one chat message)."""
-        body: dict = {"max_tokens": max_new_tokens, "temperature": 0.0}
-        if model:
-            body["model"] = model
-        if self.token_id_prompts or not self.apis:
-            body["prompt"] = list(prompt)
-            return self._request(body, "completions", warmup, len(prompt))
-        text = self._tokenizer.decode(list(prompt)) if self._tokenizer is not None else _SEED_TEXT[:len(prompt) * 4]
-        if "completions" in self.apis:
-            body["prompt"] = text
-            return self._request(body, "completions", warmup, len(prompt))
-        body["messages"] = [{"role": "user", "content": text}]
-        return self._request(body, "chat", warmup, len(prompt))
-
-    # -- traffic-profile requests ------------------------------------------------------------
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 1,
-                 warmup: bool = False) -> list[RequestResult]:
-        """All prompts at once (one concurrent request each), streamed."""
-        futures = [self._pool.submit(self._one_request, p, max_new_tokens, warmup) for p in prompts]
+    def all_at_once(self, calls: list[Callable[[], T]]) -> list[T]:
+        """Run `calls` concurrently (one request each), results in their order."""
+        futures = [self._pool.submit(call) for call in calls]
         return [f.result() for f in futures]
 
-    def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
-        """One batch of profile requests, sent concurrently (streamed)."""
-        bodies = [self.body_for(r) for r in requests]
-        futures = [self._pool.submit(self._request, body, r.endpoint, warmup, n) for r, (body, n) in zip(requests, bodies, strict=True)]
-        return [f.result() for f in futures]
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def body_for(self, r: WarmRequest) -> tuple[dict, int]:
-        """The request body of a WarmRequest and its exact prompt length in tokens."""
-        with self._lock:
-            self._variant += 1
-            variant = self._variant
-        body = {"max_tokens": r.max_tokens, **r.sampling}
-        if r.endpoint == "chat":
-            if self.text is None or not self.text.has_chat_template:
-                # No local template: a one-message chat of n tokens of text; the
-                # server's template adds its own tokens.
-                text = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
-                body["messages"] = [{"role": "user", "content": text}]
-                return body, r.prompt_tokens
-            body["messages"], n = self.text.messages(r.prompt_tokens, variant)
-            return body, n
-        if self.token_id_prompts and self._tokenizer is not None:
-            body["prompt"] = self._ids(r.prompt_tokens, variant)
-            return body, r.prompt_tokens
-        if self.text is not None:
-            body["prompt"], n = self.text.text(r.prompt_tokens, variant)
-            return body, n
-        body["prompt"] = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
-        return body, r.prompt_tokens
-
-    def _ids(self, length: int, variant: int) -> list[int]:
-        from warmup_agent.warmup.traffic import PromptFactory
-        return PromptFactory(self.tokenize).prompt(length, variant)
-
-    def _request(self, body: dict, api: str, warmup: bool, prompt_tokens: int | None = None) -> RequestResult:
+    def request(self, body: dict, api: str, warmup: bool, prompt_tokens: int | None = None) -> RequestResult:
         """POST one streamed request; fills model, stream options and the optional
         fields the server accepts.  A 400/422 naming one of our optional fields
         drops it for good and retries once."""
@@ -227,7 +151,7 @@ class StreamingClient(Engine):
                              output_tokens=usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks,
                              server_prefill_seconds=prompt_ms / 1e3 if isinstance(prompt_ms, (int, float)) and prompt_ms > 0 else None)
 
-    def _get_json(self, path: str) -> dict:
+    def get_json(self, path: str) -> dict:
         import urllib.error  # see _stream
         import urllib.request
         try:
@@ -236,7 +160,7 @@ class StreamingClient(Engine):
         except (urllib.error.URLError, OSError) as e:
             raise EngineError("server_unreachable", f"GET {self.url}{path}: {getattr(e, 'reason', e)}") from None
 
-    def _post_json(self, path: str, body: dict) -> dict:
+    def post_json(self, path: str, body: dict) -> dict:
         import urllib.error  # see _stream
         import urllib.request
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),

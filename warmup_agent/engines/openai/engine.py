@@ -14,11 +14,13 @@ then prompt lengths are exact by construction), whether it accepts vLLM's
 `vllm:` metrics.  Text prompts are sized to an exact token length with the
 model's own tokenizer and chat template (engines/text_prompts.py).
 
-The class is built in layers, each in its own module: the HTTP client
-(engines/openai/client.py), discovery and capabilities (engines/openai/discovery.py), the
-server glue (engines/openai/server.py), the command-line helpers (server/command.py);
-this module adds what makes it an Engine.  Its public names stay importable
-from here.
+The engine composes three parts, as httpx's client composes a transport, each in
+its own module and none aware of the others: the server handle (server.py: the
+supervised or already-running server), the HTTP client (client.py: streamed
+requests) and discovery (discovery.py: what the server answers, asked through
+the client).  What is left here is the Engine: the model's tokenizer and
+prompts, the LoRA adapters, the facts and the fingerprint.  The command-line
+helpers are server/command.py; their public names stay importable from here.
 
 Agent traffic carries `X-Warmup: true` and a request id starting with
 `warmup-` (vLLM takes `X-Request-Id` as its request id, so its request log shows
@@ -26,21 +28,22 @@ which requests were ours).
 """
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import hashlib
 import json
 import logging
 import os
 import threading
-import urllib.parse
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, Callable
 
-from warmup_agent.engines.base import EngineError, SolidifyReport
-from warmup_agent.engines.openai.client import StreamingClient, _Rejected
+from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestResult, SolidifyReport
+from warmup_agent.engines.openai.client import StreamingClient
 from warmup_agent.engines.openai.discovery import Discovery
-from warmup_agent.engines.openai.server import ServerGlue
+from warmup_agent.engines.openai.server import ServerHandle
 from warmup_agent.engines.openai.server_traffic import ServerTraffic
 from warmup_agent.engines.text_prompts import TextPrompts
+from warmup_agent.gpu import sizing
 from warmup_agent.server.command import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -50,88 +53,205 @@ from warmup_agent.server.command import (
     option,
     parse_adapters,
 )
-from warmup_agent.warmup.traffic import _SEED_TEXT
+from warmup_agent.warmup.traffic import _SEED_TEXT, WarmRequest
 
 if TYPE_CHECKING:
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import LoraSection, OpenaiSection, VllmSection
     from warmup_agent.server.supervisor import Supervisor
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Discovery", "OpenAIEngine", "ServerGlue", "StreamingClient", "_Rejected",
-           "describe_command", "fix_vllm_command", "option", "parse_adapters"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Discovery", "OpenAIEngine", "ServerHandle", "StreamingClient",
+           "describe_command", "fix_vllm_command", "listen_address", "option", "parse_adapters"]
 
 
-class OpenAIEngine(ServerGlue):
-    """`server_command`: the server to start and supervise (None: use `openai.url`).
-    `on_server_exit(returncode)` / `on_server_ready()` are called when a supervised
-    server crashes and when it is healthy again after a restart (given here or
-    through set_server_callbacks)."""
+class OpenAIEngine(Engine):
+    """An Engine over `server` (ServerHandle), `client` (StreamingClient) and
+    `discovery` (Discovery).
+
+    `openai`, `lora`, `vllm`: those sections of the configuration; `data_dir`: the
+    agent's data directory (the supervised server's cache folders).
+    `server_command`: the server to start and supervise (None: use `openai.url`).
+    `model_path`: the model's directory here, when known (else the command's
+    --model).  `request_apis`: the APIs prewarm.requests_file uses (discovery asks
+    only those).  `on_server_exit(returncode)` / `on_server_ready()` are called when a
+    supervised server crashes and when it is healthy again after a restart (given
+    here or through set_server_callbacks).  `base_env`: the server's environment
+    before ours (default: os.environ)."""
 
     name = "openai"
     speaks_profile = True   # generate_requests, apis, text, capabilities (Engine)
     loads_by_starting_server = True   # load_weights is the server's start-up (Engine)
 
-    def __init__(self, cfg: Config, server_command: list[str] | None = None, log: logging.Logger | None = None,
+    def __init__(self, openai: OpenaiSection, *, data_dir: str, lora: LoraSection, vllm: VllmSection,
+                 server_command: list[str] | None = None, model_path: str | None = None,
+                 request_apis: Collection[str] = (), log: logging.Logger | None = None,
                  on_server_exit: Callable[[int], None] | None = None,
                  on_server_ready: Callable[[], None] | None = None,
-                 base_env: dict[str, str] | None = None, model_path: str | None = None):
-        self.cfg = cfg
-        self.base_env = base_env          # the server's environment before ours (default: os.environ)
+                 base_env: dict[str, str] | None = None):
         self.log = log or logging.getLogger("warmup_agent.engines.openai")
-        self.command = fix_vllm_command(server_command) if server_command else None
-        if self.command:
-            host, port = listen_address(self.command)
-            self.host: str = host
-            self.port: int | None = port
-            self.url = (cfg.openai.url or f"http://{host}:{port}").rstrip("/")
-        elif cfg.openai.url:
-            self.url = cfg.openai.url.rstrip("/")
-            parsed = urllib.parse.urlparse(self.url)
-            self.host, self.port = parsed.hostname or "", parsed.port   # "": a URL without a host
-        else:
-            raise EngineError("server_command_missing",
-                              "engine openai needs a server command after -- or openai.url (WARMUP_AGENT_OPENAI_URL)")
-        self.on_server_exit = on_server_exit
-        self.on_server_ready = on_server_ready
-        self.timeout = cfg.openai.request_timeout_seconds
-        self.model: str | None = cfg.openai.model or (option(self.command, "--served-model-name") if self.command else None)
-        self.model_dir: str | None = (model_path or cfg.model.path
-                                      or (option(self.command, "--model") if self.command else None))
-        self.quantization = self._detect_quantization()
-        self.supervisor: Supervisor | None = None   # the server we started (server_command), once started
-        self._start_thread: threading.Thread | None = None   # prestart(): waiting for the first health 200
-        self._start_error: EngineError | None = None
-        self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
-        self.startup: dict[str, float] = {}
-        self.spawn: dict = {}                  # the supervised server's spawn: early (server/early_spawn.py) or not, and why
-        self.adapters: list[str] = []      # registered LoRA adapter names
-        self.health_path = "/" + cfg.openai.health_path.lstrip("/")
-        self.api_setting = cfg.openai.api   # auto | chat | completions
-        self._tokenizer = None
-        self.text: TextPrompts | None = None   # exact-length text prompts (local tokenizer)
-        self.apis: list[str] = []              # "chat", "completions": what the server answers
-        self.token_id_prompts = False          # /v1/completions takes token ids (vLLM)
-        self.rejected_fields: set[str] = set() # our optional fields the server refused (ignore_eos, ...)
-        self.capabilities: dict = {}
-        self._variant = 0
-        self._models_info: dict = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="openai-req")
-        self._lock = threading.Lock()
         self.traffic = ServerTraffic()         # other clients' requests, from the supervised server's log
+        self.server = ServerHandle(openai, data_dir=data_dir, lora=lora, vllm=vllm, command=server_command,
+                                   traffic=self.traffic, base_env=base_env, log=self.log)
+        self.server.set_callbacks(on_server_exit, on_server_ready)
+        self.client = StreamingClient(self.server.url, openai.request_timeout_seconds, self.traffic,
+                                      model=openai.model or self.server.served_model_name)
+        self.discovery = Discovery(self.client, openai, request_apis, log=self.log)
+        self.lora_adapters = lora.adapters     # lora.adapters: what load_lora_adapters registers
+        self.model_dir: str | None = model_path or self.server.model_option
+        self.quantization = self._detect_quantization()
+        self.adapters: list[str] = []          # registered LoRA adapter names
+        self._tokenizer: Any = None
+        self.text: TextPrompts | None = None   # exact-length text prompts (local tokenizer)
+        self._variant = 0
+        self._lock = threading.Lock()
 
-    def has_compile_artifacts(self) -> bool:
-        """Whether the supervised server wrote anything into the compile-cache
-        folders server_env() gave it (solidify shares them through the kernel cache)."""
-        if not self.command:
-            return True
-        env = self.server_env()
-        for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-            for _, _, files in os.walk(env[var]):
-                if files:
-                    return True
-        return False
+    # -- what the parts know, as the Engine and its callers name it ---------------------------
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def health_path(self) -> str:
+        return self.server.health_path
+
+    @property
+    def command(self) -> list[str] | None:
+        """The supervised server's command as given (vLLM's rewritten); None: not ours."""
+        return self.server.command
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        return self.server.supervisor
+
+    @property
+    def model(self) -> str | None:
+        """The served model name requests carry (openai.model, else discovered)."""
+        return self.client.model
+
+    @model.setter
+    def model(self, name: str | None) -> None:
+        self.client.model = name
+
+    @property
+    def apis(self) -> list[str]:
+        return self.discovery.apis
+
+    @property
+    def token_id_prompts(self) -> bool:
+        return self.discovery.token_id_prompts
+
+    @property
+    def concurrency(self) -> int:
+        return self.discovery.concurrency
+
+    @property
+    def capabilities(self) -> dict:
+        return self.discovery.capabilities
+
+    @property
+    def rejected_fields(self) -> set[str]:
+        return self.client.rejected_fields
+
+    @property
+    def on_server_exit(self) -> Callable[[int], None] | None:
+        return self.server.on_server_exit
+
+    @property
+    def on_server_ready(self) -> Callable[[], None] | None:
+        return self.server.on_server_ready
+
+    def headers(self, warmup: bool) -> dict[str, str]:
+        return self.client.headers(warmup)
+
+    def server_env(self) -> dict[str, str]:
+        """The supervised server's environment (ServerHandle.server_env)."""
+        return self.server.server_env()
+
+    def server_command(self) -> list[str]:
+        """The supervised server's command as started (ServerHandle.server_command)."""
+        return self.server.server_command()
+
+    @property
+    def server_start_seconds(self) -> float | None:
+        return self.server.start_seconds
+
+    @property
+    def server_name(self) -> str | None:
+        return self.server.name
+
+    @property
+    def applied_remedy(self) -> dict[str, str]:
+        return self.server.applied_remedy
+
+    @property
+    def metrics_url(self) -> str:
+        """The server's Prometheus endpoint (read at scrape time by exporter.engine_metrics)."""
+        return self.url + "/metrics"
+
+    @property
+    def model_path(self) -> str | None:
+        """Local model directory when known (reserve checks that its weights fit)."""
+        return self.model_dir if self.model_dir and os.path.isdir(self.model_dir) else None
 
     def others_served_within(self, seconds: float) -> float | None:
         return self.traffic.others_within(seconds)
+
+    def has_compile_artifacts(self) -> bool:
+        return self.server.has_compile_artifacts()
+
+    def set_server_callbacks(self, on_exit: Callable[[int], None] | None,
+                             on_ready: Callable[[], None] | None) -> None:
+        self.server.set_callbacks(on_exit, on_ready)
+
+    # -- the server's life --------------------------------------------------------------------
+
+    def prestart(self) -> None:
+        self.server.prestart()
+
+    def start_server(self) -> None:
+        """Start the server (or wait for the given one) until healthy; the local
+        tokenizer loads meanwhile.  No request reaches the server."""
+        self.server.start(while_starting=self.load_tokenizer)
+
+    def load_weights(self) -> None:
+        """Start the server (or wait for the given one) until healthy, learn the
+        served model, then register and warm the LoRA adapters."""
+        self.start_server()
+        self._discover()
+        self.load_lora_adapters()
+
+    def interrupt(self) -> None:
+        self.server.interrupt()
+
+    def close(self) -> None:
+        self.server.close()
+        self.client.close()
+
+    def _discover(self) -> None:
+        """Ask the server what it serves and answers (discovery.py); a model directory
+        it names (/v1/models' root) gives the local tokenizer when none was known."""
+        self.load_tokenizer()      # prompts of exact lengths from here on
+        root = self.discovery.find_model(self.model_dir, self.command)
+        if self.model_dir is None and root and os.path.isdir(root):
+            self.model_dir = root
+            self.load_tokenizer()
+        self.discovery.find_the_rest(self.tokenize, chat_template=bool(self.text and self.text.has_chat_template))
+
+    # -- the model: tokenizer, quantization, adapters -----------------------------------------
+
+    def _detect_quantization(self) -> Any:
+        """What the server runs quantized (issue 16): its flags (--quantization,
+        --kv-cache-dtype) over the model directory's config.json when we can read it.
+        The agent cannot see a server's scales: docs/fp8.md says what is not checked."""
+        from warmup_agent import quantization
+        model_info = None
+        if self.model_dir:
+            try:
+                model_info = quantization.from_config(quantization.read_model_config(self.model_dir),
+                                                      f"{self.model_dir}/config.json")
+            except EngineError as e:   # the server reads that file too, and says so in its own words
+                self.log.warning("%s", e)
+        return quantization.from_command_line(self.command, model_info)
 
     def load_tokenizer(self) -> None:
         """Local tokenizer of the model directory when we know it, else the server's
@@ -151,31 +271,130 @@ class OpenAIEngine(ServerGlue):
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenize("warm the tokenizer caches")
 
-    def load_weights(self) -> None:
-        """Start the server (or wait for the given one) until healthy, learn the
-        served model, then register and warm the LoRA adapters."""
-        self.start_server()
-        self._discover()
-        self.load_lora_adapters()
-
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is not None:
             enc = self._tokenizer.encode(text, add_special_tokens=False)
             return list(enc.ids) if hasattr(enc, "ids") else list(enc)
-        out = self._post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
+        out = self.client.post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
         return list(out["tokens"])
 
-    @property
-    def model_path(self) -> str | None:
-        """Local model directory when known (reserve checks that its weights fit)."""
-        return self.model_dir if self.model_dir and os.path.isdir(self.model_dir) else None
+    def load_lora_adapters(self) -> None:
+        """Register each adapter of `lora.adapters` (POST /v1/load_lora_adapter) and
+        warm it with one marked request, one by one."""
+        # A restarted server has forgotten its adapters: ask it what it serves.
+        served = {m["id"] for m in self.client.get_json("/v1/models")["data"]}
+        self.adapters = [a for a in self.adapters if a in served]
+        for name, path in parse_adapters(self.lora_adapters):
+            if name in served:
+                if name not in self.adapters:
+                    self.adapters.append(name)
+                continue
+            try:
+                self.client.post_json("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            except EngineError as e:
+                raise EngineError("lora_load_failed", f"LoRA adapter {name!r} ({path}): {e.message}") from None
+            self.adapters.append(name)
+            self._one_request(self.tokenize("warm the adapter")[:8] or [1], 1, True, model=name)
+            self.log.info("LoRA adapter %s registered and warmed", name)
+
+    # -- requests: prompts of exact lengths, sent through the client ---------------------------
+
+    def _one_request(self, prompt: list[int], max_new_tokens: int, warmup: bool,
+                     model: str | None = None) -> RequestResult:
+        """A greedy request of these token ids: as ids where the server takes them,
+        else as their text (completions, or one chat message)."""
+        body: dict = {"max_tokens": max_new_tokens, "temperature": 0.0}
+        if model:
+            body["model"] = model
+        if self.token_id_prompts or not self.apis:
+            body["prompt"] = list(prompt)
+            return self.client.request(body, "completions", warmup, len(prompt))
+        text = self._tokenizer.decode(list(prompt)) if self._tokenizer is not None else _SEED_TEXT[:len(prompt) * 4]
+        if "completions" in self.apis:
+            body["prompt"] = text
+            return self.client.request(body, "completions", warmup, len(prompt))
+        body["messages"] = [{"role": "user", "content": text}]
+        return self.client.request(body, "chat", warmup, len(prompt))
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 1,
+                 warmup: bool = False) -> list[RequestResult]:
+        """All prompts at once (one concurrent request each), streamed."""
+        return self.client.all_at_once([functools.partial(self._one_request, p, max_new_tokens, warmup) for p in prompts])
+
+    def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
+        """One batch of profile requests, sent concurrently (streamed)."""
+        bodies = [self.body_for(r) for r in requests]
+        return self.client.all_at_once([functools.partial(self.client.request, body, r.endpoint, warmup, n)
+                                        for r, (body, n) in zip(requests, bodies, strict=True)])
+
+    def body_for(self, r: WarmRequest) -> tuple[dict, int]:
+        """The request body of a WarmRequest and its exact prompt length in tokens."""
+        with self._lock:
+            self._variant += 1
+            variant = self._variant
+        body = {"max_tokens": r.max_tokens, **r.sampling}
+        if r.endpoint == "chat":
+            if self.text is None or not self.text.has_chat_template:
+                # No local template: a one-message chat of n tokens of text; the
+                # server's template adds its own tokens.
+                text = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
+                body["messages"] = [{"role": "user", "content": text}]
+                return body, r.prompt_tokens
+            body["messages"], n = self.text.messages(r.prompt_tokens, variant)
+            return body, n
+        if self.token_id_prompts and self._tokenizer is not None:
+            body["prompt"] = self._ids(r.prompt_tokens, variant)
+            return body, r.prompt_tokens
+        if self.text is not None:
+            body["prompt"], n = self.text.text(r.prompt_tokens, variant)
+            return body, n
+        body["prompt"] = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
+        return body, r.prompt_tokens
+
+    def _ids(self, length: int, variant: int) -> list[int]:
+        from warmup_agent.warmup.traffic import PromptFactory
+        return PromptFactory(self.tokenize).prompt(length, variant)
+
+    # -- facts, solidify, fingerprint ----------------------------------------------------------
+
+    def facts(self) -> EngineFacts:
+        cfg = self._model_config()
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "unknown"
+        kv = sizing.kv_bytes_per_token_if_known(cfg, dtype)
+        server = self.server
+        extra: dict[str, Any] = {"url": self.url, "startup_seconds": dict(server.startup),
+                                 "lora_adapters": list(self.adapters)}
+        if server.supervisor is not None:
+            extra.update(server_pid=server.supervisor.pid, server_restarts=server.supervisor.restarts,
+                         server_spawn={**server.spawn, "after_process_start_seconds": server.supervisor.first_spawn_process_age,
+                                       "healthy_after_spawn_seconds": server.supervisor.start_seconds})
+        try:
+            from exporter.engine_metrics import fetch_engine_stats
+            stats = fetch_engine_stats(self.metrics_url, timeout=2)
+            extra.update(kv_cache_blocks=stats.kv_cache_blocks, kv_block_size=stats.kv_block_size,
+                         kv_cache_usage_ratio=stats.kv_cache_usage_ratio)
+        except Exception as e:  # noqa: BLE001 - facts stay useful without engine metrics
+            extra["engine_metrics_error"] = str(e)
+        return EngineFacts(engine=self.name, model=self.model or "", device="remote", dtype=dtype,
+                           kv_bytes_per_token=kv, max_context=self.discovery.models_info.get("max_model_len"),
+                           vocab_size=cfg.get("vocab_size"), extra=extra)
+
+    def _model_config(self) -> dict:
+        if self.model_dir:
+            try:
+                with open(os.path.join(self.model_dir, "config.json")) as f:
+                    return json.load(f)
+            except (OSError, ValueError):
+                pass
+        return {}
 
     def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
         """vLLM compiles and captures graphs itself at start-up, into the cache
         directories the agent gave it: report what its log says that took."""
-        seconds = self.startup.get("compile_seconds", 0.0) + self.startup.get("graph_capture_seconds", 0.0)
+        startup = self.server.startup
+        seconds = startup.get("compile_seconds", 0.0) + startup.get("graph_capture_seconds", 0.0)
         return SolidifyReport(method="engine_startup", shapes=len(shapes), seconds=seconds,
-                              detail=dict(self.startup))
+                              detail=dict(startup))
 
     def weight_fingerprint(self) -> str:
         """Digest of what the server serves: model id and max length from the server,
@@ -183,7 +402,7 @@ class OpenAIEngine(ServerGlue):
         file in the model directory when it is readable here.  Header-only, so it costs
         milliseconds even for a 70B model; a changed or swapped file changes it."""
         h = hashlib.sha256()
-        h.update(json.dumps({"id": self.model, "max_model_len": self._models_info.get("max_model_len")},
+        h.update(json.dumps({"id": self.model, "max_model_len": self.discovery.models_info.get("max_model_len")},
                             sort_keys=True).encode())
         if self.model_dir and os.path.isdir(self.model_dir):
             for name in sorted(os.listdir(self.model_dir)):

@@ -1,16 +1,33 @@
-"""The openai engine's server glue: the command and environment it starts the
-server with, the supervisor (server/supervisor.py) that keeps it running, its start-up
-log lines, the wait for health, interrupting and closing."""
+"""The openai engine's server handle: the server it talks to, either one it starts
+and supervises (a command: the command and environment it starts it with, the
+supervisor of server/supervisor.py that keeps it running, its start-up log lines)
+or one already running (openai.url); the wait for health, interrupting and
+closing."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
-from typing import Callable
+import time
+import urllib.parse
+from typing import TYPE_CHECKING, Callable
 
 from warmup_agent.engines.base import EngineError
-from warmup_agent.engines.openai.discovery import Discovery
-from warmup_agent.server.command import is_vllm, option, server_env, server_name_of, server_remedy
+from warmup_agent.server.command import (
+    fix_vllm_command,
+    is_vllm,
+    listen_address,
+    option,
+    server_env,
+    server_name_of,
+    server_remedy,
+)
+
+if TYPE_CHECKING:
+    from warmup_agent.config_sections import LoraSection, OpenaiSection, VllmSection
+    from warmup_agent.engines.openai.server_traffic import ServerTraffic
+    from warmup_agent.server.supervisor import Supervisor
 
 # vLLM's start-up log lines that say how long its own compile / graph capture took.
 _STARTUP_PATTERNS = {
@@ -22,14 +39,61 @@ _STARTUP_PATTERNS = {
 }
 
 
-class ServerGlue(Discovery):
-    """Starting and supervising the server (the top layer under OpenAIEngine)."""
+class ServerHandle:
+    """The server behind the engine.  `command`: the server to start and supervise
+    (None: the one at `openai.url`).  `openai`: the URL, health path, timeouts,
+    restart back-off and drain of the `openai.*` section; `data_dir`, `lora` and
+    `vllm` shape the supervised server's environment and command (its cache
+    folders, the adapters it must accept, a vLLM KV budget).  `base_env`: the
+    server's environment before ours (default: os.environ).  `traffic` reads the
+    supervised server's log (server_traffic.py)."""
+
+    def __init__(self, openai: OpenaiSection, *, data_dir: str, lora: LoraSection, vllm: VllmSection,
+                 command: list[str] | None, traffic: ServerTraffic, base_env: dict[str, str] | None = None,
+                 log: logging.Logger | None = None):
+        self.command = fix_vllm_command(command) if command else None
+        if self.command:
+            host, port = listen_address(self.command)
+            self.host: str = host
+            self.port: int | None = port
+            self.url = (openai.url or f"http://{host}:{port}").rstrip("/")
+        elif openai.url:
+            self.url = openai.url.rstrip("/")
+            parsed = urllib.parse.urlparse(self.url)
+            self.host, self.port = parsed.hostname or "", parsed.port   # "": a URL without a host
+        else:
+            raise EngineError("server_command_missing",
+                              "engine openai needs a server command after -- or openai.url (WARMUP_AGENT_OPENAI_URL)")
+        self.openai, self.lora, self.vllm = openai, lora, vllm
+        self.data_dir = data_dir
+        self.base_env = base_env
+        self.traffic = traffic
+        self.log = log or logging.getLogger("warmup_agent.engines.openai")
+        self.health_path = "/" + openai.health_path.lstrip("/")
+        self.on_server_exit: Callable[[int], None] | None = None
+        self.on_server_ready: Callable[[], None] | None = None
+        self.supervisor: Supervisor | None = None   # the server we started (command), once started
+        self._start_thread: threading.Thread | None = None   # prestart(): waiting for the first health 200
+        self._start_error: EngineError | None = None
+        self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
+        self.startup: dict[str, float] = {}   # what the server's start-up log says it spent (_STARTUP_PATTERNS)
+        self.spawn: dict = {}                  # the supervised server's spawn: early (server/early_spawn.py) or not, and why
+
+    @property
+    def served_model_name(self) -> str | None:
+        """The name the supervised server serves under (--served-model-name), if given."""
+        return option(self.command, "--served-model-name") if self.command else None
+
+    @property
+    def model_option(self) -> str | None:
+        """The supervised server's --model, if given."""
+        return option(self.command, "--model") if self.command else None
 
     def server_env(self) -> dict[str, str]:
         """The server's environment: ours plus the agent's cache directories
         (server_command.server_env)."""
-        return server_env(os.environ if self.base_env is None else self.base_env, self.cfg.data_dir, self.host,
-                          self.cfg.lora.adapters, self.applied_remedy)
+        return server_env(os.environ if self.base_env is None else self.base_env, self.data_dir, self.host,
+                          self.lora.adapters, self.applied_remedy)
 
     def server_command(self) -> list[str]:
         """The command as started: a vLLM command that sets no memory budget gets
@@ -41,31 +105,33 @@ class ServerGlue(Discovery):
         return cmd
 
     def kv_budget_bytes(self) -> int:
-        configured = self.cfg.vllm.kv_cache_memory_bytes
+        configured = self.vllm.kv_cache_memory_bytes
         if configured:
             return configured
         import psutil
         return int(min(psutil.virtual_memory().available * 0.25, 4 << 30))
 
-    def set_server_callbacks(self, on_exit: Callable[[int], None] | None,
-                             on_ready: Callable[[], None] | None) -> None:
+    def set_callbacks(self, on_exit: Callable[[int], None] | None,
+                      on_ready: Callable[[], None] | None) -> None:
         """Crash and recovery of the supervised server (Engine.set_server_callbacks);
         set before load_weights starts it."""
         self.on_server_exit = on_exit
         self.on_server_ready = on_ready
 
     @property
-    def server_start_seconds(self) -> float | None:
+    def start_seconds(self) -> float | None:
+        """Spawn to healthy of the supervised server; None: not started by us."""
         return self.supervisor.start_seconds if self.supervisor is not None else None
 
     @property
-    def server_name(self) -> str | None:
+    def name(self) -> str | None:
+        """What server it is, from its command line; None: unknown (not started by us)."""
         return server_name_of(self.command)
 
     @property
     def applied_remedy(self) -> dict[str, str]:
         """The remedy environment given to the supervised server (openai.apply_server_remedy)."""
-        if not (self.cfg.openai.apply_server_remedy and self.command):
+        if not (self.openai.apply_server_remedy and self.command):
             return {}
         return server_remedy(self.command)
 
@@ -76,12 +142,25 @@ class ServerGlue(Discovery):
             if m:
                 self.startup[key] = float(m.group(1))
 
-    # -- Engine -----------------------------------------------------------------------
+    def has_compile_artifacts(self) -> bool:
+        """Whether the supervised server wrote anything into the compile-cache
+        folders server_env() gave it (solidify shares them through the kernel cache).
+        A server we did not start: True (we cannot tell)."""
+        if not self.command:
+            return True
+        env = self.server_env()
+        for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            for _, _, files in os.walk(env[var]):
+                if files:
+                    return True
+        return False
+
+    # -- starting, waiting, stopping --------------------------------------------------
 
     def prestart(self) -> None:
         """Spawn the supervised server now, without waiting for it: its own start-up
         (1.2-1.5 s for llama.cpp on an H200) then overlaps the agent's set-up and the
-        tokenizer load.  start_server() waits for it.  Nothing to do without a command
+        tokenizer load.  start() waits for it.  Nothing to do without a command
         or once started."""
         if not self.command or self.supervisor is not None or self._interrupted.is_set():
             return
@@ -98,10 +177,10 @@ class ServerGlue(Discovery):
             adopt=early.proc if early else None, adopted_spawn_time=early.at if early else None,
             adopted_process_age=early.process_age if early else None,
             host=self.host, port=self.port,
-            ready_timeout=self.cfg.openai.ready_timeout_seconds,
-            backoff_initial=self.cfg.openai.restart_backoff_initial_seconds,
-            backoff_max=self.cfg.openai.restart_backoff_max_seconds,
-            drain_seconds=self.cfg.openai.drain_seconds,
+            ready_timeout=self.openai.ready_timeout_seconds,
+            backoff_initial=self.openai.restart_backoff_initial_seconds,
+            backoff_max=self.openai.restart_backoff_max_seconds,
+            drain_seconds=self.openai.drain_seconds,
             on_server_exit=lambda rc: self.on_server_exit(rc) if self.on_server_exit else None,
             on_server_ready=lambda: self.on_server_ready() if self.on_server_ready else None,
             on_log_line=self._on_log_line, log=self.log)
@@ -115,10 +194,11 @@ class ServerGlue(Discovery):
         self._start_thread = threading.Thread(target=start, name="server-start", daemon=True)
         self._start_thread.start()
 
-    def start_server(self) -> None:
+    def start(self, while_starting: Callable[[], None]) -> None:
         """Start the server (or wait for the given one) until its health path
-        answers 200, and nothing more: no request reaches it.  The local tokenizer
-        loads while the server starts."""
+        answers 200, and nothing more: no request reaches it.  `while_starting` (the
+        engine's local tokenizer load) runs while the server starts; not again when
+        the server is ours already (a restart)."""
         if self._interrupted.is_set():
             raise EngineError("stopped", "stopped before the server became healthy")
         if self._start_thread is None and self.supervisor is not None:
@@ -128,7 +208,7 @@ class ServerGlue(Discovery):
             return
         if self.command:
             self.prestart()
-            self.load_tokenizer()      # local files: overlaps the server's start-up
+            while_starting()      # local files: overlaps the server's start-up
             thread = self._start_thread
             if thread is not None:
                 thread.join()
@@ -136,7 +216,7 @@ class ServerGlue(Discovery):
             if self._start_error is not None:
                 raise self._start_error
         else:
-            self.load_tokenizer()
+            while_starting()
             self._wait_remote_healthy()
 
     def interrupt(self) -> None:
@@ -149,6 +229,22 @@ class ServerGlue(Discovery):
     def close(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- HTTP -------------------------------------------------------------------------
+    def _wait_remote_healthy(self) -> None:
+        import urllib.error  # here, not at the top: see StreamingClient._stream (client.py)
+        import urllib.request
+        deadline = time.monotonic() + self.openai.ready_timeout_seconds
+        last = ""
+        while time.monotonic() < deadline:
+            if self._interrupted.is_set():
+                raise EngineError("stopped", "stopped before the server became healthy")
+            try:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError) as e:
+                last = str(getattr(e, "reason", e))
+            self._interrupted.wait(0.5)
+        raise EngineError("server_never_healthy",
+                          f"{self.url}{self.health_path} did not answer 200 within {self.openai.ready_timeout_seconds:g} s"
+                          + (f" (last error: {last})" if last else ""))

@@ -240,7 +240,7 @@ def test_a_dead_server_trips_once_logs_once_and_counts_each_failed_probe(caplog)
     metrics = AgentMetrics()
     sm = StateMachine(metrics)
     clock = FakeClock()
-    rd = Readiness(cfg, sm, metrics, clock=clock)
+    rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics, clock=clock)
     for st in (State.PRELOAD, State.PRIME, State.SERVING):
         sm.transition(st)
     refused = EngineError("server_unreachable", "POST http://127.0.0.1:1/v1/completions: [Errno 111] Connection refused")
@@ -272,7 +272,7 @@ def test_a_rewarm_closes_an_open_breaker():
     cfg = config.load(env={})
     metrics = AgentMetrics()
     sm = StateMachine(metrics)
-    rd = Readiness(cfg, sm, metrics)
+    rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics)
     for st in (State.PRELOAD, State.PRIME, State.SERVING):
         sm.transition(st)
     rd.probe_failure("server_error", "HTTP 500")

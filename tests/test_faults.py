@@ -37,7 +37,8 @@ def agent_env(tmp_path, embedded_model, data_dir, redis_url, kc_dir):
 def publish_kernel(env, tmp_path):
     """A first pod with the same configuration publishes one kernel."""
     from warmup_agent.kernel_cache import KernelCache
-    first = KernelCache.from_config(config.load(env={**env, "WARMUP_AGENT_KERNEL_CACHE_DIR": str(tmp_path / "first")}))
+    cfg = config.load(env={**env, "WARMUP_AGENT_KERNEL_CACHE_DIR": str(tmp_path / "first")})
+    first = KernelCache.from_config(cfg.kernel_cache, data_dir=cfg.data_dir, model=cfg.model, solidify=cfg.solidify)
     path = os.path.join(first.local.dir(KERNEL[0]), KERNEL[1])
     os.makedirs(os.path.dirname(path))
     with open(path, "wb") as f:

@@ -26,7 +26,7 @@ def serving(steady: int = 5, **env: str) -> tuple[Readiness, StateMachine, Agent
     cfg = config.load(env={"WARMUP_AGENT_READINESS_FIRST_USER_STEADY_REQUESTS": str(steady), **env})
     metrics = AgentMetrics()
     sm = StateMachine(metrics)
-    rd = Readiness(cfg, sm, metrics)
+    rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics)
     for s in (State.PRELOAD, State.PRIME, State.SERVING):
         assert sm.transition(s)
     return rd, sm, metrics

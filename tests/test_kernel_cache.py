@@ -246,7 +246,8 @@ def test_from_config(tmp_path, redis_server, clean_env):
     cfg = config.load(env={"WARMUP_AGENT_KERNEL_CACHE_REDIS_URL": redis_server.url,
                            "WARMUP_AGENT_KERNEL_CACHE_SECRET_FILE": str(key),
                            "WARMUP_AGENT_DATA_DIR": str(tmp_path / "data")})
-    pod = KernelCache.from_config(cfg, AgentMetrics(), runtime=RUNTIME)
+    pod = KernelCache.from_config(cfg.kernel_cache, data_dir=cfg.data_dir, model=cfg.model, solidify=cfg.solidify,
+                                  metrics=AgentMetrics(), runtime=RUNTIME)
     assert pod.shared is not None and pod.settings.secret == SECRET
     assert pod.env() == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "data" / "kernel-cache" / pod.namespace / "inductor"),
                          "TRITON_CACHE_DIR": str(tmp_path / "data" / "kernel-cache" / pod.namespace / "triton"),

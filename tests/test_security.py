@@ -71,7 +71,8 @@ def live(tmp_path_factory, embedded_model, data_dir):
 
     # A "first pod" with the same configuration publishes two kernels; one is then tampered with.
     from warmup_agent.kernel_cache import KernelCache
-    first = KernelCache.from_config(config.load(env={**env, "WARMUP_AGENT_KERNEL_CACHE_DIR": os.path.join(d, "kc-first")}))
+    cfg = config.load(env={**env, "WARMUP_AGENT_KERNEL_CACHE_DIR": os.path.join(d, "kc-first")})
+    first = KernelCache.from_config(cfg.kernel_cache, data_dir=cfg.data_dir, model=cfg.model, solidify=cfg.solidify)
     for kind, rel, data in (GOOD, TAMPERED):
         path = os.path.join(first.local.dir(kind), rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)

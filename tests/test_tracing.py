@@ -405,15 +405,16 @@ def test_collector_down_costs_the_start_nothing(embedded_model, data_dir, tmp_pa
 
 # -- settings, without a collector ------------------------------------------------------------
 def _cfg(**values):
-    return config.load(env={f"WARMUP_AGENT_TRACING_{k.upper()}": v for k, v in values.items()})
+    """The `tracing.*` section, as config.load makes it from these keys."""
+    return config.load(env={f"WARMUP_AGENT_TRACING_{k.upper()}": v for k, v in values.items()}).tracing
 
 
 def test_off_by_default_and_setup_imports_nothing():
     cfg = config.load(env={})
-    assert cfg["tracing.enabled"] is False and not tracing.enabled(cfg, {})
+    assert cfg["tracing.enabled"] is False and not tracing.enabled(cfg.tracing, {})
     assert not tracing.enabled(_cfg(enabled="true"), {"OTEL_SDK_DISABLED": "true"})
     code = ("import sys; from warmup_agent import config; from warmup_agent.run import tracing; "
-            "t = tracing.setup(config.load(env={})); "
+            "t = tracing.setup(config.load(env={}).tracing); "
             "assert t is tracing.NOOP and tracing.current_trace_id() is None; "
             "import warmup_agent.pipeline, warmup_agent.cli; "
             "import warmup_agent.stages.solidify, warmup_agent.run.progress; "
@@ -471,7 +472,7 @@ def test_a_rewarm_is_a_trace_of_its_own(rotel, embedded_model, caplog):
     from warmup_agent.states import State
     cfg = config.load(env={**LIGHT, "WARMUP_AGENT_READINESS_MIN_PROBES": "3", "WARMUP_AGENT_TRACING_ENABLED": "true",
                            "WARMUP_AGENT_TRACING_ENDPOINT": f"http://127.0.0.1:{rotel.grpc_port}"})
-    tracer = tracing.setup(cfg, {})
+    tracer = tracing.setup(cfg.tracing, {})
     try:
         assert isinstance(tracer, tracing.OtlpTracing)
         agent = Agent(cfg, TorchEngine(embedded_model, dtype="float32", device="cpu"), metrics=AgentMetrics())

@@ -207,7 +207,7 @@ def _make_agent(cfg: Config, engine: Engine, progress: Progress) -> Agent:
         metrics.warmup_requests_file_bad_lines.set(cfg.requests_check.bad_count)
     from warmup_agent.run import tracing
     from warmup_agent.server.procstart import process_started
-    tracing.setup(cfg)   # start-up traces: NOOP (no OpenTelemetry import) unless tracing.enabled
+    tracing.setup(cfg.tracing)   # start-up traces: NOOP (no OpenTelemetry import) unless tracing.enabled
     # The clock starts at process start: a first run's imports and embedded model
     # creation are part of the time to SERVING (the "startup" stage).
     agent = Agent(cfg, engine, metrics=metrics, progress=progress, process_started=process_started())

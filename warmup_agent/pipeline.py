@@ -14,7 +14,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from exporter.metrics import AgentMetrics
 from exporter.recorder import Recorder
@@ -35,6 +35,9 @@ from warmup_agent.run.record import RunRecord, StageTiming
 from warmup_agent.stages import prewarm, ready, reserve, solidify
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State, StateMachine
+
+if TYPE_CHECKING:  # types only
+    from warmup_agent.config_sections import DeadlinesSection, OpenaiSection
 
 __all__ = ["STAGES", "Agent", "AgentFailure", "StageTiming", "preload_deadline"]
 
@@ -60,12 +63,13 @@ class Agent:
         self.clock = clock
         self.sm = StateMachine(self.metrics, clock=clock, deadlines={
             State.INIT: cfg.deadlines.init_seconds,
-            State.PRELOAD: preload_deadline(cfg),
+            State.PRELOAD: preload_deadline(cfg.deadlines, cfg.openai, cfg.engine,
+                                            preload_set=cfg.sources.get("deadlines.preload_seconds") != "default"),
             State.PRIME: cfg.deadlines.prime_seconds,
         })
         # Readiness owns the time-to-first-token window, the thresholds, the breaker
         # and the water level, and alone sets their gauges (zero series from the start).
-        self.readiness = Readiness(cfg, self.sm, self.metrics, clock=clock)
+        self.readiness = Readiness(cfg.readiness, cfg.breaker, self.sm, self.metrics, clock=clock)
         # Every probe, the decode window beside the first token (issue 19), and the
         # first-request figures computed once from them (readiness/probes.py).
         self.probe_log = ProbeLog(cfg.readiness.window_size)
@@ -414,12 +418,13 @@ class Agent:
         return self.run_record.record()
 
 
-def preload_deadline(cfg: Config) -> float:
-    """deadlines.preload_seconds; left at its default with a server engine, PRELOAD
-    also covers the server's own start-up, so openai.ready_timeout_seconds is added."""
-    seconds = cfg.deadlines.preload_seconds
-    if cfg.engine != "torch" and cfg.sources.get("deadlines.preload_seconds") == "default" and seconds:
-        seconds += cfg.openai.ready_timeout_seconds
+def preload_deadline(deadlines: DeadlinesSection, openai: OpenaiSection, engine: str, preload_set: bool) -> float:
+    """deadlines.preload_seconds; left at its default (`preload_set` False) with a
+    server engine (`engine`: the engine key, anything but torch), PRELOAD also covers
+    the server's own start-up, so openai.ready_timeout_seconds is added."""
+    seconds = deadlines.preload_seconds
+    if engine != "torch" and not preload_set and seconds:
+        seconds += openai.ready_timeout_seconds
     return seconds
 
 

@@ -1,6 +1,7 @@
 """KernelCache: the facade the solidify stage and the CLI use.
 
-    cache = KernelCache.from_config(cfg, metrics, model_config=..., compile_options=...)
+    cache = KernelCache.from_config(cfg.kernel_cache, data_dir=..., model=cfg.model, solidify=cfg.solidify,
+                                    metrics=metrics)
     os.environ.update(cache.env())       # before the engine compiles anything
     cache.restore()                      # fill the local tier from Redis
     model = cache.compile_once("solidify", compile_and_run_shapes)
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
 
     from exporter.metrics import AgentMetrics
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import KernelCacheSection, ModelSection, SolidifySection
 
 log = logging.getLogger("warmup_agent.kernel_cache")
 T = TypeVar("T")
@@ -138,31 +139,34 @@ class KernelCache:
 
     # --- construction -----------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: Config, metrics: AgentMetrics | None = None, model_config: Any = None, compile_options: dict | None = None,
+    def from_config(cls, kc: KernelCacheSection, *, data_dir: str, model: ModelSection, solidify: SolidifySection,
+                    metrics: AgentMetrics | None = None, model_config: Any = None, compile_options: dict | None = None,
                     runtime: dict | None = None, namespace: str | None = None,
                     announce_off: bool = True) -> "KernelCache":
-        """Build from a warmup_agent.config.Config.
+        """Build from the `kernel_cache.*` section (`kc`); `data_dir` holds the local tier
+        unless kernel_cache.dir says where.  `model` and `solidify` only name what the
+        namespace is about, when not given here:
 
         model_config: the model's config (dict, config.json path or bytes); default: model.path's
         config.json, else the name of the embedded default.  compile_options: whatever changes the
         compiled code (mode, dynamic shapes, dtype...); default: solidify.mode and model.dtype.
         """
-        root = cfg.kernel_cache.dir or os.path.join(cfg.data_dir, "kernel-cache")
+        root = kc.dir or os.path.join(data_dir, "kernel-cache")
         if model_config is None:
-            path = cfg.model.path
+            path = model.path
             cfg_json = os.path.join(path, "config.json") if path else None
             model_config = cfg_json if cfg_json and os.path.isfile(cfg_json) else "embedded-default"
         if compile_options is None:
-            compile_options = {"solidify.mode": cfg.solidify.mode, "model.dtype": cfg.model.dtype}
-        secret, problem = load_secret(cfg.kernel_cache.secret, cfg.kernel_cache.secret_file)
+            compile_options = {"solidify.mode": solidify.mode, "model.dtype": model.dtype}
+        secret, problem = load_secret(kc.secret, kc.secret_file)
         settings = Settings(
-            root=root, max_local_bytes=cfg.kernel_cache.max_local_bytes,
-            redis_url=cfg.kernel_cache.redis_url, secret=secret, secret_problem=problem,
-            prefix=cfg.kernel_cache.key_prefix, ttl_seconds=cfg.kernel_cache.ttl_seconds,
-            max_entry_bytes=cfg.kernel_cache.max_entry_bytes,
-            socket_timeout=cfg.kernel_cache.socket_timeout_seconds,
-            retry_interval=cfg.kernel_cache.retry_interval_seconds,
-            lock_ttl=cfg.kernel_cache.lock_ttl_seconds, lock_wait=cfg.kernel_cache.lock_wait_seconds)
+            root=root, max_local_bytes=kc.max_local_bytes,
+            redis_url=kc.redis_url, secret=secret, secret_problem=problem,
+            prefix=kc.key_prefix, ttl_seconds=kc.ttl_seconds,
+            max_entry_bytes=kc.max_entry_bytes,
+            socket_timeout=kc.socket_timeout_seconds,
+            retry_interval=kc.retry_interval_seconds,
+            lock_ttl=kc.lock_ttl_seconds, lock_wait=kc.lock_wait_seconds)
         return cls(settings, nsmod.components(model_config, compile_options, runtime), metrics, namespace, announce_off)
 
     # --- engines ---------------------------------------------------------------

@@ -47,7 +47,8 @@ def main(args: Any) -> int:
         print(f"warmup-agent cache: {e}", file=sys.stderr)
         return 2
     # The commands below say themselves when the shared tier is off.
-    cache = KernelCache.from_config(cfg, None, namespace=args.namespace, announce_off=False)
+    cache = KernelCache.from_config(cfg.kernel_cache, data_dir=cfg.data_dir, model=cfg.model, solidify=cfg.solidify,
+                                    namespace=args.namespace, announce_off=False)
     try:
         cmd = args.cache_command
         if cmd == "stats":

@@ -2,7 +2,8 @@
 thresholds, the breaker and the water level to the state machine and metrics.
 
 The Agent builds it once, in its `__init__` (the composition root), and hands it
-what it works with: the config, the state machine, the metrics and the clock.
+what it works with: its two config sections (`readiness.*`, `breaker.*`), the state
+machine, the metrics and the clock.
 It owns the time-to-first-token window and is the only source of the window and
 threshold gauges (`warmup_first_token_window_seconds`,
 `warmup_readiness_threshold_seconds`, written by exporter/recorder.py from the
@@ -46,7 +47,7 @@ from warmup_agent.states import State, StateMachine
 
 if TYPE_CHECKING:
     from exporter.metrics import AgentMetrics
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import BreakerSection, ReadinessSection
 
 log = logging.getLogger("warmup_agent.readiness")
 
@@ -75,9 +76,8 @@ def failure_cause(error: BaseException) -> tuple[str, str]:
 
 
 class Readiness:
-    def __init__(self, cfg: Config, sm: StateMachine, metrics: AgentMetrics,
+    def __init__(self, rc: ReadinessSection, bc: BreakerSection, sm: StateMachine, metrics: AgentMetrics,
                  clock: Callable[[], float] = time.monotonic):
-        rc, bc = cfg.readiness, cfg.breaker
         self.sm = sm
         self.metrics = metrics
         #: Where a sample's window, the thresholds and the first user's figures become

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # types only
     from exporter.metrics import AgentMetrics
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import OpenaiSection, TracingSection
     from warmup_agent.engines.base import Engine
     from warmup_agent.host.hardware import GPUFacts
     from warmup_agent.run.timeline import StageTiming
@@ -54,11 +54,20 @@ class _Context(Protocol):
     def gpu(self) -> GPUFacts | None: ...
 
 
+class _RunSettings(Protocol):
+    """What the tracer reads of the run's configuration: the engine key and the
+    served model name (openai.model)."""
+    @property
+    def engine(self) -> str: ...
+    @property
+    def openai(self) -> OpenaiSection: ...
+
+
 class Agent(Protocol):
     """What the tracer reads of the run (pipeline.Agent is one); declared here so
     that tracing imports nothing of the pipeline."""
     @property
-    def cfg(self) -> Config: ...
+    def cfg(self) -> _RunSettings: ...
     @property
     def engine(self) -> Engine: ...
     @property
@@ -101,24 +110,24 @@ class Settings:
     timeout: float            # seconds: one export, and the wait at exit
 
 
-def enabled(cfg: Config, environ: Mapping[str, str] | None = None) -> bool:
+def enabled(tracing: TracingSection, environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
-    return bool(cfg.tracing.enabled) and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"
+    return bool(tracing.enabled) and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"
 
 
-def settings(cfg: Config, environ: Mapping[str, str] | None = None) -> Settings:
+def settings(tracing: TracingSection, environ: Mapping[str, str] | None = None) -> Settings:
     """The exporter's settings: a `tracing.*` key when set, else the standard
     OTEL_EXPORTER_OTLP_* variables, else the OTLP defaults (localhost:4317 for
     gRPC, localhost:4318/v1/traces for HTTP)."""
     env = os.environ if environ is None else environ
-    protocol = (cfg.tracing.protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+    protocol = (tracing.protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
     if protocol not in PROTOCOLS:
         log.warning("OTLP protocol %r is not supported (only %s): using grpc", protocol, ", ".join(PROTOCOLS))
         protocol = "grpc"
     http = protocol == "http/protobuf"
-    if cfg.tracing.endpoint:
-        endpoint = _base(cfg.tracing.endpoint, http)
+    if tracing.endpoint:
+        endpoint = _base(tracing.endpoint, http)
     elif env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         endpoint = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].strip()   # used as given (OTLP spec)
     elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
@@ -126,7 +135,7 @@ def settings(cfg: Config, environ: Mapping[str, str] | None = None) -> Settings:
     else:
         endpoint = "http://localhost:4318/v1/traces" if http else "http://localhost:4317"
     service = env.get("OTEL_SERVICE_NAME", "").strip() or "warmup-agent"
-    return Settings(protocol, endpoint, service, cfg.tracing.export_timeout_seconds)
+    return Settings(protocol, endpoint, service, tracing.export_timeout_seconds)
 
 
 def _base(url: str, http: bool) -> str:
@@ -177,12 +186,13 @@ def current_trace_id() -> str | None:
     return _active.current_trace_id
 
 
-def setup(cfg: Config, env: Mapping[str, str] | None = None) -> Tracing:
-    """Make the process's tracer from the config; NOOP (no import) when tracing is off."""
+def setup(tracing: TracingSection, env: Mapping[str, str] | None = None) -> Tracing:
+    """Make the process's tracer from the `tracing.*` section; NOOP (no import) when
+    tracing is off."""
     global _active
-    if not enabled(cfg, env):
+    if not enabled(tracing, env):
         return NOOP
-    s = settings(cfg, env)
+    s = settings(tracing, env)
     missing = [d for d in ("opentelemetry-sdk", EXPORTERS[s.protocol]) if not installed(d)]
     if missing:
         log.warning("tracing.enabled is set but %s is not installed: no start-up traces "

@@ -28,7 +28,9 @@ def open_kernel_cache(ctx: StageContext) -> KernelCache | None:
     local tier and restored from the shared tier; None when it cannot be used."""
     try:
         from warmup_agent.kernel_cache import KernelCache
-        cache = KernelCache.from_config(ctx.cfg, ctx.recorder.metrics)   # the cache records its own
+        cfg = ctx.cfg
+        cache = KernelCache.from_config(cfg.kernel_cache, data_dir=cfg.data_dir, model=cfg.model, solidify=cfg.solidify,
+                                        metrics=ctx.recorder.metrics)   # the cache records its own
         os.environ.update(cache.env())
         cache.restore()
         return cache

@@ -45,3 +45,37 @@ def test_no_string_lookup_outside_config():
             found += [f"{rel}:{line}: [{key!r}]" for line, key in lookups(open(path, encoding="utf-8").read())]
     assert found == []
 
+
+
+# Who may see the whole Config (issue 42): the command line and the composition root,
+# which hand every other component the sections it reads (`cfg.readiness`,
+# `cfg.openai`...).  server/early_spawn.py is the command line's first step (it loads
+# the configuration before the agent's imports, to spawn the server).
+SEES_ALL = {"warmup_agent/config.py", "warmup_agent/cli.py", "warmup_agent/pipeline.py",
+            "warmup_agent/server/early_spawn.py"}
+# Still taking the whole Config, and why; the list only shrinks.
+STILL_WHOLE = {
+    "warmup_agent/stages/context.py": "StageContext.cfg: the stages read their sections from it (prewarm and "
+                                      "ready are being rewritten)",
+    "warmup_agent/stages/prewarm.py": "warmup_lengths(cfg, ...), warmup_batches(cfg, ...) (being rewritten)",
+    "warmup_agent/proxy.py": "proxy.from_config(agent, cfg, ...) (being rewritten)",
+}
+
+
+def imports_config(source: str) -> bool:
+    """Whether a module imports the Config class (type-only imports included)."""
+    return any(isinstance(node, ast.ImportFrom) and node.module == "warmup_agent.config"
+               and any(a.name == "Config" for a in node.names) for node in ast.walk(ast.parse(source)))
+
+
+def test_only_the_composition_root_sees_the_whole_config():
+    assert imports_config("if TYPE_CHECKING:\n    from warmup_agent.config import Config\n")
+    assert not imports_config("from warmup_agent.config import ConfigError\n")
+    found = set()
+    for pkg in ("warmup_agent", "exporter"):
+        for path in glob.glob(os.path.join(ROOT, pkg, "**", "*.py"), recursive=True):
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            if imports_config(open(path, encoding="utf-8").read()):
+                found.add(rel)
+    assert found - SEES_ALL - set(STILL_WHOLE) == set(), "take the sections you read, not the whole Config"
+    assert set(STILL_WHOLE) <= found, "no longer takes the whole Config: remove it from STILL_WHOLE"

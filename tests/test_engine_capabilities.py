@@ -79,6 +79,32 @@ def test_a_server_engine_gets_its_collector_and_the_crash_callbacks(clean_env):
     assert engine.speaks_profile and engine.model_path is None   # no local model directory
 
 
+def test_the_openai_engine_composes_its_parts_and_answers_for_them(clean_env):
+    """Issue 42: OpenAIEngine is an Engine holding a server handle, a client and a
+    discovery (none inherits from another), and the names callers use on the engine
+    ask the part that knows."""
+    from warmup_agent.engines.openai.engine import Discovery, OpenAIEngine, ServerHandle, StreamingClient
+    assert OpenAIEngine.__bases__ == (Engine,)
+    for part in (ServerHandle, StreamingClient, Discovery):
+        assert part.__bases__ == (object,), part
+    cfg = config.load(env={"WARMUP_AGENT_ENGINE": "openai", "WARMUP_AGENT_OPENAI_URL": "http://127.0.0.1:1/",
+                           "WARMUP_AGENT_OPENAI_MODEL": "m", "WARMUP_AGENT_OPENAI_HEALTH_PATH": "ready"})
+    e = openai_engine(cfg)
+    try:
+        assert isinstance(e.server, ServerHandle) and isinstance(e.client, StreamingClient)
+        assert isinstance(e.discovery, Discovery) and e.discovery.client is e.client
+        assert e.url == e.server.url == e.client.url == "http://127.0.0.1:1" and e.health_path == "/ready"
+        assert e.model == e.client.model == "m"
+        e.model = "n"                     # the served name requests carry lives in the client
+        assert e.client.model == "n"
+        assert e.apis == [] and e.concurrency == 1 and e.capabilities == {} and not e.token_id_prompts
+        assert e.supervisor is None and e.server_start_seconds is None and e.server_name is None
+        assert e.has_compile_artifacts()  # a server we did not start: we cannot tell
+        assert e.headers(True)["X-Warmup"] == "true"
+    finally:
+        e.close()
+
+
 def test_the_torch_engine_declares_what_it_can():
     e = TorchEngine("/some/model")
     assert e.model_path == "/some/model" and e.sets_up_device and not e.speaks_profile

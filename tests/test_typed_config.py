@@ -58,7 +58,7 @@ STILL_WHOLE = {
     "warmup_agent/stages/context.py": "StageContext.cfg: the stages read their sections from it (prewarm and "
                                       "ready are being rewritten)",
     "warmup_agent/stages/prewarm.py": "warmup_lengths(cfg, ...), warmup_batches(cfg, ...) (being rewritten)",
-    "warmup_agent/proxy.py": "proxy.from_config(agent, cfg, ...) (being rewritten)",
+    "warmup_agent/proxy/routing.py": "proxy.from_config(agent, cfg, ...) (being rewritten)",
 }
 
 

@@ -272,20 +272,25 @@ def test_dead_upstream_is_502_and_unknown_paths_404(embedded_model):
 def test_from_config_builds_the_proxy_or_says_what_is_missing(embedded_model, standin):
     from warmup_agent.proxy import from_config
     agent = make_agent(embedded_model, State.SERVING)
-    assert from_config(agent, config.load(env={})) is None                  # no proxy.listen: no proxy
+    assert from_config(agent, *_proxy_sections(config.load(env={}))) is None   # no proxy.listen: no proxy
     with pytest.raises(config.ConfigError) as e:
-        from_config(agent, config.load(env={"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0"}))
+        from_config(agent, *_proxy_sections(config.load(env={"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0"})))
     assert "proxy.upstream_url" in str(e.value) and "\n" not in str(e.value)
-    proxy = from_config(agent, config.load(env={"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0",
-                                               "WARMUP_AGENT_PROXY_UPSTREAM_URL": standin.url})).start()
+    proxy = from_config(agent, *_proxy_sections(config.load(env={"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0",
+                                                                 "WARMUP_AGENT_PROXY_UPSTREAM_URL": standin.url}))).start()
     try:
         assert post(proxy.port, "/v1/completions", COMPLETION)[2] == STAND_IN_BODY
         with pytest.raises(config.ConfigError) as e:
-            from_config(agent, config.load(env={"WARMUP_AGENT_PROXY_LISTEN": f"127.0.0.1:{proxy.port}",
-                                                "WARMUP_AGENT_PROXY_UPSTREAM_URL": standin.url}))
+            from_config(agent, *_proxy_sections(config.load(env={"WARMUP_AGENT_PROXY_LISTEN": f"127.0.0.1:{proxy.port}",
+                                                                  "WARMUP_AGENT_PROXY_UPSTREAM_URL": standin.url})))
         assert str(e.value).startswith(f"key 'proxy.listen': cannot listen on 127.0.0.1:{proxy.port}")
     finally:
         proxy.stop()
     with pytest.raises(config.ConfigError) as e:
         config.load(env={"WARMUP_AGENT_PROXY_FALLBACK_URL": "localhost:9"})
     assert "proxy.fallback_url" in str(e.value) and "http://" in str(e.value)
+
+
+def _proxy_sections(cfg):
+    """What from_config takes of a Config: the proxy section and openai.url."""
+    return cfg.proxy, cfg.openai.url

@@ -290,8 +290,8 @@ def test_an_engine_in_this_process_serves_through_the_proxy_and_users_answers_re
     backend = LocalBackend(gap=0.05)
     env = {"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0"}
     with pytest.raises(config.ConfigError):            # no URL and no engine in process: nothing to serve
-        from_config(agent, config.load(env=env))
-    proxy = from_config(agent, config.load(env=env), local_backend=backend)
+        from_config(agent, *_proxy_sections(config.load(env=env)))
+    proxy = from_config(agent, *_proxy_sections(config.load(env=env)), local_backend=backend)
     assert proxy is not None and proxy.main_name == "LocalBackend"
     proxy.start()
     try:
@@ -324,3 +324,8 @@ def test_an_engine_in_this_process_serves_through_the_proxy_and_users_answers_re
     finally:
         proxy.stop()
     assert backend.closed
+
+
+def _proxy_sections(cfg):
+    """What from_config takes of a Config: the proxy section and openai.url."""
+    return cfg.proxy, cfg.openai.url

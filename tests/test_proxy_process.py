@@ -34,7 +34,7 @@ def sample(agent, name: str, labels: dict) -> float:
 def test_from_config_runs_an_http_main_engine_in_a_process_and_a_local_one_in_process(embedded_model, standin):
     agent = make_agent(embedded_model, State.SERVING)
     env = {"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0", "WARMUP_AGENT_PROXY_UPSTREAM_URL": standin.url}
-    proxy = from_config(agent, config.load(env=env))
+    proxy = from_config(agent, *_proxy_sections(config.load(env=env)))
     assert isinstance(proxy, ProxyProcess)
     proxy.stop()                  # never started: the socket and the shared memory are released
 
@@ -44,7 +44,7 @@ def test_from_config_runs_an_http_main_engine_in_a_process_and_a_local_one_in_pr
 
         async def close(self):
             pass
-    local = from_config(agent, config.load(env={"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0"}), local_backend=Local())
+    local = from_config(agent, *_proxy_sections(config.load(env={"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0"})), local_backend=Local())
     assert isinstance(local, RoutingProxy)
     local.sock.close()
 
@@ -134,3 +134,8 @@ def test_the_shared_gate_is_never_read_half_written():
     writer.write("DEGRADED", False, 12.0)
     state, main_open, frozen = reader.read()
     assert (state, main_open) == ("DEGRADED", False) and 11.0 < frozen <= 12.0
+
+
+def _proxy_sections(cfg):
+    """What from_config takes of a Config: the proxy section and openai.url."""
+    return cfg.proxy, cfg.openai.url

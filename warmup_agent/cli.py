@@ -230,7 +230,7 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
     if cfg.proxy.listen and not cfg.proxy.upstream_url:
         engine.configure(batch_window_seconds=cfg.proxy.batch_window_seconds)
         local_backend = engine.openai_backend()
-    proxy = routing.from_config(agent, cfg, local_backend)  # None unless proxy.listen is set
+    proxy = routing.from_config(agent, cfg.proxy, cfg.openai.url, local_backend)  # None unless proxy.listen is set
     host, _, port = cfg.exporter.listen.rpartition(":")
     security = webconfig.resolve(cfg.exporter)   # TLS, basic auth, admin token: worked out here only
     try:

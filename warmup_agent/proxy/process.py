@@ -41,7 +41,7 @@ from warmup_agent.proxy.routing import DEFAULT_MAX_BODY_BYTES, Backend, RoutedAg
 from warmup_agent.states import State
 
 if TYPE_CHECKING:
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import ProxySection
 
 log = logging.getLogger("warmup_agent.proxy")
 
@@ -393,18 +393,18 @@ def child_main(args: dict) -> int:
     return 0
 
 
-def from_config(agent: RoutedAgent, cfg: Config, local_backend: Backend | None = None) -> RoutingProxy | ProxyProcess | None:
-    """The proxy `proxy.*` asks for (None when proxy.listen is empty), not started.
-    The main engine: proxy.upstream_url, else `local_backend` (an engine in this process,
-    e.g. the torch engine's openai_backend()), else openai.url.  An HTTP main engine
+def from_config(agent: RoutedAgent, pc: ProxySection, openai_url: str | None = None,
+                local_backend: Backend | None = None) -> RoutingProxy | ProxyProcess | None:
+    """The proxy the `proxy.*` section asks for (None when proxy.listen is empty), not
+    started.  The main engine: proxy.upstream_url, else `local_backend` (an engine in
+    this process, e.g. the torch engine's openai_backend()), else `openai_url` (openai.url).  An HTTP main engine
     gets a proxy process of its own (ProxyProcess); an engine in this process, a proxy
     in this process.  Raises ConfigError (one line) for a missing upstream or an
     address in use."""
     from warmup_agent.config import ConfigError
-    pc = cfg.proxy
     if not pc.listen:
         return None
-    upstream: str | Backend | None = pc.upstream_url or local_backend or cfg.openai.url
+    upstream: str | Backend | None = pc.upstream_url or local_backend or openai_url
     if not upstream:
         raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL "
                           "(proxy.upstream_url, or openai.url with --engine openai)", "proxy.upstream_url")

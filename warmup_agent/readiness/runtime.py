@@ -90,6 +90,7 @@ class Readiness:
             min_samples=rc.min_probes, adaptive=rc.adaptive,
             every=rc.adaptive_every_samples, margin=rc.adaptive_margin,
             floor=rc.adaptive_min_seconds)
+        self._min_probes_server = rc.min_probes_server
         self.breaker_enabled = bc.enabled
         self.breaker = Breaker(bc.trip_after, bc.open_seconds, bc.half_open_probes,
                                clock=clock, on_change=self._breaker_moved, fail_after=bc.fail_after)
@@ -125,6 +126,14 @@ class Readiness:
             for result in ("passed", "failed", "skipped", "recorded"):
                 self.metrics.warmup_validation_checks_total.labels(check=check, result=result)
         self.metrics.warmup_water_level_requests_per_second.set_function(self.water.read)
+
+    def gate_profile_probes(self) -> int:
+        """The gate's probes speak the traffic profile (a server engine): they are paired
+        with controls and judged one by one, so fewer make the window
+        (readiness.min_probes_server instead of readiness.min_probes).  Returns the
+        minimum now in force."""
+        self.thresholds.min_samples = self._min_probes_server
+        return self._min_probes_server
 
     # -- samples ---------------------------------------------------------------------
     def observe(self, ttft: float) -> None:

@@ -31,34 +31,34 @@ from warmup_agent.warmup import shapes as shape_warmup
 from warmup_agent.warmup.traffic import Shape, grid
 
 if TYPE_CHECKING:  # types only
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import PrewarmSection
     from warmup_agent.engines.base import EngineFacts
 
 log = logging.getLogger("warmup_agent.stages.prewarm")
 
 
-def warmup_lengths(cfg: Config, tokenize: Callable[[str], list[int]]) -> list[int]:
-    source = cfg.prewarm.length_source
+def warmup_lengths(pc: PrewarmSection, tokenize: Callable[[str], list[int]]) -> list[int]:
+    source = pc.length_source
     drawn: list[int] = []
     if source == "gaussian":
-        drawn = traffic.gaussian_lengths(cfg.prewarm.sampled_lengths, cfg.prewarm.length_mean, cfg.prewarm.length_sd,
-                                         max_length=cfg.prewarm.max_prompt_length or None)
+        drawn = traffic.gaussian_lengths(pc.sampled_lengths, pc.length_mean, pc.length_sd,
+                                         max_length=pc.max_prompt_length or None)
     elif source == "sample_file":
-        if not cfg.prewarm.prompts_file:
+        if not pc.prompts_file:
             raise EngineError("invalid_config", "key 'prewarm.prompts_file': length_source sample_file needs a file of real prompts")
         try:
-            drawn = traffic.lengths_from_sample(cfg.prewarm.prompts_file, tokenize, cfg.prewarm.sampled_lengths)
+            drawn = traffic.lengths_from_sample(pc.prompts_file, tokenize, pc.sampled_lengths)
         except ValueError as e:
             raise EngineError("invalid_config", f"key 'prewarm.prompts_file': {e}") from None
-    extra = cfg.prewarm.max_prompt_length if source != "grid" else 0
-    return traffic.warmup_lengths(cfg.prewarm.prompt_lengths, drawn, extra)
+    extra = pc.max_prompt_length if source != "grid" else 0
+    return traffic.warmup_lengths(pc.prompt_lengths, drawn, extra)
 
 
-def warmup_batches(cfg: Config, facts: EngineFacts, free_bytes: int | None, max_length: int) -> list[int]:
-    if cfg.prewarm.batch_sizes_from_memory and free_bytes and facts.kv_bytes_per_token:
+def warmup_batches(pc: PrewarmSection, facts: EngineFacts, free_bytes: int | None, max_length: int) -> list[int]:
+    if pc.batch_sizes_from_memory and free_bytes and facts.kv_bytes_per_token:
         return sizing.batch_sizes_from_memory(free_bytes - (facts.weight_bytes or 0), facts.kv_bytes_per_token,
-                                              max_length + cfg.prewarm.max_new_tokens, cap=cfg.prewarm.max_batch)
-    return cfg.prewarm.batch_sizes
+                                              max_length + pc.max_new_tokens, cap=pc.max_batch)
+    return pc.batch_sizes
 
 
 def _fit_budget(ctx: StageContext, lengths: list[int], batches: list[int], max_new: int) -> list[int]:
@@ -529,8 +529,8 @@ def run(ctx: StageContext, detail: dict) -> None:
     t3 = clock()
 
     ctx.driver.start_prompts()
-    lengths = warmup_lengths(cfg, engine.tokenize)
-    batches = warmup_batches(cfg, facts, ctx.gpu_free_bytes, max(lengths))
+    lengths = warmup_lengths(cfg.prewarm, engine.tokenize)
+    batches = warmup_batches(cfg.prewarm, facts, ctx.gpu_free_bytes, max(lengths))
     if engine.speaks_profile:
         warm_profile(ctx, lengths, batches, detail, t3)
         detail["seconds"].update(seconds)

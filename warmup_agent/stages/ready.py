@@ -52,8 +52,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     # asks for the profile's longest answer (it stands for the first user request),
     # the later ones for readiness.probe_max_tokens, all at ctx.probe_length.
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
-    min_probes = cfg.readiness.min_probes_server if profile_probes else cfg.readiness.min_probes
-    rd.thresholds.min_samples = min_probes
+    min_probes = rd.gate_profile_probes() if profile_probes else cfg.readiness.min_probes
     # Decode is gated only where probes time it (engines that speak the traffic profile).
     gate_decode = cfg.readiness.require_decode and profile_probes
     if ctx.first_pair is None:

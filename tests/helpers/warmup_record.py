@@ -19,8 +19,8 @@ def requests_in_record(prewarm_detail: dict, ready_detail: dict | None = None) -
     warmup = prewarm_detail["warmup"]
     per_length = warmup["per_length"]
     ready_pairs = (ready_detail or {}).get("first_probe_pairs", [])
-    if (ready_detail or {}).get("first_pair_from_prewarm"):
-        ready_pairs = ready_pairs[1:]      # prewarm sent the first: its replays are in warmup's
+    # the first pairs prewarm sent: their replays are in warmup's
+    ready_pairs = ready_pairs[(ready_detail or {}).get("first_pairs_from_prewarm", 0):]
     replayed = (warmup.get("replayed_requests", 0) + warmup.get("settle_requests", 0)
                 + sum(p.get("replayed_requests", 0) for p in ready_pairs))
     replayed += (ready_detail or {}).get("settle_requests", 0)

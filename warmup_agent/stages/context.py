@@ -110,12 +110,12 @@ class StageContext:
     #: request per request the server serves at once), after the warmup and again just
     #: before SERVING, so that the first probe and the users' first request follow the same.
     settle: Callable[[], None] | None = None
-    #: prewarm, engines that speak the traffic profile: the gate's first probe pair
-    #: (`probe_pair`'s dict), sent as the per-length test's fresh prompt length: the
+    #: prewarm, engines that speak the traffic profile: the gate's first probe pairs
+    #: (`probe_pair`'s dicts), sent as the per-length test's fresh prompt lengths: the
     #: probes double as the last warmup and the warmup's last test doubles as the first
-    #: pair.  ready goes on from it instead of sending its own (and clears it).  None:
-    #: ready sends the first pair.
-    first_pair: dict | None = None
+    #: pairs.  ready goes on from them instead of sending its own (and clears them).
+    #: Empty: ready sends the first pair.
+    first_pairs: list[dict] = field(default_factory=list)
     #: after SERVING: watch probes not sent because the supervised server was serving
     #: other clients (Agent._server_busy_with_others); the run record's `watch_probes_skipped`.
     watch_skipped: int = 0

@@ -209,7 +209,7 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     if w.pc.decode_coverage == "auto" and per_length.get("pays"):
         coverage = w.decode_coverage()
         w.settle()
-        ctx.first_pair = None       # the gate sends a new first pair, with the profile's longest answer
+        ctx.first_pairs = []        # the gate sends a new first pair, with the profile's longest answer
         ctx.first_probe_tokens = w.profile.max_tokens
     w.skip_lengths(per_length)
     w.record(per_length, coverage, batches, detail, t_start)
@@ -356,11 +356,15 @@ class _ProfileWarmup:
                 self.warm(p, tokens.get(p))
 
     def per_length_test(self) -> dict:
-        """Does the server pay per sequence length?  Two fresh prompt lengths, each with
-        its control (the same length again, a fresh prompt, after the same predecessor):
-        the anchor path's first call and its control, and the gate's first probe pair at
-        the probes' length, which no request reached (StageContext.probe_pair; it
-        becomes StageContext.first_pair).  One request at a time, because requests at
+        """Does the server pay per sequence length?  Fresh prompt lengths, each with its
+        control (the same length again, a fresh prompt, after the same predecessor): the
+        anchor path's first call and its control, and the gate's first probe pair at the
+        probes' length, which no request reached (StageContext.probe_pair).  A first
+        probe cold beyond its control paid either a one-time cost or one that each new
+        length pays: a second probe pair at another fresh length tells which (each new
+        length pays when both paid in prefill; the anchor's pair cannot tell, its first
+        call being the server's first real request).  The probe pairs are the gate's
+        first (StageContext.first_pairs).  One request at a time, because requests at
         once are batched into other shapes than a user's request alone."""
         from warmup_agent.warmup.benefit import Controlled
         ctx = self.ctx
@@ -369,19 +373,38 @@ class _ProfileWarmup:
         first_pair = (Controlled(anchor.calls[0], anchor.calls[1])
                       if anchor is not None and len(anchor.calls) >= 2 else None)
         ctx.probe_log.restart()         # these probes are the gate's first
-        probe_pair, ctx.first_pair = ctx.probe_pair(lambda n: ctx.probe(max_tokens=n), tokens, replay=True)
-        pairs = ([first_pair] if first_pair else []) + [probe_pair]
+
+        def send(n: int | None) -> None:
+            ctx.probe(max_tokens=n)
+        probe_pairs, ctx.first_pairs = [], []
+        assert ctx.probe_length is not None, "choose_probe_length runs first"
+        lengths: list[int] = [ctx.probe_length]
+        pair, d = ctx.probe_pair(send, tokens, replay=True)
+        probe_pairs.append(pair)
+        ctx.first_pairs.append(d)
+        if d["cold"]:
+            used = [*self.decoded, (lengths[0], lengths[0] + tokens)]
+            lengths.append(benefit.fresh_lengths(self.lo, self.hi, used, 1, tokens)[0])
+            ctx.probe_length = lengths[-1]
+            pair, d = ctx.probe_pair(send, tokens, replay=False)
+            probe_pairs.append(pair)
+            ctx.first_pairs.append(d)
+        fresh_cold = [benefit.prefill_cold(p, self.tol) for p in probe_pairs]
+        each_length = len(fresh_cold) == 2 and all(fresh_cold)
+        if each_length:
+            ctx.probe_log.pair(0, 1)     # a user's first request pays what the first probe paid
+        pairs = ([first_pair] if first_pair else []) + probe_pairs
         pays, ratios = benefit.pays_per_length(pairs, self.pc.per_length_ratio)
         cold = [benefit.prefill_cold(pair, self.tol) for pair in pairs]
-        per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": [ctx.probe_length],
+        per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": lengths,
                       "anchor_pair": first_pair is not None, "probe_pair": True,
                       "prefill_pays": any(cold),
                       # the second fresh length paid too, after the first was warm: each new
                       # length pays once, whatever else was warmed
-                      "prefill_pays_each_new_length": len(cold) == 2 and all(cold),
+                      "prefill_pays_each_new_length": each_length,
                       "pairs": [pair.as_dict() for pair in pairs],
-                      # re-sent before the probe pair's control (also in ready's first_probe_pairs)
-                      "replayed_requests": ctx.first_pair["replayed_requests"]}
+                      # re-sent before the probe pairs' controls (also in ready's first_probe_pairs)
+                      "replayed_requests": sum(d["replayed_requests"] for d in ctx.first_pairs)}
         if all(pair.first.server_prefill is not None and pair.control.server_prefill is not None for pair in pairs):
             per_length["server_prefill_ms"] = [[round(pair.first.server_prefill * 1e3, 3),  # type: ignore[operator]
                                                 round(pair.control.server_prefill * 1e3, 3)]  # type: ignore[operator]

@@ -55,7 +55,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     min_probes = rd.gate_profile_probes() if profile_probes else cfg.readiness.min_probes
     # Decode is gated only where probes time it (engines that speak the traffic profile).
     gate_decode = cfg.readiness.require_decode and profile_probes
-    if ctx.first_pair is None:
+    if not ctx.first_pairs:
         # a re-warm: its first probe is a first request again (the log keeps all); prewarm
         # restarted the log itself where it sent the first pair
         ctx.probe_log.restart()
@@ -81,10 +81,10 @@ def run(ctx: StageContext, detail: dict) -> None:
         ctx.progress.probe(sent, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
 
     sent = len(ctx.probe_log.gate_probes)        # prewarm's first pair, where it sent one
-    detail["first_pair_from_prewarm"] = ctx.first_pair is not None
+    detail["first_pairs_from_prewarm"] = len(ctx.first_pairs)
     pairs += first_probe_pairs(ctx, probe, max_probes)
     detail["first_probe_pairs"] = pairs
-    ctx.first_pair = None       # a re-warm's prewarm sends its own
+    ctx.first_pairs = []        # a re-warm's prewarm sends its own
     for _ in range(sent, max_probes):
         if rd.thresholds.met(ctx.readiness.window) and decode_ok():
             break
@@ -135,7 +135,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     fresh prompt, after the same predecessor (the last warmup requests are re-sent
     first where they were a harder predecessor than a probe: StageContext.replay_for).
     An engine that speaks the traffic profile sent the first pair already, as prewarm's
-    per-length test at a fresh prompt length (StageContext.first_pair); the gate goes on
+    per-length test at fresh prompt lengths (StageContext.first_pairs); the gate goes on
     from it.  A first probe that was cold beyond its control means the warmup left
     something cold, which it has now paid: another pair follows, up to
     prewarm.max_calls_per_path pairs.  The figures are the last pair's, or the first's
@@ -144,7 +144,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     cfg = ctx.cfg
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
     tokens = ctx.first_probe_tokens if profile_probes else None
-    pairs: list[dict] = [ctx.first_pair] if ctx.first_pair is not None else []
+    pairs: list[dict] = list(ctx.first_pairs)
     # Whose figures are exported: where each new prompt length pays once (prewarm's
     # per-length test), a user's first request at a length no request reached pays what
     # the first pair's first probe paid; elsewhere a cold first probe paid a one-time

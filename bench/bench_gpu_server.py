@@ -482,6 +482,77 @@ def run_agent(args, model_dir: str, scratch: str, i: int) -> dict:
     return out
 
 
+def run_inproc(args, model_dir: str, scratch: str, i: int) -> dict:
+    """Issue 41: the agent's own engine (in-process PyTorch) serving users through
+    --proxy-listen, measured by the same outside client after /readyz, where
+    `transformers serve` alone is the comparison (--conditions alone,inproc)."""
+    listen, proxy = free_port(), free_port()
+    record = os.path.join(scratch, f"inproc-{i}.json")
+    env = env_for(scratch, {})
+    env.update({"WARMUP_AGENT_PREWARM_REQUESTS_FILE": args.requests_file,
+                "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]", "WARMUP_AGENT_MODEL_DEVICE": args.device,
+                "WARMUP_AGENT_DATA_DIR": os.path.join(scratch, "agent-data")})
+    env.update(args.agent_env)
+    cmd = [sys.executable, "-m", "warmup_agent", "run", "--no-progress", "--engine", "torch", "--model", model_dir,
+           "--listen", f"127.0.0.1:{listen}", "--proxy-listen", f"127.0.0.1:{proxy}", "--record", record]
+    log = open(os.path.join(scratch, f"inproc-{i}.log"), "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    try:
+        t_ready = wait_http(f"http://127.0.0.1:{listen}/readyz", t0 + 400, proc)
+        out = measure(proxy, model_dir, args.messages, args.max_tokens)
+        with urllib.request.urlopen(f"http://127.0.0.1:{listen}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+    finally:
+        stop(proc, 60)
+        log.close()
+    out.update(spawn_to_ready=t_ready - t0, exported_ttft_tax=_metric(metrics, "warmup_first_request_tax_ratio"),
+               user_first_ttft_tax=_metric(metrics, "warmup_first_user_request_tax_ratio"))
+    return out
+
+
+def summarize_inproc(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -> dict:
+    """Issue 41's H200 figures: the in-process engine behind the agent's proxy against
+    `transformers serve` alone on the same model, starts alternating."""
+    inproc, alone = runs["inproc"], runs["alone"]
+    med = statistics.median
+    pairs = list(zip(inproc, alone, strict=False))
+    figures = {
+        "draw_seed": args.draw["seed"],
+        "inproc_ready_over_tfserve_first_answer_median": med(a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in pairs),
+        "inproc_ready_over_tfserve_health_median": med(a["spawn_to_ready"] / b["spawn_to_health"] for a, b in pairs),
+        "inproc_first_ttft_tax_median": med(r["ttft_tax"] for r in inproc),
+        "inproc_first_ttft_tax_max": max(r["ttft_tax"] for r in inproc),
+        "inproc_first_total_tax_median": med(r["total_tax"] for r in inproc),
+        "inproc_steady_ttft_over_tfserve_median": med(a["steady_ttft_median"] / b["steady_ttft_median"] for a, b in pairs),
+        "tfserve_alone_first_ttft_tax_median": med(r["ttft_tax"] for r in alone),
+        "warm_control_ttft_ratio_max": max(r["controls"]["after_idle_ttft_ratio"] for r in inproc + alone),
+    }
+    result = {
+        "benchmark": "gpu_inproc_proxy", **figures,
+        "targets": {"inproc_ready_over_tfserve_first_answer_median": "< 1", "inproc_first_ttft_tax_median": 1.10,
+                    "inproc_steady_ttft_over_tfserve_median": "<= 1"},
+        "definitions": {
+            "inproc_ready_over_tfserve_first_answer_median": "median over alternating starts of (warmup-agent run --engine torch --proxy-listen: spawn -> /readyz 200) / (transformers serve alone: spawn -> end of its first whole answer, sent at /health 200)",
+            "inproc_first_ttft_tax_median": "median over starts of: the outside client's first request through the proxy after /readyz: TTFT / median TTFT of the next STEADY requests of the same drawn shape",
+            "inproc_steady_ttft_over_tfserve_median": "median over pairs of: steady TTFT through the agent's proxy / steady TTFT of transformers serve alone, the same drawn requests",
+        },
+        "draw": {k: v for k, v in args.draw.items() if not k.endswith("_text")},
+        "request": {"api": "/v1/chat/completions", "stream": True, **args.sampling, "max_tokens": args.max_tokens,
+                    "prompt_tokens_templated": args.prompt_tokens},
+        "spawn_to_ready_inproc": [r["spawn_to_ready"] for r in inproc],
+        "spawn_to_first_answer_tfserve": [r["spawn_to_first_answer"] for r in alone],
+        "spawn_to_health_tfserve": [r["spawn_to_health"] for r in alone],
+        "runs": runs, "starts_done": len(inproc), "stopped_early_for_time": stopped_early, "starts": args.starts,
+        "steady": args.steady, "device": args.device, "server": "transformers serve " + _version("transformers"),
+        "model": {"dir": model_dir, "shape": "Qwen2-1.5B" if args.device != "cpu" else "embedded tiny Llama",
+                  "dtype": "bfloat16", "weights": "random"},
+        **provenance(), "gpu": _gpu_name(),
+    }
+    write_result(out, result)
+    return figures
+
+
 def _metric(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -658,6 +729,10 @@ def main() -> int:
                     help="llama.cpp tree for the GGUF conversion (build_llama_server.py --source-tarball; default: download)")
     ap.add_argument("--prefix", default=None, help="figure name prefix (default tfserve / llamacpp)")
     ap.add_argument("--scrapes", default=None, help="keep each agent's /metrics scrape here (default: the scratch dir)")
+    ap.add_argument("--conditions", default="alone,oneshot,agent",
+                    help="conditions per start, alternating: alone, oneshot, agent (the agent supervising the server), "
+                         "inproc (issue 41: the agent's own torch engine behind --proxy-listen; with --server transformers, "
+                         "as --conditions alone,inproc)")
     ap.add_argument("--steady", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-seconds", type=float, default=560,
@@ -712,7 +787,8 @@ def main() -> int:
     args.messages = client_messages(model_dir, args.steady)
     args.requests_file = os.path.join(scratch, "requests.jsonl")
     write_requests_file(args.requests_file, model_dir, args.draw["max_tokens"])
-    runs: dict[str, list] = {"alone": [], "oneshot": [], "agent": []}
+    modes = tuple(args.conditions.split(","))
+    runs: dict[str, list] = {m: [] for m in modes}
     out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_server_{args.prefix}_{time.strftime('%Y-%m-%d')}.json")
     stopped_early = False
     t_pairs = time.time()
@@ -723,9 +799,10 @@ def main() -> int:
             stopped_early = True
             print(f"stopping after {i} pairs: another would pass the {args.budget_seconds:g} s budget", flush=True)
             break
-        modes = ("alone", "oneshot", "agent")
-        for mode in modes[i % 3:] + modes[:i % 3]:       # each condition first, second and third in turn
-            r = {"alone": run_alone, "oneshot": run_oneshot, "agent": run_agent}[mode](args, model_dir, scratch, i)
+        k = i % len(modes)
+        for mode in modes[k:] + modes[:k]:       # each condition first, second and third in turn
+            r = {"alone": run_alone, "oneshot": run_oneshot, "agent": run_agent,
+                 "inproc": run_inproc}[mode](args, model_dir, scratch, i)
             runs[mode].append(r)
             ready = r.get("spawn_to_ready", r.get("spawn_to_first_answer"))
             print(f"start {i} {mode}: {'first answer done' if mode == 'alone' else 'ready'} {ready:.2f} s, "
@@ -737,13 +814,13 @@ def main() -> int:
                   f" ({r['first_gap_over_steady_gap'] or 0:.2f}x steady's)"
                   + (f", exported whole answer {r['exported_total_tax']:.2f} (first probe's {r['agent_first_probe_total_tax']:.2f})"
                      if r.get("exported_total_tax") and r.get("agent_first_probe_total_tax") else ""), flush=True)
-        figures = summarize(args, runs, model_dir, out, stopped_early)
+        figures = (summarize_inproc if "inproc" in runs else summarize)(args, runs, model_dir, out, stopped_early)
     if stopped_early:
-        summarize(args, runs, model_dir, out, stopped_early)
+        (summarize_inproc if "inproc" in runs else summarize)(args, runs, model_dir, out, stopped_early)
     if args.logs:
         os.makedirs(args.logs, exist_ok=True)
         for name in sorted(os.listdir(scratch)):
-            if name.endswith(".log") and (name.startswith("agent-0") or name.startswith("alone-0")):
+            if name.endswith(".log") and (name.startswith(("agent-0", "alone-0", "inproc-0"))):
                 shutil.copy(os.path.join(scratch, name), args.logs)
     print(json.dumps(figures, indent=2))
     print(f"wrote {out}")

@@ -15,6 +15,7 @@
 # PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
 # parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-server-fresh, tests, fp8, server, llamacpp,
 # tfserve-cudnn, tfserve-default (issue 30: transformers serve with/without TORCH_CUDNN_SDPA_DEPRIORITIZED=1),
+# inproc-proxy (issue 41: warmup-agent run --engine torch --proxy-listen against transformers serve alone),
 # inproc (issue 25: `warmup-agent run --model DIR` polled from outside against a plain from_pretrained start,
 # Qwen2-1.5B and Qwen2-7B shapes, then what the imports cost there; about 7 min: PARTS=inproc:470 BUDGET=480).
 # llamacpp needs .gpu-carry/llama-cpp-src.tar.gz (tools/build_llama_server.py --source-tarball) or a
@@ -96,6 +97,13 @@ run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default)
         --scrapes "$OUT_DIR/scrapes" $extra > "$OUT_DIR/logs/gpu_server_$2.log" 2>&1
     echo "$2 bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|tfserve" "$OUT_DIR/logs/gpu_server_$2.log"
 }
+run_inproc_proxy_bench() {  # $1: seconds; issue 41: the torch engine behind --proxy-listen vs transformers serve alone
+    mkdir -p "$OUT_DIR/logs/inproc_proxy"
+    timeout "$1" python3 bench/bench_gpu_server.py --server transformers --conditions alone,inproc --starts ${INPROC_STARTS:-5} \
+        --steady ${SERVER_STEADY:-8} --budget-seconds $(( $1 - 40 )) --out "$OUT_DIR/gpu_inproc_proxy_h200.json" \
+        --logs "$OUT_DIR/logs/inproc_proxy" > "$OUT_DIR/logs/gpu_inproc_proxy.log" 2>&1
+    echo "inproc proxy bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|inproc_|tfserve_" "$OUT_DIR/logs/gpu_inproc_proxy.log"
+}
 run_inproc_bench() {  # $1: seconds; issue 25 (bench/bench_inproc_start.py, bench/diagnostics/import_costs.py)
     # 1.5B: 3 pairs + 2 agent-only starts (about 160 s); 7B: 2 pairs (about 90 s); the models are
     # written without initialising a model (1.5B about 20 s, 7B about 40 s); new pairs stop 100 s before the cap.
@@ -155,6 +163,7 @@ if [ -n "${PARTS:-}" ]; then
             fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;;
             llamacpp) run_llamacpp_bench "$cap" ;;
             inproc) run_inproc_bench "$cap" ;;
+            inproc-proxy) run_inproc_proxy_bench "$cap" ;;
             tfserve-cudnn) run_tfserve_bench "$cap" tfserve_cudnn ;; tfserve-default) run_tfserve_bench "$cap" tfserve_default ;;
             *) echo "unknown part $name" ;;
         esac

@@ -92,17 +92,7 @@ def run(ctx: StageContext, detail: dict) -> None:
             time.sleep(cfg.readiness.probe_interval_seconds)
         probe(None)
     if not (rd.thresholds.met(ctx.readiness.window) and decode_ok()):
-        q = ctx.readiness.window.quantiles((0.5, 0.9))
-        if rd.thresholds.met(ctx.readiness.window):
-            t = ctx.probe_log.decode.quantiles((0.5, 0.9))
-            ctx.fail("decode_not_converged",
-                       f"after {max_probes} probes the time per output token is P50 {t.get(0.5, 0) * 1000:.2f} ms / "
-                       f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg.readiness.tpot_p90_threshold_seconds * 1000:.0f} ms "
-                       f"and the older half of the last probes at most {cfg.readiness.tpot_convergence_ratio:g} x "
-                       f"slower than the newer half")
-        ctx.fail("readiness_thresholds_not_met",
-                   f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
-                   f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
+        fail_not_met(ctx, max_probes)
     # The first-request figures, once, from the gate's probes (warmup_agent/readiness/probes.py).
     figures = ctx.probe_log.freeze(cold_decode_of(ctx))
     if figures is not None and figures.cold_decode:
@@ -128,6 +118,22 @@ def run(ctx: StageContext, detail: dict) -> None:
         fingerprint = ctx.engine.weight_fingerprint()
     if not ctx.sm.serve(fingerprint):
         ctx.checkpoint()
+
+
+def fail_not_met(ctx: StageContext, max_probes: int) -> None:
+    """The gate did not open in max_probes probes: fail with the reason and the figures."""
+    cfg, rd = ctx.cfg, ctx.readiness
+    q = rd.window.quantiles((0.5, 0.9))
+    if rd.thresholds.met(rd.window):
+        t = ctx.probe_log.decode.quantiles((0.5, 0.9))
+        ctx.fail("decode_not_converged",
+                 f"after {max_probes} probes the time per output token is P50 {t.get(0.5, 0) * 1000:.2f} ms / "
+                 f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg.readiness.tpot_p90_threshold_seconds * 1000:.0f} ms "
+                 f"and the older half of the last probes at most {cfg.readiness.tpot_convergence_ratio:g} x "
+                 f"slower than the newer half")
+    ctx.fail("readiness_thresholds_not_met",
+             f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
+             f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
 
 
 def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], max_probes: int) -> list[dict]:

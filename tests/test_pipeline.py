@@ -225,3 +225,27 @@ def test_reserve_step_is_logged(caplog):
             time.sleep(0.01)
     assert detail["steps_seconds"]["torch_import"] >= 0.01
     assert any("[COLDSTART] phase1 reserve step step=torch_import duration=" in r.getMessage() for r in caplog.records)
+
+
+def test_the_torch_engine_warms_the_prompt_lengths_of_the_requests_file(tmp_path, embedded_model):
+    """Issue 41: an in-process engine serving users warms the lengths its users send
+    (prewarm.requests_file, templated), so solidify captures a prefill for them and a
+    user's prompt pads up to a warmed length.  The lengths are counted here with
+    transformers' own chat template, independently of the agent's counter."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(embedded_model)
+    words = "the warmed model answers every user the same way on the first request and the thousandth "
+    bodies = [{"messages": [{"role": "user", "content": (words * k).strip()}], "max_tokens": 4} for k in (2, 5)]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    expected = {len(tok(tok.apply_chat_template(b["messages"], add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)["input_ids"]) for b in bodies}
+    assert not expected & {8, 32}                       # lengths the grid would not have warmed anyway
+    agent = make_agent(embedded_model, env={"WARMUP_AGENT_PREWARM_REQUESTS_FILE": str(path)})
+    try:
+        assert agent.run() == State.SERVING
+        prewarm = next(s for s in agent.stages if s.name == "prewarm")
+        assert set(prewarm.detail["lengths"]) == {8, 32} | expected
+        assert {n for n, _ in agent.context.warmed_shapes} >= expected
+    finally:
+        agent.stop()

@@ -262,7 +262,7 @@ def test_a_dead_server_trips_once_logs_once_and_counts_each_failed_probe(caplog)
     with caplog.at_level(logging.DEBUG, logger="warmup_agent.readiness"):
         assert rd.due_probe()
         for _ in range(3):
-            rd.observe(0.01)
+            rd.first_token(0.01)
     assert sm.state == State.SERVING
     loud = [r for r in caplog.records if r.levelno >= logging.INFO and r.name == "warmup_agent.readiness"]
     assert len(loud) == 2 and "breaker closed after 3 good probes" in loud[1].getMessage()

@@ -33,7 +33,7 @@ from warmup_agent.run import tracing
 from warmup_agent.run.progress import Progress, coldstart
 from warmup_agent.run.record import RunRecord, StageTiming
 from warmup_agent.stages import prewarm, ready, reserve, solidify
-from warmup_agent.stages.context import StageContext
+from warmup_agent.stages.context import StageContext, StageSettings
 from warmup_agent.states import State, StateMachine
 
 if TYPE_CHECKING:  # types only
@@ -76,7 +76,10 @@ class Agent:
         self.driver = EngineDriver(engine, self.metrics, cfg.readiness.probe_prompt_length)
         self.memory = MemorySampler()
         # What the stages see and share (stages/context.py); lives as long as the agent.
-        self.context = StageContext(cfg, engine, self.driver, self.sm, self.readiness, self.probe_log,
+        settings = StageSettings(prewarm=cfg.prewarm, readiness=cfg.readiness, validation=cfg.validation,
+                                 model=cfg.model, solidify=cfg.solidify, reserve=cfg.reserve, gpu=cfg.gpu,
+                                 kernel_cache=cfg.kernel_cache, data_dir=cfg.data_dir, engine=cfg.engine)
+        self.context = StageContext(settings, engine, self.driver, self.sm, self.readiness, self.probe_log,
                                     Recorder(self.metrics), self.progress)
         self.tracing = tracing.active()   # start-up traces (run/tracing.py); NOOP unless the CLI set one up
         self.run_record = RunRecord(self.context, clock, lambda: self.tracing.trace_id)

@@ -229,7 +229,7 @@ class ProxyProcess:
         for route, ttft in batch.get("f", ()):
             m.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
         for ttft in batch.get("o", ()):
-            gate.observe(ttft)
+            gate.first_token(ttft)
         for ttft, total, tokens in batch.get("a", ()):
             try:
                 if self._answer_tokens:
@@ -288,7 +288,7 @@ class _ChildGate:
     def user_request(self) -> None:
         self.report.u += 1
 
-    def observe(self, ttft: float) -> None:
+    def first_token(self, ttft: float) -> None:
         self.report.o.append(ttft)
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:

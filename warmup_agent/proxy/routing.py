@@ -81,7 +81,7 @@ class Gate(Protocol):
     def user_request(self) -> None:
         """A user request arrived (the water level's QPS)."""
 
-    def observe(self, ttft: float) -> None:
+    def first_token(self, ttft: float) -> None:
         """A user request's time to first token on the main engine (the window, the breaker)."""
 
     def user_answer(self, ttft: float, total: float) -> None:
@@ -560,7 +560,7 @@ class RoutingProxy:
         """A user request's time to first token: histogram, and the readiness window."""
         self.metrics.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
         if route == "main":
-            self.gate.observe(ttft)    # the window and the breaker; never the probe log
+            self.gate.first_token(ttft)    # the window and the breaker; never the probe log
 
     def _user_answer(self, ttft: float, total: float, tail: bytes) -> None:
         """A user request the main engine answered with 200 (the users' real first request)."""

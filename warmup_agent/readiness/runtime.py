@@ -136,7 +136,7 @@ class Readiness:
         return self._min_probes_server
 
     # -- samples ---------------------------------------------------------------------
-    def observe(self, ttft: float) -> None:
+    def first_token(self, ttft: float) -> None:
         """One time-to-first-token sample of the main engine (probe or user request)."""
         with self._lock:
             try:

@@ -34,7 +34,16 @@ from warmup_agent.warmup.benefit import Controlled
 
 if TYPE_CHECKING:  # types only: the sampler and the cache are imported where they are made
     from exporter.recorder import Recorder
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import (
+        GpuSection,
+        KernelCacheSection,
+        ModelSection,
+        PrewarmSection,
+        ReadinessSection,
+        ReserveSection,
+        SolidifySection,
+        ValidationSection,
+    )
     from warmup_agent.driver import EngineDriver
     from warmup_agent.engines.base import Engine
     from warmup_agent.gpu.ramp import RampSampler
@@ -47,10 +56,27 @@ if TYPE_CHECKING:  # types only: the sampler and the cache are imported where th
     from warmup_agent.warmup.traffic import TrafficProfile
 
 
+@dataclass(frozen=True)
+class StageSettings:
+    """The configuration sections the stages read, and nothing else of the Config
+    (issue 42: only the command line and the composition root see all of it; the Agent
+    hands these over)."""
+    prewarm: PrewarmSection
+    readiness: ReadinessSection
+    validation: ValidationSection
+    model: ModelSection
+    solidify: SolidifySection
+    reserve: ReserveSection
+    gpu: GpuSection
+    kernel_cache: KernelCacheSection
+    data_dir: str
+    engine: str
+
+
 @dataclass(eq=False)
 class StageContext:
     # -- the collaborators (the Agent hands them over at construction) ----------------
-    cfg: Config
+    cfg: StageSettings
     engine: Engine
     driver: EngineDriver
     sm: StateMachine
@@ -189,4 +215,4 @@ class StageContext:
         without bound)."""
         if kind == "probe":
             self.probe_log.add(probe or Probe(ttft, ttft, 1))
-        self.readiness.observe(ttft)
+        self.readiness.first_token(ttft)

@@ -263,7 +263,7 @@ class _ProfileWarmup:
         self.fam0 = probe_family(profile)
         self.ep0 = probe_endpoint(profile)
         self.b0 = min(batches) if batches else 1
-        self.plens = sorted(set(profile.prompt_lengths) or set(lengths))
+        self.plens = sorted({*profile.prompt_lengths} or {*lengths})
         self.lo, self.hi = self.plens[0], self.plens[-1]
         self.steady = benefit.SteadyLevels()
         self.refused: dict[str, str] = {}
@@ -456,7 +456,7 @@ class _ProfileWarmup:
         for ep in profile.endpoints:
             if ep != ep0:
                 paths += [Path(ep, fam, b0, hi) for fam in profile.families if not (fam == "json_schema" and ep != "chat")]
-        paths += [Path(ep0, fam0, b, hi) for b in sorted(set(batches)) if b != b0]
+        paths += [Path(ep0, fam0, b, hi) for b in sorted({*batches}) if b != b0]
         self.warm_together(paths, {})
 
     def skip_lengths(self, per_length: dict) -> None:
@@ -584,7 +584,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     ctx.driver.start_prompts()
     lengths = warmup_lengths(cfg.prewarm, engine.tokenize)
     if not engine.speaks_profile and cfg.prewarm.requests_file:
-        lengths = sorted(set(lengths) | set(traffic_lengths(ctx)))
+        lengths = sorted({*lengths, *traffic_lengths(ctx)})
     batches = warmup_batches(cfg.prewarm, facts, ctx.gpu_free_bytes, max(lengths))
     if engine.speaks_profile:
         warm_profile(ctx, lengths, batches, detail, t3)

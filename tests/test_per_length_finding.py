@@ -159,3 +159,14 @@ def test_without_an_anchor_pair_the_probe_pairs_decide():
     per_length = w.per_length_test()
     assert not per_length["anchor_pair"] and per_length["prefill_pays"]
     assert per_length["prefill_pays_each_new_length"] and len(per_length["pairs"]) == 2
+
+
+def test_no_second_probe_pair_above_the_profiles_range():
+    """A fresh length above the profile's longest prompt may be past what the server
+    takes: then the cold first pair stays alone (not each new length) instead."""
+    w, sent = scripted_warmup((call(60.0, 3.0, 310), call(41.0, 3.0, 310)),
+                              [(call(60.0, 3.0, 266), call(41.0, 3.0, 266)), (call(61.0, 3.0, 223), call(41.0, 3.0, 223))])
+    w.lo = w.hi = 266                   # no room inside the range once the first pair's length is used
+    per_length = w.per_length_test()
+    assert sent == [266, 266] and len(w.ctx.first_pairs) == 1
+    assert per_length["prefill_pays"] and not per_length["prefill_pays_each_new_length"]

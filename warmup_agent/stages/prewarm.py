@@ -412,10 +412,11 @@ class _ProfileWarmup:
         pair, d = ctx.probe_pair(send, tokens, replay=True)
         probe_pairs.append(pair)
         ctx.first_pairs.append(d)
-        if d["cold"]:
-            used = [*self.decoded, (lengths[0], lengths[0] + tokens)]
-            lengths.append(benefit.fresh_lengths(self.lo, self.hi, used, 1, tokens)[0])
-            ctx.probe_length = lengths[-1]
+        fresh = benefit.fresh_lengths(self.lo, self.hi, [*self.decoded, (lengths[0], lengths[0] + tokens)], 1, tokens)[0]
+        # Only inside the profile's range: a length above it may be past what the server takes.
+        if d["cold"] and fresh <= self.hi:
+            lengths.append(fresh)
+            ctx.probe_length = fresh
             pair, d = ctx.probe_pair(send, tokens, replay=False)
             probe_pairs.append(pair)
             ctx.first_pairs.append(d)

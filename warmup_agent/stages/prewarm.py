@@ -97,13 +97,7 @@ def load_profile(ctx: StageContext, lengths: list[int]) -> traffic.TrafficProfil
         if text is None:
             raise EngineError("invalid_config", "key 'prewarm.requests_file': prompts are counted with the model's "
                               "tokenizer; give --model DIR (model.path) with a tokenizer.json")
-        try:
-            profile = traffic.load_requests_file(path, text.count_chat, text.count_text,
-                                                 bad_lines=cfg.prewarm.requests_file_bad_lines)
-        except ValueError as e:
-            raise EngineError("invalid_config", f"key 'prewarm.requests_file': {e}") from None
-        except Exception as e:  # noqa: BLE001 - a template error on a logged body
-            raise EngineError("invalid_config", f"key 'prewarm.requests_file': {path}: {type(e).__name__}: {e}") from None
+        profile = read_requests_file(ctx, text.count_chat, text.count_text)
     else:
         profile = traffic.default_profile(engine.apis, cfg.prewarm.max_output_tokens, [])
     missing = [e for e in profile.endpoints if e not in engine.apis]
@@ -111,6 +105,20 @@ def load_profile(ctx: StageContext, lengths: list[int]) -> traffic.TrafficProfil
         log.warning(f"the traffic uses {', '.join(missing)} but the server does not answer it: not warmed")
     profile.endpoints = [e for e in profile.endpoints if e in engine.apis] or list(engine.apis)
     return profile
+
+
+def read_requests_file(ctx: StageContext, count_chat: Callable[[list[dict]], int],
+                       count_text: Callable[[str], int]) -> traffic.TrafficProfile:
+    """prewarm.requests_file as a traffic profile, its prompts counted by the given
+    functions; a file that cannot be read is the configuration's error (one line)."""
+    path = ctx.cfg.prewarm.requests_file
+    assert path, "called with prewarm.requests_file set"
+    try:
+        return traffic.load_requests_file(path, count_chat, count_text, bad_lines=ctx.cfg.prewarm.requests_file_bad_lines)
+    except ValueError as e:
+        raise EngineError("invalid_config", f"key 'prewarm.requests_file': {e}") from None
+    except Exception as e:  # noqa: BLE001 - a template error on a logged body
+        raise EngineError("invalid_config", f"key 'prewarm.requests_file': {path}: {type(e).__name__}: {e}") from None
 
 
 def traffic_lengths(ctx: StageContext) -> list[int]:
@@ -122,8 +130,7 @@ def traffic_lengths(ctx: StageContext) -> list[int]:
     warm in-process engine served a request 11 tokens longer than any before at 1.4-1.9x
     steady (bench/results/gpu_inproc_proxy_h200_issue41_run1.json)."""
     from warmup_agent.engines.text_prompts import TextPrompts
-    path, model_dir = ctx.cfg.prewarm.requests_file, ctx.engine.model_path
-    assert path, "called with prewarm.requests_file set"
+    model_dir = ctx.engine.model_path
     if not model_dir or not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         log.warning("prewarm.requests_file: the model has no tokenizer.json to count its prompts with; "
                     "its lengths are not warmed")
@@ -131,13 +138,7 @@ def traffic_lengths(ctx: StageContext) -> list[int]:
     text = TextPrompts.from_model_dir(model_dir, "")
     count_chat = text.count_chat if text.has_chat_template else (
         lambda messages: text.count_text(" ".join(str(m.get("content", "")) for m in messages)))
-    try:
-        profile = traffic.load_requests_file(path, count_chat, text.count_text,
-                                             bad_lines=ctx.cfg.prewarm.requests_file_bad_lines)
-    except ValueError as e:
-        raise EngineError("invalid_config", f"key 'prewarm.requests_file': {e}") from None
-    except Exception as e:  # noqa: BLE001 - a template error on a logged body
-        raise EngineError("invalid_config", f"key 'prewarm.requests_file': {path}: {type(e).__name__}: {e}") from None
+    profile = read_requests_file(ctx, count_chat, text.count_text)
     log.info(f"prewarm.requests_file: warming its prompt lengths {profile.prompt_lengths} too")
     return list(profile.prompt_lengths)
 

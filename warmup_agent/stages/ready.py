@@ -71,7 +71,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         # faster over the last probes.
         ratio = cfg.readiness.tpot_convergence_ratio if not (pairs and not pairs[-1]["cold"]) else math.inf
         return decode_converged(ctx.probe_log.decode, min_probes, cfg.readiness.tpot_p90_threshold_seconds, ratio)
-    sent = 0
+    sent = len(ctx.probe_log.gate_probes)        # prewarm's first pairs, where it sent them
 
     def probe(max_tokens: int | None) -> None:
         nonlocal sent
@@ -80,7 +80,6 @@ def run(ctx: StageContext, detail: dict) -> None:
         sent += 1
         ctx.progress.probe(sent, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
 
-    sent = len(ctx.probe_log.gate_probes)        # prewarm's first pair, where it sent one
     detail["first_pairs_from_prewarm"] = len(ctx.first_pairs)
     pairs += first_probe_pairs(ctx, probe, max_probes)
     detail["first_probe_pairs"] = pairs

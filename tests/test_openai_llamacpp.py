@@ -134,7 +134,7 @@ def test_supervised_llama_server_reaches_serving_answers_an_outside_chat_and_dra
 @SLOW[1]
 def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than_their_controls(
         tmp_path, embedded_model, data_dir, llama_server, gguf):
-    """With a tolerance no timing can miss, the per-length test's two fresh lengths
+    """With a tolerance no timing can miss, the per-length test's fresh lengths
     prefill no slower than their controls (the same lengths again, after the same
     predecessor): the profile's other lengths then get no call, each recorded as
     skipped with that reason (they got one call each before)."""
@@ -162,12 +162,12 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
         assert agent.wait(60) == 0, (tmp_path / "agent.log").read_text()[-3000:]
     prewarm = next(s for s in json.loads(rec.read_text())["stages"] if s["name"] == "prewarm")
     per_length = prewarm["warmup"]["per_length"]
-    # the anchor's first call and its control are the first pair; the gate's first probe pair,
-    # at a fresh length, the second; a third (another fresh length) only where that was cold.
-    # The anchor's first call is the server's first real request and may pay a one-time
-    # cost; on this server a new length costs nothing, so no length is worth a call
-    assert per_length["tested"] and per_length["anchor_pair"] and len(per_length["lengths"]) in (1, 2)
-    assert len(per_length["pairs"]) == 1 + len(per_length["lengths"])
+    # the gate's first probe pair, at a fresh length, is the test; a second (another fresh
+    # length) only where that was cold.  No anchor path before it: the server's first real
+    # request is discovery's; on this server a new length costs nothing, so no length is
+    # worth a call
+    assert per_length["tested"] and "anchor_pair" not in per_length and len(per_length["lengths"]) in (1, 2)
+    assert len(per_length["pairs"]) == len(per_length["lengths"])
     assert per_length["prefill_pays_each_new_length"] is False
     reason = prewarm_stage.length_skip_reason(per_length)
     assert reason in (NEW_LENGTHS_WARM, prewarm_stage.ONE_TIME_COST)
@@ -175,15 +175,15 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
     assert len(per_length["server_prefill_ms"]) == len(per_length["pairs"])
     assert all(len(pair) == 2 and min(pair) > 0 for pair in per_length["server_prefill_ms"])
     paths = {p["path"]: p for p in prewarm["paths"]}
-    assert paths["chat/sampled/batch1/len40"]["calls"] >= 1            # the anchor: the steady level
-    for n in (16, 24):
+    for n in (16, 24, 40):      # the probe family's lengths, the longest too: no anchor path
         p = paths[f"chat/sampled/batch1/len{n}"]
         assert p["result"] == "skipped" and p["calls"] == 0 and p["reason"] == reason, p
-    # every request the warmup sent is a path's (the anchor, the greedy family: a first call and
-    # its control each), a replayed predecessor's or the settle wave's; the per-length test's
-    # fresh length is the gate's first probe pair (probes, not warmup requests)
+    # every request the warmup sent is a path's (the greedy family: a first call and its
+    # control), a replayed predecessor's or the settle wave's; the per-length test's fresh
+    # length is the gate's first probe pair (probes, not warmup requests)
     warmup = prewarm["warmup"]
-    assert all(p["calls"] == 2 for n, p in paths.items() if n not in ("chat/sampled/batch1/len16", "chat/sampled/batch1/len24"))
+    assert paths["chat/greedy/batch1/len40"]["calls"] == 2
+    assert all(p["calls"] == 2 for n, p in paths.items() if not n.startswith("chat/sampled/"))
     assert warmup["settle_requests"] == warmup["at_once"] >= 1
     assert per_length["lengths"][-1] == warmup["probe_length"] and per_length["probe_pair"]
     assert prewarm["requests"] == requests_in_record(prewarm)

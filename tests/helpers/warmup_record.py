@@ -32,10 +32,15 @@ def requests_in_record(prewarm_detail: dict, ready_detail: dict | None = None) -
 def exported_pair(ready_detail: dict, prewarm_detail: dict | None = None) -> int:
     """Index, among the gate's probes, of the first probe whose pair the exported
     first-request figures are (stages/ready.py): pair k is probes 2k and 2k + 1; the
-    last pair's, or the first's where prewarm found that each new prompt length pays."""
+    last pair's, or prewarm's second (the second fresh length's) where it found that each
+    new prompt length pays."""
     pairs = ready_detail["first_probe_pairs"]
     per_length = ((prewarm_detail or {}).get("warmup") or {}).get("per_length") or {}
-    return 0 if per_length.get("prefill_pays_each_new_length") else 2 * (len(pairs) - 1)
+    if not per_length.get("prefill_pays_each_new_length"):
+        return 2 * (len(pairs) - 1)
+    # each new length pays: the second fresh length's pair where prewarm sent both; the
+    # gate's own first pair where it sent a new one (decode pays: after decode coverage)
+    return 2 if ready_detail.get("first_pairs_from_prewarm", 0) >= 2 else 0
 
 
 def controlled_tax(values: list[float], first: int) -> float:

@@ -201,39 +201,44 @@ def per_length_line(decode_ratios: list[float], first_token_ratios: list[float],
 def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], detail: dict,
                  t_start: float) -> None:
     """Warm the traffic profile by measured benefit (warmup_agent/warmup/benefit.py):
-    1. the anchor path (the probe family on the main endpoint, smallest batch, the
-       longest profile prompt) until it stops getting faster: the steady level;
-    2. every other family and endpoint and every larger batch size: one call each, as
-       many at once as the server takes (engine.concurrency), then the same again as
-       their controls; only a path whose first call was cold beyond its control gets
-       more (benefit.warm_wave);
-    3. decode coverage of the profile's lengths (prewarm.decode_coverage always);
-    4. the settle wave, then the per-length test, which is the gate's first probe pair:
+    1. every family and endpoint other than the probes' and every larger batch size:
+       one call each, as many at once as the server takes (engine.concurrency), then
+       the same again as their controls; only a path whose first call was cold beyond
+       its control gets more (benefit.warm_wave);
+    2. decode coverage of the profile's lengths (prewarm.decode_coverage always);
+    3. the settle wave, then the per-length test, which is the gate's first probe pair:
        a first probe at a prompt length no request reached and its control (the same
-       length again, after the same predecessor); with the anchor's first call and its
-       control (a fresh length too) it says whether decode is slower at new sequence
-       lengths than at the same length again by more than prewarm.per_length_ratio (the
-       server pays per length: logged with its remedy, exported), and whether prefill
-       pays at each new length.  Where decode pays (decode_coverage auto), the
-       profile's lengths get decode coverage and the gate sends a new first pair.  The
-       profile's prompt lengths get no call of their own: in every outcome of the test
-       the call would buy nothing (length_skip_reason).
+       length again, after the same predecessor).  A cold first probe is followed by a
+       second pair at another fresh length: together they say whether decode is slower
+       at new sequence lengths than at the same length again by more than
+       prewarm.per_length_ratio (the server pays per length: logged with its remedy,
+       exported), and whether prefill pays at each new length or paid once.  Where
+       decode pays (decode_coverage auto), the profile's lengths get decode coverage
+       and the gate sends a new first pair.  The profile's prompt lengths get no call
+       of their own: in every outcome of the test the call would buy nothing
+       (length_skip_reason).
     All under one time budget; a path the budget did not reach is skipped, and the
     record says so.  A family the server refuses (HTTP 4xx) is skipped too: user
     requests of that family fail on it as well, warm or not.  Probes double as the last
-    warmup and the warmup's last test as the first probe pair: after the server
-    answers its first request, the agent sends the anchor's pair, the settle wave and
-    this pair, where the per-length test used to be two more pairs of its own."""
-    from warmup_agent.warmup.benefit import Path
+    warmup and the warmup's last test as the first probe pair.
+
+    There is no anchor path before them any more (a first call and its control at the
+    longest profile prompt, the steady level): the server's first real request is
+    discovery's (engines/openai/discovery.py), which pays its one-time cost, and the
+    probe pair measures what a first request at a fresh length pays beyond its
+    control, and a second pair tells a one-time cost from one each new length pays.
+    On the H200's llama.cpp the anchor's pair found nothing (46 ms against its
+    control's 48 ms, then the probe pair 36 against 35;
+    bench/results/gpu_server_llamacpp_h200_issue40_run4.json), and its
+    two long requests and their settle cost 0.18-0.25 s of the 0.44-0.51 s between
+    the server's /health and /readyz, where the bare server answers its first user
+    0.13 s after /health."""
     w = _ProfileWarmup(ctx, load_profile(ctx, lengths), lengths, batches)
-    # 1. the anchor: the steady level every other path is compared with
-    w.warm(Path(w.ep0, w.fam0, w.b0, w.hi), tokens=w.pc.per_length_tokens)
-    w.anchor = w.outcomes[-1]
-    # 2. the other paths, one call each, at once, then their controls
+    # 1. the other paths, one call each, at once, then their controls
     w.other_paths(batches)
-    # 3. decode coverage over the profile's lengths (always)
+    # 2. decode coverage over the profile's lengths (always)
     coverage = w.decode_coverage(always_only=True)
-    # 4. leave the server as a plain start leaves it, then the per-length test = the first probe pair
+    # 3. leave the server as a plain start leaves it, then the per-length test = the first probe pair
     w.settle()
     w.choose_probe_length()
     per_length = w.per_length_test()
@@ -275,7 +280,6 @@ class _ProfileWarmup:
         self.concurrency = max(1, int(ctx.engine.concurrency))
         #: The last requests sent together: the predecessor a control must follow too.
         self.last: list[traffic.WarmRequest] = []
-        self.anchor: benefit.Outcome | None = None   # the anchor path's outcome (warm_profile)
         self.replayed = 0       # requests re-sent as predecessors of controls
         self.replays = 0        # ... in this many sends
         self.settled = 0        # requests of the settle waves
@@ -389,20 +393,15 @@ class _ProfileWarmup:
     def per_length_test(self) -> dict:
         """Does the server pay per sequence length?  Fresh prompt lengths, each with its
         control (the same length again, a fresh prompt, after the same predecessor): the
-        anchor path's first call and its control, and the gate's first probe pair at the
-        probes' length, which no request reached (StageContext.probe_pair).  A first
-        probe cold beyond its control paid either a one-time cost or one that each new
-        length pays: a second probe pair at another fresh length tells which (each new
-        length pays when both paid in prefill; the anchor's pair cannot tell, its first
-        call being the server's first real request).  The probe pairs are the gate's
-        first (StageContext.first_pairs).  One request at a time, because requests at
-        once are batched into other shapes than a user's request alone."""
-        from warmup_agent.warmup.benefit import Controlled
+        gate's first probe pair at the probes' length, which no request reached
+        (StageContext.probe_pair).  A first probe cold beyond its control paid either a
+        one-time cost or one that each new length pays: a second probe pair at another
+        fresh length tells which (each new length pays when both paid in prefill).  The
+        probe pairs are the gate's first (StageContext.first_pairs).  One request at a
+        time, because requests at once are batched into other shapes than a user's
+        request alone."""
         ctx = self.ctx
         tokens = self.pc.per_length_tokens
-        anchor = self.anchor
-        first_pair = (Controlled(anchor.calls[0], anchor.calls[1])
-                      if anchor is not None and len(anchor.calls) >= 2 else None)
         ctx.probe_log.restart()         # these probes are the gate's first
 
         def send(n: int | None) -> None:
@@ -418,18 +417,19 @@ class _ProfileWarmup:
         if d["cold"] and fresh <= self.hi:
             lengths.append(fresh)
             ctx.probe_length = fresh
+            # The exported figures are this pair's: where each new length pays, its first
+            # probe paid what a user's first request at a new length pays, without the
+            # one-time costs the first pair's first probe may have paid too.
             pair, d = ctx.probe_pair(send, tokens, replay=False)
             probe_pairs.append(pair)
             ctx.first_pairs.append(d)
         fresh_cold = [benefit.prefill_cold(p, self.tol) for p in probe_pairs]
         each_length = len(fresh_cold) == 2 and all(fresh_cold)
-        if each_length:
-            ctx.probe_log.pair(0, 1)     # a user's first request pays what the first probe paid
-        pairs = ([first_pair] if first_pair else []) + probe_pairs
+        pairs = probe_pairs
         pays, ratios = benefit.pays_per_length(pairs, self.pc.per_length_ratio)
         cold = [benefit.prefill_cold(pair, self.tol) for pair in pairs]
         per_length = {"tested": True, "pays": pays, "ratios": ratios, "lengths": lengths,
-                      "anchor_pair": first_pair is not None, "probe_pair": True,
+                      "probe_pair": True,
                       "prefill_pays": any(cold),
                       # the second fresh length paid too, after the first was warm: each new
                       # length pays once, whatever else was warmed
@@ -466,7 +466,7 @@ class _ProfileWarmup:
         per-length test said about them (length_skip_reason)."""
         from warmup_agent.warmup.benefit import Path
         reason = length_skip_reason(per_length) or "the per-length test did not run"
-        for n in reversed(self.plens[:-1]):
+        for n in reversed(self.plens):
             self.outcomes.append(benefit.Outcome(Path(self.ep0, self.fam0, self.b0, n), "skipped", reason))
 
     def decode_coverage(self, always_only: bool = False) -> dict:

@@ -143,8 +143,9 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     per-length test at fresh prompt lengths (StageContext.first_pairs); the gate goes on
     from it.  A first probe that was cold beyond its control means the warmup left
     something cold, which it has now paid: another pair follows, up to
-    prewarm.max_calls_per_path pairs.  The figures are the last pair's, or the first's
-    where each new prompt length pays (readiness/probes.py).  Probes double as the last
+    prewarm.max_calls_per_path pairs.  The figures are the last pair's, or, where each
+    new prompt length pays, prewarm's second pair's: its first probe paid what a first
+    request at a new length pays (readiness/probes.py).  Probes double as the last
     warmup."""
     cfg = ctx.cfg
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
@@ -152,8 +153,9 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     pairs: list[dict] = list(ctx.first_pairs)
     # Whose figures are exported: where each new prompt length pays once (prewarm's
     # per-length test), a user's first request at a length no request reached pays what
-    # the first pair's first probe paid; elsewhere a cold first probe paid a one-time
-    # cost for everyone, and the users meet the state of the last pair.
+    # the second fresh length's first probe paid (prewarm's last pair, kept); elsewhere a
+    # cold first probe paid a one-time cost for everyone, and the users meet the state
+    # of the last pair.
     each_length_pays = bool(((ctx.warmup_summary or {}).get("per_length") or {}).get("prefill_pays_each_new_length"))
     while (not pairs or pairs[-1]["cold"]) and len(pairs) < cfg.prewarm.max_calls_per_path \
             and len(ctx.probe_log.gate_probes) + 2 <= max_probes:

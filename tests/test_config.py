@@ -201,6 +201,7 @@ def test_an_environment_value_reads_as_yaml_would_without_importing_it_for_plain
 
     from warmup_agent.config import _env_value
     for raw in ["1", "-3", "0", "0123", "1.5", "1.", "1e3", "0x10", "inf", "[1, 4]", "{a: 1}", "true", "Off", "yes",
-                "null", "~", "auto", "/tmp/x.jsonl", "http://a:1", "a-b_c.d", "y", " 5 "]:
+                "null", "~", "auto", "/tmp/x.jsonl", "http://a:1", "a-b_c.d", "y", " 5 ", "[1]", "[ 16,24 ]", "[]",
+                "[1e3]", "[1.5, 2]", "[true]", "[-2, 0]", "[1, a]"]:
         assert _env_value(raw) == yaml.safe_load(raw), raw
     assert _env_value("") is None and _env_value("  ") is None

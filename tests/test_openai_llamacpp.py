@@ -179,16 +179,15 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
         p = paths[f"chat/sampled/batch1/len{n}"]
         assert p["result"] == "skipped" and p["calls"] == 0 and p["reason"] == reason, p
     # every request the warmup sent is a path's (the greedy family: a first call and its
-    # control), a replayed predecessor's or the settle wave's; the per-length test's fresh
+    # control), a replayed predecessor's or the settle request's; the per-length test's fresh
     # length is the gate's first probe pair (probes, not warmup requests)
     warmup = prewarm["warmup"]
     assert paths["chat/greedy/batch1/len40"]["calls"] == 2
     assert all(p["calls"] == 2 for n, p in paths.items() if not n.startswith("chat/sampled/"))
-    assert warmup["settle_requests"] == warmup["at_once"] >= 1
+    assert warmup["settle_requests"] == 1 and warmup["at_once"] >= 1     # one short request, alone
     assert per_length["lengths"][-1] == warmup["probe_length"] and per_length["probe_pair"]
     assert prewarm["requests"] == requests_in_record(prewarm)
-    # `requests` counts the sends: each path call, each replay, the settle wave (one send
-    # of as many as the server takes at once)
+    # `requests` counts the sends: each path call, each replay, the settle request
     assert warmup["requests"] == sum(p["calls"] for p in paths.values()) + warmup["replays"] + 1
 
 

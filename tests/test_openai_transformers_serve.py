@@ -156,7 +156,7 @@ def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_t
     the relay's record of the requests, lengths counted by transformers' own template.
     On the wire after the warmup: the gate's probes (the warmup's last requests replayed
     between the first probe and its control where they were a harder predecessor), then
-    the ready stage's settle wave of short 1-token requests just before SERVING."""
+    the ready stage's settle request (short, 1 token) just before SERVING."""
     from warmup_agent.stages import ready
     _, agent, _, relay, _ = served
     ctx = agent.context
@@ -166,7 +166,7 @@ def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_t
     settle = ready_detail["settle_requests"]
     replayed = sum(p["replayed_requests"] for p in ready_detail["first_probe_pairs"])
     short = (prewarm.SETTLE_PROMPT_TOKENS, prewarm.SETTLE_PROMPT_TOKENS + 1)
-    assert settle == agent.engine.concurrency and wire[-settle:] == [short] * settle
+    assert settle == 1 and wire[-settle:] == [short]
     pays = agent_warmup(served)["per_length"]["pays"]
     if pays:
         # (rare on the CPU) the gate's pair is a new one after decode coverage: every probe,
@@ -185,7 +185,7 @@ def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_t
         assert not set(expected) & set(gate[1:1 + replayed])
         warmup = wire[:-(probes + replayed + settle)] + gate[1:1 + replayed] + wire[-settle:]
         assert sorted(set(warmup)) == sorted(set(ctx.decoded_ranges))     # batch 2 sends a range twice
-    assert short in ctx.decoded_ranges                                        # prewarm's settle wave
+    assert short in ctx.decoded_ranges                                        # prewarm's settle request
     assert ctx.profile_lengths == LENGTHS
     # The prediction is wired exactly where the per-length test found that decode pays.
     predict = ready.cold_decode_of(ctx)
@@ -405,13 +405,13 @@ def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path
         assert all(p["result"] == "skipped" and p["reason"] == "budget" and p["calls"] == 0
                    for p in detail["paths"] if p not in short)
         assert all(p["calls"] == 0 for p in short) and len(detail["paths"]) > len(short)
-        # no path sent; the only warmup requests are the settle waves (one short request per
-        # server slot, after the warmup and again before SERVING) and any replay of the last
+        # no path sent; the only warmup requests are the settle requests (one short request,
+        # after the warmup and again before SERVING) and any replay of the last
         # one before the first probe's control, all in the record
         ready = agent.stages[-1].detail
         replayed = sum(p["replayed_requests"] for p in ready["first_probe_pairs"])
-        assert detail["warmup"]["settle_requests"] == ready["settle_requests"] == eng.concurrency
-        assert agent.warmup_requests == requests_in_record(detail, ready) == 2 * eng.concurrency + replayed
+        assert detail["warmup"]["settle_requests"] == ready["settle_requests"] == 1
+        assert agent.warmup_requests == requests_in_record(detail, ready) == 2 + replayed
         # no anchor pair: the probe pair alone cannot say that decode pays per length; a
         # second pair follows only where the first was cold
         assert per_length["tested"] and "anchor_pair" not in per_length

@@ -158,3 +158,33 @@ def test_no_second_probe_pair_above_the_profiles_range():
     per_length = w.per_length_test()
     assert sent == [266, 266] and len(w.ctx.first_pairs) == 1
     assert per_length["prefill_pays"] and not per_length["prefill_pays_each_new_length"]
+
+
+def gate_after_prewarm(each_new_length_pays: bool) -> list[int]:
+    """ready.first_probe_pairs after prewarm's two cold probe pairs (both fresh lengths
+    paid in their first tokens), with a scripted probe_pair whose pairs are warm.
+    Returns the prompt lengths of the probes the gate sent itself."""
+    from warmup_agent.stages.ready import first_probe_pairs
+    sent: list[int] = []
+
+    def probe_pair(probe, tokens, replay, figures=True):
+        sent.extend([223, 223])
+        return None, {"cold": False, "first_ttft_ms": 41.0, "control_ttft_ms": 41.0}
+    cold = {"cold": True, "first_ttft_ms": 40.0, "control_ttft_ms": 29.7}
+    ctx = SimpleNamespace(cfg=SimpleNamespace(prewarm=SimpleNamespace(max_calls_per_path=4)),
+                          engine=SimpleNamespace(speaks_profile=True), profile=object(), first_probe_tokens=8,
+                          first_pairs=[dict(cold), dict(cold)], probe_pair=probe_pair,
+                          probe_log=SimpleNamespace(gate_probes=[0.04, 0.03, 0.04, 0.03]),
+                          warmup_summary={"per_length": {"prefill_pays_each_new_length": each_new_length_pays}})
+    pairs = first_probe_pairs(ctx, lambda n: None, 200)
+    assert pairs[:2] == [cold, cold]
+    return sent
+
+
+def test_where_each_new_length_pays_the_gate_sends_no_pair_after_prewarms():
+    """H200 llama.cpp (run at 09e7567): both of prewarm's fresh lengths paid 8-12 ms of
+    prefill over their controls, and the gate then sent a third pair at the second
+    pair's length, warm by then: two probes, 0.1 s before /readyz, that said nothing a
+    user meets.  Where the cold pair was a one-time cost instead, the gate goes on."""
+    assert gate_after_prewarm(each_new_length_pays=True) == []
+    assert gate_after_prewarm(each_new_length_pays=False) == [223, 223]

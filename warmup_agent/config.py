@@ -444,7 +444,8 @@ class Config(Sections):
 def _env_value(raw: str) -> Any:
     """An environment override's value, read as YAML (`[1, 4]`, `true`, `0.5`); a value
     that is not YAML stays the string.  Numbers, booleans, null and plain words skip the
-    YAML import (a start configured by the environment alone spawns its server sooner)."""
+    YAML import (a start configured by the environment alone spawns its server sooner),
+    and so do lists of whole numbers."""
     text = raw.strip()
     if not text:
         return None
@@ -459,6 +460,16 @@ def _env_value(raw: str) -> Any:
     if (text[0].isalpha() or text[0] == "/") and text.replace("_", "").replace("-", "").replace("/", "").replace(".", "").isalnum() \
             and text.lower() not in ("yes", "no", "on", "off", "true", "false", "null", "~"):
         return raw
+    if text.startswith("[") and text.endswith("]"):
+        # a list of whole numbers (`[1, 4]`, the batch sizes and lengths): JSON reads it as
+        # YAML does, without the YAML import (~25 ms on a 2-core host, before the spawn)
+        import json
+        try:
+            items = json.loads(text)
+        except ValueError:
+            items = None
+        if isinstance(items, list) and all(type(i) is int for i in items):
+            return items
     import yaml
     try:
         return yaml.safe_load(raw)

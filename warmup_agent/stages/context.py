@@ -132,9 +132,8 @@ class StageContext:
     #: last warmup requests before the first probe's control, where they were a harder
     #: predecessor than a probe (a longer prompt, more at once); None from it: no replay.
     replay_for: Callable[[int, int], Callable[[], None] | None] | None = None
-    #: prewarm, engines that speak the traffic profile: sends the settle wave (one short
-    #: request per request the server serves at once), after the warmup and again just
-    #: before SERVING, so that the first probe and the users' first request follow the same.
+    #: prewarm, engines that speak the traffic profile: sends the settle request (one
+    #: short request, alone), after the warmup and again just before SERVING, so that the first probe and the users' first request follow the same.
     settle: Callable[[], None] | None = None
     #: prewarm, engines that speak the traffic profile: the gate's first probe pairs
     #: (`probe_pair`'s dicts), sent as the per-length test's fresh prompt lengths: the

@@ -206,7 +206,7 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
        the same again as their controls; only a path whose first call was cold beyond
        its control gets more (benefit.warm_wave);
     2. decode coverage of the profile's lengths (prewarm.decode_coverage always);
-    3. the settle wave, then the per-length test, which is the gate's first probe pair:
+    3. the settle request, then the per-length test, which is the gate's first probe pair:
        a first probe at a prompt length no request reached and its control (the same
        length again, after the same predecessor).  A cold first probe is followed by a
        second pair at another fresh length: together they say whether decode is slower
@@ -282,7 +282,7 @@ class _ProfileWarmup:
         self.last: list[traffic.WarmRequest] = []
         self.replayed = 0       # requests re-sent as predecessors of controls
         self.replays = 0        # ... in this many sends
-        self.settled = 0        # requests of the settle waves
+        self.settled = 0        # settle requests sent
 
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
         from warmup_agent.warmup.traffic import WarmRequest, _frozen
@@ -344,17 +344,19 @@ class _ProfileWarmup:
         return replay
 
     def settle(self) -> None:
-        """The settle wave: one short request (SETTLE_PROMPT_TOKENS, one output token) per
-        request the server serves at once.  The warmup leaves long prompts in the
-        server's slots; on llama.cpp the next request after much longer ones pays 60-100
-        ms in its slot, warm or not (H200: the first user request after the warmup's
-        854-928-token prompts came at 1.57x steady, after a plain start's one short
-        request at 1.12x).  This wave pays that instead, and the probes and the users'
-        first request then follow the same short requests (the ready stage sends it again
-        just before SERVING)."""
+        """The settle request: one short request (SETTLE_PROMPT_TOKENS, one output token),
+        alone.  The warmup leaves long prompts in the server's slots; on llama.cpp the next
+        request after much longer ones pays 60-100 ms in its slot, warm or not (H200: the
+        first user request after the warmup's 854-928-token prompts came at 1.57x steady,
+        after a plain start's one short request at 1.12x).  This request pays that
+        instead, and the probes and the users' first request then follow the same short
+        request (the ready stage sends it again just before SERVING).  One, not one per
+        slot at once: a request right after concurrent ones pays for them too (issue 40),
+        and the wave's two sends before the probes' control and at the end cost 0.06-0.08 s
+        of the H200 llama.cpp start where one request costs 0.01-0.02 s."""
         req = self.request(benefit.Path(self.ep0, self.fam0, 1, SETTLE_PROMPT_TOKENS), 1)
-        self.send_requests([req] * self.concurrency, f"settle: {self.concurrency} short request(s)")
-        self.settled += self.concurrency
+        self.send_requests([req], "settle: 1 short request")
+        self.settled += 1
 
     def warm(self, path: benefit.Path, tokens: int | None = None) -> None:
         if path.family in self.refused:

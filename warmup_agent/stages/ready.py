@@ -157,11 +157,16 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     # cold first probe paid a one-time cost for everyone, and the users meet the state
     # of the last pair.
     each_length_pays = bool(((ctx.warmup_summary or {}).get("per_length") or {}).get("prefill_pays_each_new_length"))
-    while (not pairs or pairs[-1]["cold"]) and len(pairs) < cfg.prewarm.max_calls_per_path \
+    # Where each new prompt length pays (prewarm's two fresh lengths both paid in prefill),
+    # prewarm's last pair was cold because its length was new: a pair at that length again
+    # would find it warm and say nothing a user meets (two probes, 0.1 s on the H200's
+    # llama.cpp, bench/results/gpu_server_llamacpp_h200_issue40_run5.json), and a pair at
+    # another fresh length would pay again.  No more pairs then.
+    while (not pairs or (pairs[-1]["cold"] and not each_length_pays)) and len(pairs) < cfg.prewarm.max_calls_per_path \
             and len(ctx.probe_log.gate_probes) + 2 <= max_probes:
         _, pair = ctx.probe_pair(probe, tokens, replay=not pairs, figures=not (pairs and each_length_pays))
         pairs.append(pair)
-    if pairs and pairs[-1]["cold"]:
+    if pairs and pairs[-1]["cold"] and not each_length_pays:
         log.warning(f"the first probe was still slower than its control after {len(pairs)} pair(s) "
                     f"({pairs[-1]['first_ttft_ms']:.1f} ms against {pairs[-1]['control_ttft_ms']:.1f} ms): "
                     "something a first request meets stays cold; the exported first-request tax says how much")

@@ -13,7 +13,7 @@
 # and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
 # PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
-# parts: acceptance, acceptance-fp8, diag, diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-server-fresh, tests, fp8, server, llamacpp,
+# parts: acceptance, acceptance-fp8, diag, diag-llamacpp (after llamacpp), diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-server-fresh, tests, fp8, server, llamacpp,
 # tfserve-cudnn, tfserve-default (issue 30: transformers serve with/without TORCH_CUDNN_SDPA_DEPRIORITIZED=1),
 # inproc-proxy (issue 41: warmup-agent run --engine torch --proxy-listen against transformers serve alone),
 # inproc (issue 25: `warmup-agent run --model DIR` polled from outside against a plain from_pretrained start,
@@ -86,6 +86,14 @@ run_llamacpp_bench() {  # $1: seconds; llama.cpp's server alone vs under the age
         --steady ${SERVER_STEADY:-8} --budget-seconds $(( $1 - 20 )) --out "$OUT_DIR/gpu_server_llamacpp_h200.json" \
         --logs "$OUT_DIR/logs" --scrapes "$OUT_DIR/scrapes" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server_llamacpp.log" 2>&1
     echo "llamacpp bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|llamacpp_" "$OUT_DIR/logs/gpu_server_llamacpp.log"
+}
+run_diag_llamacpp() {  # $1: seconds; what a warm llama-server pays at a new prompt length, and why (issue 40)
+    local bin; bin=$(llama_server_bin) || return
+    local gguf=/tmp/qwen2-1.5b-random-chat-bf16-padtext.gguf   # written by the llamacpp part
+    [ -f $gguf ] || { echo "diag-llamacpp: run the llamacpp part first ($gguf)"; return; }
+    timeout "$1" python3 -m bench.diagnostics.diag_llamacpp_length --llama-server "$bin" --gguf $gguf \
+        --out "$OUT_DIR/diag_llamacpp_length_h200.json" --logs "$OUT_DIR/logs" > "$OUT_DIR/logs/diag_llamacpp.log" 2>&1
+    echo "diag llamacpp rc=$? at $(( $(date +%s) - T0 )) s"; cat "$OUT_DIR/logs/diag_llamacpp.log"
 }
 run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default); issue 30
     local extra=""
@@ -161,7 +169,7 @@ if [ -n "${PARTS:-}" ]; then
             # the diagnosis again with the cuDNN attention switch libtorch_cuda.so reads (issue 19's note)
             diag-cudnn-deprioritized) TORCH_CUDNN_SDPA_DEPRIORITIZED=1 run_diag "$cap" "_cudnn_deprioritized" ;;
             fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;;
-            llamacpp) run_llamacpp_bench "$cap" ;;
+            llamacpp) run_llamacpp_bench "$cap" ;; diag-llamacpp) run_diag_llamacpp "$cap" ;;
             inproc) run_inproc_bench "$cap" ;;
             inproc-proxy) run_inproc_proxy_bench "$cap" ;;
             tfserve-cudnn) run_tfserve_bench "$cap" tfserve_cudnn ;; tfserve-default) run_tfserve_bench "$cap" tfserve_default ;;

@@ -188,3 +188,26 @@ def test_where_each_new_length_pays_the_gate_sends_no_pair_after_prewarms():
     user meets.  Where the cold pair was a one-time cost instead, the gate goes on."""
     assert gate_after_prewarm(each_new_length_pays=True) == []
     assert gate_after_prewarm(each_new_length_pays=False) == [223, 223]
+
+
+def test_a_probes_control_follows_the_settle_request_again():
+    """The first probe follows the settle request (short); its control would follow the
+    first probe instead, and on llama.cpp the next request pays for saving its
+    predecessor's slot (H200, run at 544597f: the control paid as much as the first and
+    the pair said "not cold" where users met 1.3-1.6x).  So the settle request is re-sent
+    before the control, even though it is no harder a predecessor than a probe."""
+    from warmup_agent.stages.prewarm import SETTLE_PROMPT_TOKENS
+    w, _ = scripted_warmup([(call(45.0, 3.0, 266), call(44.0, 3.0, 266))])
+    resent: list[list[int]] = []
+    w.send_requests = lambda reqs, label: resent.append([r.prompt_tokens for r in reqs])
+    w.replays = 0
+    w.last = [SimpleNamespace(prompt_tokens=SETTLE_PROMPT_TOKENS)]
+    assert w.replay_for(266, 1) is None                 # no harder than the probe
+    replay = w.replay_before_probe_control(266, 1)
+    assert replay is not None
+    replay()
+    assert resent == [[SETTLE_PROMPT_TOKENS]] and w.replayed == 1 and w.replays == 1
+    w.last = [SimpleNamespace(prompt_tokens=266)]       # the probe's own shape: nothing to re-send
+    assert w.replay_before_probe_control(266, 1) is None
+    w.last = []
+    assert w.replay_before_probe_control(266, 1) is None

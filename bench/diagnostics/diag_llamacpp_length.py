@@ -1,0 +1,127 @@
+"""What does a warm llama-server pay for a prompt length it has not run, and why?  A
+diagnosis for the GPU (issue 40).
+
+    python -m bench.diagnostics.diag_llamacpp_length --llama-server BIN --gguf MODEL.gguf [--out FILE]
+
+The server bench (bench_gpu_server.py --server llamacpp) reads the first user request at
+1.3-1.6x the steady level, one warm-up request or the agent before it alike, while a
+warm request at a new length after the steady ones read about 1.1x.  Here one server per
+variant (its defaults; CUDA_MODULE_LOADING=EAGER, where a kernel first used at some
+length would otherwise load then; GGML_CUDA_DISABLE_GRAPHS=1, where the steady level of
+one repeated length comes from CUDA graph replay; `--cache-ram 0`, where the next request
+saves its predecessor's slot to host memory) gets the same sequence of token-id prompts
+through `/completion` (one output token, no prompt cache, fresh random ids every time):
+a short cold request, then lengths repeated and fresh, near and far from the ones before,
+and ten distinct lengths in a row.  The server's own `timings.prompt_ms` says what each
+prefill cost; the client's time says the rest.  Writes JSON with every request and the
+variants' start-up times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: (label, prompt tokens): the cold request, then repeats and fresh lengths.
+SEQUENCE = ([("cold", 10)] + [("first 285", 285)] + [("again 285", 285)] * 3
+            + [("new 131", 131)] + [("again 131", 131)] * 2 + [("new 132", 132), ("again 132", 132)]
+            + [("new 140", 140), ("again 140", 140), ("new 200", 200), ("again 200", 200)]
+            + [("new 64", 64), ("again 64", 64), ("new 500", 500), ("again 500", 500), ("back 131", 131)]
+            + [(f"distinct {n}", n) for n in range(150, 160)]
+            + [("new 700", 700), ("again 700", 700), ("new 1000", 1000), ("again 1000", 1000)])
+
+VARIANTS = [("default", {}, []), ("eager_modules", {"CUDA_MODULE_LOADING": "EAGER"}, []),
+            ("no_cuda_graphs", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, []), ("no_cache_ram", {}, ["--cache-ram", "0"])]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> tuple[dict, float]:
+    t = time.perf_counter()
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        out = json.loads(r.read())
+    return out, time.perf_counter() - t
+
+
+def run_variant(args: argparse.Namespace, name: str, env: dict, extra: list[str], rng: random.Random) -> dict:
+    port = free_port()
+    cmd = [args.llama_server, "-m", args.gguf, "-ngl", "99", "--host", "127.0.0.1", "--port", str(port), "-c", "4096",
+           *extra]
+    log = open(os.path.join(args.logs, f"llama_{name}.log"), "w") if args.logs else subprocess.DEVNULL
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{name}: llama-server exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(0.01)
+        healthy = time.perf_counter() - t0
+        rows = []
+        for label, n in SEQUENCE:
+            ids = [rng.randrange(100, args.max_id) for _ in range(n)]
+            out, wall = post(base + "/completion", {"prompt": ids, "n_predict": 1, "cache_prompt": False,
+                                                     "temperature": 0})
+            timings = out.get("timings", {})
+            rows.append({"label": label, "prompt_tokens": n, "prompt_ms": timings.get("prompt_ms"),
+                         "client_ms": round(wall * 1e3, 3)})
+            print(f"{name:15s} {label:14s} prompt {timings.get('prompt_ms', 0):7.2f} ms  client {wall * 1e3:7.2f} ms",
+                  flush=True)
+        return {"variant": name, "env": env, "args": extra, "healthy_after_spawn_seconds": round(healthy, 3),
+                "requests": rows}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True, help="llama-server binary (CUDA build)")
+    ap.add_argument("--gguf", required=True, help="the model as GGUF")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "diag_llamacpp_length.json"))
+    ap.add_argument("--logs", default=None, help="keep each server's log here")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--max-id", type=int, default=30000, help="prompt token ids are drawn below this (under the vocabulary)")
+    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
+    args = ap.parse_args()
+    for path in (args.llama_server, args.gguf):
+        if not os.path.exists(path):
+            ap.error(f"{path}: no such file")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    chosen = args.variants.split(",")
+    runs = [run_variant(args, name, env, extra, rng) for name, env, extra in VARIANTS if name in chosen]
+    result = {"benchmark": "diag_llamacpp_length", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "seed": seed,
+              "server": args.llama_server, "runs": runs}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

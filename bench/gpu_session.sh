@@ -92,7 +92,8 @@ run_diag_llamacpp() {  # $1: seconds; what a warm llama-server pays at a new pro
     local gguf=/tmp/qwen2-1.5b-random-chat-bf16-padtext.gguf   # written by the llamacpp part
     [ -f $gguf ] || { echo "diag-llamacpp: run the llamacpp part first ($gguf)"; return; }
     timeout "$1" python3 -m bench.diagnostics.diag_llamacpp_length --llama-server "$bin" --gguf $gguf \
-        --out "$OUT_DIR/diag_llamacpp_length_h200.json" --logs "$OUT_DIR/logs" > "$OUT_DIR/logs/diag_llamacpp.log" 2>&1
+        --out "$OUT_DIR/diag_llamacpp_length_h200.json" --logs "$OUT_DIR/logs" ${DIAG_VARIANTS:+--variants $DIAG_VARIANTS} \
+        > "$OUT_DIR/logs/diag_llamacpp.log" 2>&1
     echo "diag llamacpp rc=$? at $(( $(date +%s) - T0 )) s"; cat "$OUT_DIR/logs/diag_llamacpp.log"
 }
 run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default); issue 30

@@ -12,7 +12,9 @@ one repeated length comes from CUDA graph replay; `--cache-ram 0`, where the nex
 saves its predecessor's slot to host memory) gets the same sequence of token-id prompts
 through `/completion` (one output token, no prompt cache, fresh random ids every time):
 a short cold request, then lengths repeated and fresh, near and far from the ones before,
-and ten distinct lengths in a row.  The server's own `timings.prompt_ms` says what each
+and ten distinct lengths in a row.  Variants `plain` and `ladder`: the cold request, then
+(`ladder` only) one request at each of LADDER's lengths, then a probe-like request and new
+lengths, each once more right after.  The server's own `timings.prompt_ms` says what each
 prefill cost; the client's time says the rest.  Writes JSON with every request and the
 variants' start-up times.
 """
@@ -38,8 +40,16 @@ SEQUENCE = ([("cold", 10)] + [("first 285", 285)] + [("again 285", 285)] * 3
             + [(f"distinct {n}", n) for n in range(150, 160)]
             + [("new 700", 700), ("again 700", 700), ("new 1000", 1000), ("again 1000", 1000)])
 
+#: A length ladder (issue 40): does one request at each rung make later new lengths cheap?
+LADDER = [16, 24, 32, 48, 64, 96, 128, 176, 240, 320, 416, 512]
+#: After the cold request and one probe-like request: new lengths, each then again.
+AFTER = [("probe 285", 285)] + [x for n in (131, 203, 71, 300, 631, 151, 457, 93, 389, 45) for x in ((f"new {n}", n), (f"again {n}", n))]
+LADDER_SEQUENCE = [("cold", 10)] + [(f"rung {n}", n) for n in LADDER] + AFTER
+PLAIN_SEQUENCE = [("cold", 10)] + AFTER
+
 VARIANTS = [("default", {}, []), ("eager_modules", {"CUDA_MODULE_LOADING": "EAGER"}, []),
-            ("no_cuda_graphs", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, []), ("no_cache_ram", {}, ["--cache-ram", "0"])]
+            ("no_cuda_graphs", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, []), ("no_cache_ram", {}, ["--cache-ram", "0"]),
+            ("plain", {}, []), ("ladder", {}, [])]
 
 
 def free_port() -> int:
@@ -77,7 +87,8 @@ def run_variant(args: argparse.Namespace, name: str, env: dict, extra: list[str]
             time.sleep(0.01)
         healthy = time.perf_counter() - t0
         rows = []
-        for label, n in SEQUENCE:
+        sequence = {"plain": PLAIN_SEQUENCE, "ladder": LADDER_SEQUENCE}.get(name, SEQUENCE)
+        for label, n in sequence:
             ids = [rng.randrange(100, args.max_id) for _ in range(n)]
             out, wall = post(base + "/completion", {"prompt": ids, "n_predict": 1, "cache_prompt": False,
                                                      "temperature": 0})

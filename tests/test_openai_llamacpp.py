@@ -184,11 +184,14 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
     warmup = prewarm["warmup"]
     assert paths["chat/greedy/batch1/len40"]["calls"] == 2
     assert all(p["calls"] == 2 for n, p in paths.items() if not n.startswith("chat/sampled/"))
-    assert warmup["settle_requests"] == 1 and warmup["at_once"] >= 1     # one short request, alone
+    # one short request, alone; again after a length ladder (where the first fresh length paid)
+    assert warmup["settle_requests"] == 1 + bool(per_length["ladder"]) and warmup["at_once"] >= 1
+    assert warmup["ladder_requests"] == len(per_length["ladder"])
     assert per_length["lengths"][-1] == warmup["probe_length"] and per_length["probe_pair"]
     assert prewarm["requests"] == requests_in_record(prewarm)
-    # `requests` counts the sends: each path call, each replay, the settle request
-    assert warmup["requests"] == sum(p["calls"] for p in paths.values()) + warmup["replays"] + 1
+    # `requests` counts the sends: each path call, each replay, each settle request and rung
+    assert warmup["requests"] == (sum(p["calls"] for p in paths.values()) + warmup["replays"]
+                                  + warmup["settle_requests"] + warmup["ladder_requests"])
 
 
 def _fake(bin_dir, name: str, script: str) -> None:

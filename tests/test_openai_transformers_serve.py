@@ -174,16 +174,21 @@ def test_the_decode_reach_the_first_answer_is_predicted_from_is_what_went_over_t
         assert sum(1 for n, _ in wire if n == ctx.probe_length) == probes
         assert all(a != ctx.probe_length for a, _ in ctx.decoded_ranges)
     else:
-        gate = wire[-(probes + replayed + settle):-settle]
+        # between the probes: the replays before controls and, where the first fresh length
+        # paid in prefill, the length ladder and its settle request
+        ladder = agent_warmup(served)["per_length"]["ladder"]
+        between = replayed + len(ladder) + bool(ladder)
+        tail = wire[-(probes + between + settle):-settle]
         # the first pairs (prewarm's per-length test: one, or two at fresh lengths where the
         # first was cold) answer prewarm.per_length_tokens, the probes after them
         # readiness.probe_max_tokens (4 here), at the last pair's length
         expected = [(n, n + ctx.cfg.prewarm.per_length_tokens) for n in agent_warmup(served)["per_length"]["lengths"]
                     for _ in range(2)]
         expected += [(ctx.probe_length, ctx.probe_length + 4)] * (probes - len(expected))
-        assert [gate[0]] + gate[1 + replayed:] == expected
-        assert not set(expected) & set(gate[1:1 + replayed])
-        warmup = wire[:-(probes + replayed + settle)] + gate[1:1 + replayed] + wire[-settle:]
+        assert [r for r in tail if r in set(expected)] == expected
+        others = [r for r in tail if r not in set(expected)]
+        assert len(others) == between and [n for n, _ in others if (n, n + 1) in {(m, m + 1) for m in ladder}] == ladder
+        warmup = wire[:-(probes + between + settle)] + others + wire[-settle:]
         assert sorted(set(warmup)) == sorted(set(ctx.decoded_ranges))     # batch 2 sends a range twice
     assert short in ctx.decoded_ranges                                        # prewarm's settle request
     assert ctx.profile_lengths == LENGTHS

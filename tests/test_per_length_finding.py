@@ -45,7 +45,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]]) -> tuple[_ProfileWarmu
                             probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b))),
                             probe_pair=probe_pair, probe=lambda max_tokens=None: None, first_pairs=[],
                             driver=SimpleNamespace(warmup_requests=0))
-    w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8)
+    w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8, length_ladder=False)
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
     w.replayed, w.decoded = 0, []
     w.told = told           # (first, control) ProbeLog.pair was told hold the figures
@@ -211,3 +211,43 @@ def test_a_probes_control_follows_the_settle_request_again():
     assert w.replay_before_probe_control(266, 1) is None
     w.last = []
     assert w.replay_before_probe_control(266, 1) is None
+
+
+def test_a_fresh_length_that_paid_in_prefill_gets_a_ladder_before_the_second():
+    """H200 llama.cpp (diag_llamacpp_length_h200_run2.json): a new prompt length paid 6-13
+    ms more where no request of a similar length had run, 0-4.5 ms after one request per
+    rung of a length ladder.  So where the first fresh length paid in prefill, the ladder
+    (rungs up to the profile's longest prompt, one request each, one at a time) and the
+    settle request go before the second fresh length, whose first and control then both
+    follow the settle request (replayed)."""
+    from warmup_agent.stages.prewarm import LADDER_FIRST, SETTLE_PROMPT_TOKENS, ladder_lengths
+    assert ladder_lengths(310) == [48, 72, 108, 162, 243] and ladder_lengths(47) == []
+    w, sent = scripted_warmup([(call(60.0, 3.0, 266), call(41.0, 3.0, 266)), (call(42.0, 3.0, 223), call(41.0, 3.0, 223))])
+    w.pc.length_ladder = True
+    w.budget, w.concurrency = benefit.Budget(10.0, "test"), 4
+    wire: list[tuple[list[int], int]] = []
+    replays: list[bool] = []
+
+    def send_requests(reqs, label):
+        wire.append(([r.prompt_tokens for r in reqs], reqs[0].max_tokens))
+        w.decoded += [(r.prompt_tokens, r.prompt_tokens + r.max_tokens) for r in reqs]
+    w.send_requests, w.laddered, w.settled = send_requests, 0, 0
+    w.request = lambda path, tokens=None: SimpleNamespace(prompt_tokens=path.prompt_tokens, max_tokens=tokens or 2)
+    probe_pair = w.ctx.probe_pair
+    w.ctx.probe_pair = lambda probe, tokens, replay, figures=True: (replays.append(replay), probe_pair(probe, tokens, replay))[1]
+    per_length = w.per_length_test()
+    # one request per rung (48 up to the profile's longest prompt, 310 here), alone, one
+    # output token each, then the settle request; the second fresh length after them
+    assert wire == [([n], 1) for n in [48, 72, 108, 162, 243]] + [([SETTLE_PROMPT_TOKENS], 1)]
+    assert per_length["ladder"] == [48, 72, 108, 162, 243] and w.laddered == 5 and LADDER_FIRST == 48
+    assert replays == [True, True] and len(sent) == 4
+    # the second fresh length did not pay after the ladder: not each new length
+    assert not per_length["prefill_pays_each_new_length"]
+
+
+def test_no_ladder_where_the_first_fresh_length_paid_only_in_decode():
+    w, sent = scripted_warmup([(call(45.0, 9.0, 266), call(44.0, 3.0, 266)), (call(42.0, 3.0, 223), call(41.0, 3.0, 223))])
+    w.pc.length_ladder = True
+    w.ladder = lambda: (_ for _ in ()).throw(AssertionError("no ladder for a decode-only cost"))
+    per_length = w.per_length_test()
+    assert per_length["ladder"] == [] and sent == [266, 266, 223, 223]

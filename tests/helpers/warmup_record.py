@@ -1,6 +1,6 @@
 """What a prewarm stage record says it sent (issue 30's measured-benefit warmup):
 each path's calls (a batch path sends `batch` requests per call), the
-decode-coverage tiles, the replays and the settle waves (the per-length test's fresh
+decode-coverage tiles, the replays, the settle requests and the length ladder (the per-length test's fresh
 length is the gate's first probe pair: probes)."""
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def requests_in_record(prewarm_detail: dict, ready_detail: dict | None = None) -
     replayed = (warmup.get("replayed_requests", 0) + warmup.get("settle_requests", 0)
                 + sum(p.get("replayed_requests", 0) for p in ready_pairs))
     replayed += (ready_detail or {}).get("settle_requests", 0)
+    replayed += warmup.get("ladder_requests", 0)        # the length ladder, one request per rung
+    assert warmup.get("ladder_requests", 0) == len(per_length.get("ladder", []))
     # the per-length test's fresh length is the gate's first probe pair: probes, not warmup
     tested = 0 if per_length.get("probe_pair") else 2 * len(per_length.get("lengths", []))
     return sent + tested + len(warmup["decode_coverage"]["tiles"]) + replayed

@@ -149,8 +149,21 @@ def _refused(e: EngineError) -> bool:
     return e.reason == "request_failed" and "HTTP 4" in e.message
 
 
-#: Prompt tokens of a settle-wave request (`_ProfileWarmup.settle`): a short chat turn.
+#: Prompt tokens of a settle request (`_ProfileWarmup.settle`): a short chat turn.
 SETTLE_PROMPT_TOKENS = 32
+#: The length ladder (`_ProfileWarmup.ladder`, prewarm.length_ladder): its first rung, and
+#: the ratio between rungs.
+LADDER_FIRST, LADDER_RATIO = 48, 1.5
+
+
+def ladder_lengths(hi: int) -> list[int]:
+    """The rungs of the length ladder: LADDER_FIRST tokens up, LADDER_RATIO apart, to `hi`."""
+    rungs: list[int] = []
+    n = float(LADDER_FIRST)
+    while round(n) <= hi:
+        rungs.append(round(n))
+        n *= LADDER_RATIO
+    return rungs
 
 # Why a prompt-length path got no call (the run record, /startupz).
 NEW_LENGTHS_WARM = "the per-length test's fresh prompt lengths prefilled no slower than their controls"
@@ -283,6 +296,7 @@ class _ProfileWarmup:
         self.replayed = 0       # requests re-sent as predecessors of controls
         self.replays = 0        # ... in this many sends
         self.settled = 0        # settle requests sent
+        self.laddered = 0       # requests of the length ladder
 
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
         from warmup_agent.warmup.traffic import WarmRequest, _frozen
@@ -433,6 +447,9 @@ class _ProfileWarmup:
         pair, d = ctx.probe_pair(send, tokens, replay=True)
         probe_pairs.append(pair)
         ctx.first_pairs.append(d)
+        ladder: list[int] = []
+        if d["cold"] and self.pc.length_ladder and benefit.prefill_cold(pair, self.tol):
+            ladder = self.ladder()
         fresh = benefit.fresh_lengths(self.lo, self.hi, [*self.decoded, (lengths[0], lengths[0] + tokens)], 1, tokens)[0]
         # Only inside the profile's range: a length above it may be past what the server takes.
         if d["cold"] and fresh <= self.hi:
@@ -440,8 +457,9 @@ class _ProfileWarmup:
             ctx.probe_length = fresh
             # The exported figures are this pair's: where each new length pays, its first
             # probe paid what a user's first request at a new length pays, without the
-            # one-time costs the first pair's first probe may have paid too.
-            pair, d = ctx.probe_pair(send, tokens, replay=False)
+            # one-time costs the first pair's first probe may have paid too.  After a
+            # ladder its first follows the settle request again, and so does its control.
+            pair, d = ctx.probe_pair(send, tokens, replay=bool(ladder))
             probe_pairs.append(pair)
             ctx.first_pairs.append(d)
         fresh_cold = [benefit.prefill_cold(p, self.tol) for p in probe_pairs]
@@ -456,6 +474,8 @@ class _ProfileWarmup:
                       # length pays once, whatever else was warmed
                       "prefill_pays_each_new_length": each_length,
                       "pairs": [pair.as_dict() for pair in pairs],
+                      # prompt lengths of the ladder sent between the two fresh lengths
+                      "ladder": ladder,
                       # re-sent before the probe pairs' controls (also in ready's first_probe_pairs)
                       "replayed_requests": sum(d["replayed_requests"] for d in ctx.first_pairs)}
         if all(pair.first.server_prefill is not None and pair.control.server_prefill is not None for pair in pairs):
@@ -469,6 +489,29 @@ class _ProfileWarmup:
             first = [pair.first.ttft / pair.control.ttft for pair in pairs] if per_length["prefill_pays"] else []
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
+
+    def ladder(self) -> list[int]:
+        """One request (one output token) at each rung of the length ladder, one at a
+        time (requests sent together are prefilled as one batch of their summed length),
+        then the settle request.  A new prompt length pays most where no request of a
+        similar length has run yet: on the H200's llama.cpp 6-13 ms more than the same
+        length again without a ladder, 0-4.5 ms after one, and the first prompt over the
+        short ones paid 40 ms (bench/results/diag_llamacpp_length_h200_run2.json).  Rungs
+        no larger than the profile's longest prompt, each skipped where a request of
+        that length was sent already or the budget ran out.  Returns the lengths sent."""
+        sent: list[int] = []
+        done = {a for a, _ in self.decoded}
+        for n in ladder_lengths(self.hi):
+            if n in done:
+                continue
+            if self.budget.exhausted():
+                break
+            self.send_requests([self.request(benefit.Path(self.ep0, self.fam0, 1, n), 1)], f"ladder: {n} tokens")
+            sent.append(n)
+        if sent:
+            self.settle()
+        self.laddered += len(sent)
+        return sent
 
     def other_paths(self, batches: list[int]) -> None:
         """Every other family and endpoint, every larger batch: one call each, together
@@ -538,7 +581,8 @@ class _ProfileWarmup:
         ctx.warmup_summary = summary = {
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
             "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
-            "replayed_requests": self.replayed, "replays": self.replays, "settle_requests": self.settled}
+            "replayed_requests": self.replayed, "replays": self.replays, "settle_requests": self.settled,
+            "ladder_requests": self.laddered}
         if budget.exhausted():
             unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
             log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "

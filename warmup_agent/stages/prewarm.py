@@ -447,7 +447,7 @@ class _ProfileWarmup:
         pair, d = ctx.probe_pair(send, tokens, replay=True)
         probe_pairs.append(pair)
         ctx.first_pairs.append(d)
-        ladder: list[int] = []
+        ladder: list[int] = []      # prewarm.length_ladder, off by default (its key says why)
         if d["cold"] and self.pc.length_ladder and benefit.prefill_cold(pair, self.tol):
             ladder = self.ladder()
         fresh = benefit.fresh_lengths(self.lo, self.hi, [*self.decoded, (lengths[0], lengths[0] + tokens)], 1, tokens)[0]

@@ -105,6 +105,27 @@ def test_the_openai_engine_composes_its_parts_and_answers_for_them(clean_env):
         e.close()
 
 
+
+def test_compile_artifacts_are_what_the_server_wrote_in_this_start(tmp_path, monkeypatch):
+    """A supervised server's compile-cache folders count only for files written since
+    this process started: a TORCHINDUCTOR_CACHE_DIR inherited from the environment, full
+    of another program's files, made a llama.cpp start open the kernel cache (a torch
+    import, 2 s on two cores) for nothing."""
+    inherited = tmp_path / "torchinductor_root" / "precompiled_headers"
+    inherited.mkdir(parents=True)
+    old = inherited / "old.h"
+    old.write_text("x")
+    os.utime(old, (1_000_000_000, 1_000_000_000))           # 2001: long before this process
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchinductor_root"))
+    cfg = config.load(env={"WARMUP_AGENT_ENGINE": "openai", "WARMUP_AGENT_DATA_DIR": str(tmp_path / "data")})
+    e = openai_engine(cfg, server_command=["llama-server", "-m", "x.gguf", "--port", "1"])
+    try:
+        assert e.has_compile_artifacts() is False
+        (inherited / "new.h").write_text("y")                  # written now: this start's
+        assert e.has_compile_artifacts() is True
+    finally:
+        e.close()
+
 def test_the_torch_engine_declares_what_it_can():
     e = TorchEngine("/some/model")
     assert e.model_path == "/some/model" and e.sets_up_device and not e.speaks_profile

@@ -52,6 +52,7 @@ class ServerHandle:
                  command: list[str] | None, traffic: ServerTraffic, base_env: dict[str, str] | None = None,
                  log: logging.Logger | None = None):
         self.command = fix_vllm_command(command) if command else None
+        self._created = time.time()     # has_compile_artifacts: where the process age is unknown
         if self.command:
             host, port = listen_address(self.command)
             self.host: str = host
@@ -144,15 +145,26 @@ class ServerHandle:
 
     def has_compile_artifacts(self) -> bool:
         """Whether the supervised server wrote anything into the compile-cache
-        folders server_env() gave it (solidify shares them through the kernel cache).
-        A server we did not start: True (we cannot tell)."""
+        folders server_env() gave it during this start (solidify shares them through the
+        kernel cache).  Files older than this process are not this server's: a
+        TORCHINDUCTOR_CACHE_DIR inherited from the environment (/tmp/torchinductor_root,
+        full of another program's headers) made a llama.cpp start open the kernel cache
+        and import torch, 2 s on two cores before SERVING.  A server we did not start:
+        True (we cannot tell)."""
         if not self.command:
             return True
+        from warmup_agent.server.procstart import process_age_seconds
+        age = process_age_seconds()
+        since = (time.time() - age if age is not None else self._created) - 1.0
         env = self.server_env()
         for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-            for _, _, files in os.walk(env[var]):
-                if files:
-                    return True
+            for root, _, files in os.walk(env[var]):
+                for name in files:
+                    try:
+                        if os.stat(os.path.join(root, name)).st_mtime >= since:
+                            return True
+                    except OSError:
+                        continue        # removed while we looked
         return False
 
     # -- starting, waiting, stopping --------------------------------------------------

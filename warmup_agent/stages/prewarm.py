@@ -350,9 +350,12 @@ class _ProfileWarmup:
         last = list(self.last)
         if not last or not benefit.harder_predecessor(len(last), max(r.prompt_tokens for r in last), batch, length):
             return None
+        return self._replay(last, "a control")
 
+    def _replay(self, last: list[traffic.WarmRequest], before: str) -> Callable[[], None]:
+        """What re-sends `last` (counted in the record's replays)."""
         def replay() -> None:
-            self.send_requests(last, f"replay of {len(last)} request(s) before a control")
+            self.send_requests(last, f"replay of {len(last)} request(s) before {before}")
             self.replayed += len(last)
             self.replays += 1
         return replay
@@ -369,12 +372,7 @@ class _ProfileWarmup:
         last = list(self.last)
         if not last or (len(last) == batch and all(r.prompt_tokens == length for r in last)):
             return None
-
-        def replay() -> None:
-            self.send_requests(last, f"replay of {len(last)} request(s) before a probe's control")
-            self.replayed += len(last)
-            self.replays += 1
-        return replay
+        return self._replay(last, "a probe's control")
 
     def settle(self) -> None:
         """The settle request: one short request (SETTLE_PROMPT_TOKENS, one output token),

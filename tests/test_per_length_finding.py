@@ -35,7 +35,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]]) -> tuple[_ProfileWarmu
     script = list(probe_pairs)
     told: list[tuple[int, int]] = []
 
-    def probe_pair(probe, tokens, replay, figures=True):
+    def probe_pair(probe, tokens, replay):
         first, control = script.pop(0)
         sent.extend([first.prompt_tokens, control.prompt_tokens])
         pair = benefit.Controlled(first, control)
@@ -167,7 +167,7 @@ def gate_after_prewarm(each_new_length_pays: bool) -> list[int]:
     from warmup_agent.stages.ready import first_probe_pairs
     sent: list[int] = []
 
-    def probe_pair(probe, tokens, replay, figures=True):
+    def probe_pair(probe, tokens, replay):
         sent.extend([223, 223])
         return None, {"cold": False, "first_ttft_ms": 41.0, "control_ttft_ms": 41.0}
     cold = {"cold": True, "first_ttft_ms": 40.0, "control_ttft_ms": 29.7}
@@ -234,7 +234,7 @@ def test_a_fresh_length_that_paid_in_prefill_gets_a_ladder_before_the_second():
     w.send_requests, w.laddered, w.settled = send_requests, 0, 0
     w.request = lambda path, tokens=None: SimpleNamespace(prompt_tokens=path.prompt_tokens, max_tokens=tokens or 2)
     probe_pair = w.ctx.probe_pair
-    w.ctx.probe_pair = lambda probe, tokens, replay, figures=True: (replays.append(replay), probe_pair(probe, tokens, replay))[1]
+    w.ctx.probe_pair = lambda probe, tokens, replay: (replays.append(replay), probe_pair(probe, tokens, replay))[1]
     per_length = w.per_length_test()
     # one request per rung (48 up to the profile's longest prompt, 310 here), alone, one
     # output token each, then the settle request; the second fresh length after them

@@ -137,11 +137,10 @@ class ProbeLog:
         self._frozen = None
         self._frozen_at = None
 
-    def pair(self, first: int, control: int, figures: bool = True) -> Controlled:
+    def pair(self, first: int, control: int) -> Controlled:
         """The gate's probes `first` and `control` (indices within gate_probes) are a
-        first and its control; with `figures`, the first-request figures are theirs."""
-        if figures:
-            self._pair = (first, control)
+        first and its control, and the first-request figures are theirs."""
+        self._pair = (first, control)
         probes = self.gate_probes
         return Controlled(probes[first], probes[control])
 

@@ -129,11 +129,13 @@ class StageContext:
     #: answer).  None: readiness.probe_max_tokens like the others.
     first_probe_tokens: int | None = None
     #: prewarm: given a probe's prompt length and requests at once, what re-sends the
-    #: last warmup requests before the first probe's control, where they were a harder
-    #: predecessor than a probe (a longer prompt, more at once); None from it: no replay.
+    #: last warmup requests before the first probe's control: with a server engine unless
+    #: they were the probe's own shape (prewarm's replay_before_probe_control), with the
+    #: in-process engines where they were a harder predecessor; None from it: no replay.
     replay_for: Callable[[int, int], Callable[[], None] | None] | None = None
     #: prewarm, engines that speak the traffic profile: sends the settle request (one
-    #: short request, alone), after the warmup and again just before SERVING, so that the first probe and the users' first request follow the same.
+    #: short request, alone), after the warmup and again just before SERVING, so that the
+    #: first probe and the users' first request follow the same.
     settle: Callable[[], None] | None = None
     #: prewarm, engines that speak the traffic profile: the gate's first probe pairs
     #: (`probe_pair`'s dicts), sent as the per-length test's fresh prompt lengths: the
@@ -186,14 +188,14 @@ class StageContext:
             self.recorder.decode_window(WindowStats(self.probe_log.decode.quantiles()))
         return r.first_token_seconds
 
-    def probe_pair(self, probe: Callable[[int | None], object], tokens: int | None, replay: bool,
-                   figures: bool = True) -> tuple[Controlled, dict]:
+    def probe_pair(self, probe: Callable[[int | None], object], tokens: int | None,
+                   replay: bool) -> tuple[Controlled, dict]:
         """A first probe and its control (benefit.Controlled): the same shape, a fresh
         prompt, after the same predecessor: with `replay`, the last warmup requests are
-        re-sent between them where they were a harder predecessor than a probe
-        (`replay_for`).  `probe(max_tokens)` sends one probe (the ready stage's counts
-        them for its progress line).  With `figures`, the first-request figures are this
-        pair's (readiness/probes.py).  Returns the pair and its dict for the record."""
+        re-sent between them where `replay_for` says so.  `probe(max_tokens)` sends one
+        probe (the ready stage's counts them for its progress line).  The first-request
+        figures are this pair's (readiness/probes.py).  Returns the pair and its dict
+        for the record."""
         at = len(self.probe_log.gate_probes)
         probe(tokens)
         length = self.probe_length or self.cfg.readiness.probe_prompt_length
@@ -202,7 +204,7 @@ class StageContext:
         if again is not None:
             again()
         probe(tokens)
-        pair = self.probe_log.pair(at, at + 1, figures=figures)
+        pair = self.probe_log.pair(at, at + 1)
         return pair, {**pair.as_dict(), "cold": pair.cold(self.cfg.prewarm.converge_tolerance),
                       "replayed_requests": self.driver.warmup_requests - before}
 

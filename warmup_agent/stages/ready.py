@@ -164,7 +164,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     # another fresh length would pay again.  No more pairs then.
     while (not pairs or (pairs[-1]["cold"] and not each_length_pays)) and len(pairs) < cfg.prewarm.max_calls_per_path \
             and len(ctx.probe_log.gate_probes) + 2 <= max_probes:
-        _, pair = ctx.probe_pair(probe, tokens, replay=not pairs, figures=not (pairs and each_length_pays))
+        _, pair = ctx.probe_pair(probe, tokens, replay=not pairs)
         pairs.append(pair)
     if pairs and pairs[-1]["cold"] and not each_length_pays:
         log.warning(f"the first probe was still slower than its control after {len(pairs)} pair(s) "

@@ -24,13 +24,16 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from bench.bench_gpu_server import free_port, stop, wait_http  # noqa: E402
+from bench.provenance import provenance, write_result  # noqa: E402
 
 #: (label, prompt tokens): the cold request, then repeats and fresh lengths.
 SEQUENCE = ([("cold", 10)] + [("first 285", 285)] + [("again 285", 285)] * 3
@@ -52,12 +55,6 @@ VARIANTS = [("default", {}, []), ("eager_modules", {"CUDA_MODULE_LOADING": "EAGE
             ("plain", {}, []), ("ladder", {}, [])]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url: str, body: dict) -> tuple[dict, float]:
     t = time.perf_counter()
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -71,21 +68,12 @@ def run_variant(args: argparse.Namespace, name: str, env: dict, extra: list[str]
     cmd = [args.llama_server, "-m", args.gguf, "-ngl", "99", "--host", "127.0.0.1", "--port", str(port), "-c", "4096",
            *extra]
     log = open(os.path.join(args.logs, f"llama_{name}.log"), "w") if args.logs else subprocess.DEVNULL
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"{name}: llama-server exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            time.sleep(0.01)
-        healthy = time.perf_counter() - t0
+        healthy = wait_http(base + "/health", t0 + 120, proc, interval=0.01) - t0
         rows = []
         sequence = {"plain": PLAIN_SEQUENCE, "ladder": LADDER_SEQUENCE}.get(name, SEQUENCE)
         for label, n in sequence:
@@ -100,11 +88,7 @@ def run_variant(args: argparse.Namespace, name: str, env: dict, extra: list[str]
         return {"variant": name, "env": env, "args": extra, "healthy_after_spawn_seconds": round(healthy, 3),
                 "requests": rows}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, timeout=10)
 
 
 def main() -> int:
@@ -124,12 +108,8 @@ def main() -> int:
     rng = random.Random(seed)
     chosen = args.variants.split(",")
     runs = [run_variant(args, name, env, extra, rng) for name, env, extra in VARIANTS if name in chosen]
-    result = {"benchmark": "diag_llamacpp_length", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "seed": seed,
-              "server": args.llama_server, "runs": runs}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, {"benchmark": "diag_llamacpp_length", "seed": seed, "server": args.llama_server,
+                            "runs": runs, **provenance()})
     print(f"wrote {args.out}")
     return 0
 

@@ -231,7 +231,7 @@ def test_a_fresh_length_that_paid_in_prefill_gets_a_ladder_before_the_second():
     def send_requests(reqs, label):
         wire.append(([r.prompt_tokens for r in reqs], reqs[0].max_tokens))
         w.decoded += [(r.prompt_tokens, r.prompt_tokens + r.max_tokens) for r in reqs]
-    w.send_requests, w.laddered, w.settled = send_requests, 0, 0
+    w.send_requests, w.settled = send_requests, 0
     w.request = lambda path, tokens=None: SimpleNamespace(prompt_tokens=path.prompt_tokens, max_tokens=tokens or 2)
     probe_pair = w.ctx.probe_pair
     w.ctx.probe_pair = lambda probe, tokens, replay: (replays.append(replay), probe_pair(probe, tokens, replay))[1]
@@ -239,7 +239,7 @@ def test_a_fresh_length_that_paid_in_prefill_gets_a_ladder_before_the_second():
     # one request per rung (48 up to the profile's longest prompt, 310 here), alone, one
     # output token each, then the settle request; the second fresh length after them
     assert wire == [([n], 1) for n in [48, 72, 108, 162, 243]] + [([SETTLE_PROMPT_TOKENS], 1)]
-    assert per_length["ladder"] == [48, 72, 108, 162, 243] and w.laddered == 5 and LADDER_FIRST == 48
+    assert per_length["ladder"] == [48, 72, 108, 162, 243] and w.settled == 1 and LADDER_FIRST == 48
     assert replays == [True, True] and len(sent) == 4
     # the second fresh length did not pay after the ladder: not each new length
     assert not per_length["prefill_pays_each_new_length"]

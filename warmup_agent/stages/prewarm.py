@@ -296,7 +296,6 @@ class _ProfileWarmup:
         self.replayed = 0       # requests re-sent as predecessors of controls
         self.replays = 0        # ... in this many sends
         self.settled = 0        # settle requests sent
-        self.laddered = 0       # requests of the length ladder
 
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
         from warmup_agent.warmup.traffic import WarmRequest, _frozen
@@ -508,7 +507,6 @@ class _ProfileWarmup:
             sent.append(n)
         if sent:
             self.settle()
-        self.laddered += len(sent)
         return sent
 
     def other_paths(self, batches: list[int]) -> None:
@@ -580,7 +578,7 @@ class _ProfileWarmup:
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
             "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
             "replayed_requests": self.replayed, "replays": self.replays, "settle_requests": self.settled,
-            "ladder_requests": self.laddered}
+            "ladder_requests": len(per_length.get("ladder", []))}
         if budget.exhausted():
             unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
             log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "

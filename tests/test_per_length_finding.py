@@ -12,7 +12,13 @@ from types import SimpleNamespace
 
 from exporter.metrics import AgentMetrics
 from exporter.recorder import Recorder
-from warmup_agent.stages.prewarm import _ProfileWarmup, per_length_line, remedy_for
+from warmup_agent.stages.prewarm import (
+    SETTLE_PROMPT_TOKENS,
+    _ProfileWarmup,
+    per_length_line,
+    remedy_for,
+    settle_prompt_tokens,
+)
 from warmup_agent.warmup import benefit
 from warmup_agent.warmup.benefit import Call
 
@@ -47,7 +53,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]]) -> tuple[_ProfileWarmu
                             driver=SimpleNamespace(warmup_requests=0))
     w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8, length_ladder=False)
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
-    w.replayed, w.decoded = 0, []
+    w.replayed, w.decoded, w.settle_tokens = 0, [], SETTLE_PROMPT_TOKENS
     w.told = told           # (first, control) ProbeLog.pair was told hold the figures
     return w, sent
 
@@ -251,3 +257,53 @@ def test_no_ladder_where_the_first_fresh_length_paid_only_in_decode():
     w.ladder = lambda: (_ for _ in ()).throw(AssertionError("no ladder for a decode-only cost"))
     per_length = w.per_length_test()
     assert per_length["ladder"] == [] and sent == [266, 266, 223, 223]
+
+
+def test_the_settle_request_is_long_enough_to_take_the_least_recently_used_slot():
+    """llama-server gives a request the slot whose prompt it shares more than 0.1 of
+    (--slot-prompt-similarity), and a short chat prompt shares the template's opening
+    with every slot: a 27-token settle request (0.156 shared) waited 19-23 ms for the
+    server to save the last long request's slot (H200 run 9).  So the settle request is
+    at least SETTLE_OPENING_SHARE times the opening, and never under 64 tokens."""
+    from warmup_agent.stages.prewarm import SETTLE_OPENING_SHARE
+    assert settle_prompt_tokens(None) == SETTLE_PROMPT_TOKENS == 64
+    assert settle_prompt_tokens(SimpleNamespace(opening_tokens=lambda: 5)) == 64
+    long_system_prompt = SimpleNamespace(opening_tokens=lambda: 30)
+    assert settle_prompt_tokens(long_system_prompt) == 360 and 30 / 360 < 0.1 and SETTLE_OPENING_SHARE == 12
+
+
+def test_the_template_opening_is_what_every_chat_prompt_begins_with(tmp_path):
+    """TextPrompts.opening_tokens: the rendered template before the user's content."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from warmup_agent.engines.text_prompts import TextPrompts
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "user": 2, "system": 3, "be": 4, "brief": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    plain = TextPrompts(tok, "<s> user {{ messages[0]['content'] }} <s> assistant")
+    system = TextPrompts(tok, "<s> system be brief <s> user {{ messages[0]['content'] }} <s> assistant")
+    assert plain.opening_tokens() == 2 and system.opening_tokens() == 6
+    assert TextPrompts(tok, None).opening_tokens() == 0
+
+
+def test_discoverys_request_stands_in_for_the_first_settle_request():
+    """Where prewarm sent nothing before the probes, the server's last request was
+    discovery's (short, one token, alone): no settle request is sent, and a probe's
+    control follows a settle request sent in its place (the replay), as its first
+    followed discovery's."""
+    w, _ = scripted_warmup([(call(45.0, 3.0, 266), call(44.0, 3.0, 266))])
+    wire: list[list[int]] = []
+
+    def send_requests(reqs, label):
+        wire.append([r.prompt_tokens for r in reqs])
+        w.sent += 1
+        w.last = list(reqs)
+    w.send_requests, w.sent, w.settled, w.replays, w.last = send_requests, 0, 0, 0, []
+    w.request = lambda path, tokens=None: SimpleNamespace(prompt_tokens=path.prompt_tokens, max_tokens=tokens or 2)
+    w.settle_unless_discovery_did()
+    assert wire == [] and w.settled == 0 and [r.prompt_tokens for r in w.last] == [SETTLE_PROMPT_TOKENS]
+    replay = w.replay_before_probe_control(266, 1)
+    assert replay is not None
+    replay()
+    assert wire == [[SETTLE_PROMPT_TOKENS]] and w.replayed == 1
+    w.settle_unless_discovery_did()         # something was sent since: a real settle request
+    assert wire == [[SETTLE_PROMPT_TOKENS], [SETTLE_PROMPT_TOKENS]] and w.settled == 1

@@ -77,6 +77,15 @@ class TextPrompts:
         """Prompt tokens of a chat request: the rendered template, tokenized."""
         return len(self.encode(self.render(messages)))
 
+    def opening_tokens(self) -> int:
+        """Tokens every chat prompt begins with: the template's text before the user's
+        content (role header, a default system prompt).  0 without a chat template."""
+        if self._template is None:
+            return 0
+        marker = "\u2063warmup-agent\u2063"
+        head = self.render([{"role": "user", "content": marker}]).split(marker)[0]
+        return len(self.encode(head))
+
     def count_text(self, text: str) -> int:
         return len(self.encode(text))
 

@@ -34,6 +34,7 @@ from warmup_agent.warmup.traffic import Shape, grid
 if TYPE_CHECKING:  # types only
     from warmup_agent.config_sections import PrewarmSection
     from warmup_agent.engines.base import EngineFacts
+    from warmup_agent.engines.text_prompts import TextPrompts
 
 log = logging.getLogger("warmup_agent.stages.prewarm")
 
@@ -77,14 +78,18 @@ def _fit_budget(ctx: StageContext, lengths: list[int], batches: list[int], max_n
     return memory_budget.plan(batches, shape.prompt_tokens, cost / (shape.batch * shape.prompt_tokens), budget).batches
 
 
-def _start_ramp(ctx: StageContext) -> None:
+def _make_ramp(ctx: StageContext) -> None:
+    """The GPU-utilisation ramp's sampler (NVML opened), not yet sampling."""
     from warmup_agent.gpu.ramp import RampSampler
     ctx.ramp = None
     interval = ctx.cfg.gpu.ramp_sample_interval_seconds
     if ctx.gpu is not None and interval > 0:
         ctx.ramp = RampSampler.for_gpu(ctx.gpu.uuid, interval)
-        if ctx.ramp is not None:
-            ctx.ramp.start()
+
+
+def _start_ramp(ctx: StageContext) -> None:
+    if ctx.ramp is not None:
+        ctx.ramp.start()
 
 
 def load_profile(ctx: StageContext, lengths: list[int]) -> traffic.TrafficProfile:
@@ -149,8 +154,24 @@ def _refused(e: EngineError) -> bool:
     return e.reason == "request_failed" and "HTTP 4" in e.message
 
 
-#: Prompt tokens of a settle request (`_ProfileWarmup.settle`): a short chat turn.
-SETTLE_PROMPT_TOKENS = 32
+#: Prompt tokens of a settle request (`_ProfileWarmup.settle`): a short chat turn, at
+#: least SETTLE_OPENING_SHARE times the template's opening (settle_prompt_tokens).
+SETTLE_PROMPT_TOKENS = 64
+SETTLE_OPENING_SHARE = 12
+
+
+def settle_prompt_tokens(text: TextPrompts | None) -> int:
+    """The settle request's prompt length: short, yet long enough that the chat
+    template's opening (the tokens every chat prompt begins with) is under a tenth of
+    it.  llama-server gives a request the slot whose prompt it shares more than
+    `--slot-prompt-similarity` (0.1) of, else the least recently used one.  A 27-token
+    settle request shared 0.156 (the 4-5 opening tokens) with every slot, so it went
+    to the slot of the last long request and waited 19-23 ms while the server saved
+    that slot's prompt to its prompt cache; a request given the least recently used
+    slot waited 2-3.6 ms (H200, bench/results/gpu_server_llamacpp_h200_issue40_run9*,
+    the server's own slot log; 64 tokens took the LRU slot on the CPU build too)."""
+    opening = text.opening_tokens() if text is not None else 0
+    return max(SETTLE_PROMPT_TOKENS, SETTLE_OPENING_SHARE * opening)
 #: The length ladder (`_ProfileWarmup.ladder`, prewarm.length_ladder): its first rung, and
 #: the ratio between rungs.
 LADDER_FIRST, LADDER_RATIO = 48, 1.5
@@ -252,7 +273,7 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     # 2. decode coverage over the profile's lengths (always)
     coverage = w.decode_coverage(always_only=True)
     # 3. leave the server as a plain start leaves it, then the per-length test = the first probe pair
-    w.settle()
+    w.settle_unless_discovery_did()
     w.choose_probe_length()
     per_length = w.per_length_test()
     if w.pc.decode_coverage == "auto" and per_length.get("pays"):
@@ -296,6 +317,7 @@ class _ProfileWarmup:
         self.replayed = 0       # requests re-sent as predecessors of controls
         self.replays = 0        # ... in this many sends
         self.settled = 0        # settle requests sent
+        self.settle_tokens = settle_prompt_tokens(ctx.engine.text)
 
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
         from warmup_agent.warmup.traffic import WarmRequest, _frozen
@@ -384,9 +406,23 @@ class _ProfileWarmup:
         slot at once: a request right after concurrent ones pays for them too (issue 40),
         and the wave's two sends before the probes' control and at the end cost 0.06-0.08 s
         of the H200 llama.cpp start where one request costs 0.01-0.02 s."""
-        req = self.request(benefit.Path(self.ep0, self.fam0, 1, SETTLE_PROMPT_TOKENS), 1)
-        self.send_requests([req], "settle: 1 short request")
+        self.send_requests([self.settle_request()], "settle: 1 short request")
         self.settled += 1
+
+    def settle_request(self) -> traffic.WarmRequest:
+        return self.request(benefit.Path(self.ep0, self.fam0, 1, self.settle_tokens), 1)
+
+    def settle_unless_discovery_did(self) -> None:
+        """The settle request, unless prewarm has sent nothing yet: then the server's
+        last request was discovery's (engines/openai/discovery.py: a few prompt tokens,
+        one output token, alone), which leaves the server as the settle request does.
+        It becomes the predecessor a probe's control follows (a settle request is sent
+        before the control instead of a replay).  On the H200's llama.cpp the settle
+        request right after discovery's took 35-40 ms of the time to ready."""
+        if self.sent:
+            self.settle()
+        else:
+            self.last = [self.settle_request()]
 
     def warm(self, path: benefit.Path, tokens: int | None = None) -> None:
         if path.family in self.refused:
@@ -578,6 +614,7 @@ class _ProfileWarmup:
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
             "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
             "replayed_requests": self.replayed, "replays": self.replays, "settle_requests": self.settled,
+            "settle_prompt_tokens": self.settle_tokens,
             "ladder_requests": len(per_length.get("ladder", []))}
         if budget.exhausted():
             unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
@@ -602,6 +639,9 @@ def run(ctx: StageContext, detail: dict) -> None:
     # ramp starts once the server is healthy. Also, NVML read every 50 ms from here
     # would run beside the server creating its CUDA context, for nothing the ramp uses.
     server = engine.loads_by_starting_server
+    # NVML is opened here either way: not on the way from the server's /health to its
+    # first request.
+    _make_ramp(ctx)
     if not server:
         _start_ramp(ctx)
 

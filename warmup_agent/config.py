@@ -317,6 +317,7 @@ KEYS: tuple[Key, ...] = (
     Key("readiness.probe_max_tokens", "int", 8, "openai engine: output tokens of the readiness probes before SERVING (the first asks for the profile's longest answer where decode pays per sequence length), so that probes also time decode (time per output token). Probes after SERVING ask for one token: the breaker judges time to first token, and decoding on every watch probe cost a slow server 12 % of its time.",
         check=_positive, expected="an integer > 0"),
     Key("readiness.require_decode", "bool", True, "openai engine: the gate also waits until decode has converged: the time-per-output-token window holds min_probes samples, its P90 is at most tpot_p90_threshold_seconds, and decode is no longer getting faster (tpot_convergence_ratio)."),
+    Key("readiness.settle_before_serving", "bool", True, "openai engine: one short request just before SERVING, so that the users' first request follows a short request as the gate's first probe did (false: it follows the gate's last probe, a request of a profile length)."),
     Key("readiness.tpot_p90_threshold_seconds", "float", 0.5, "Gate on decode: the window's P90 time per output token must be at or under this.",
         check=_positive, expected="a number > 0"),
     Key("readiness.tpot_convergence_ratio", "float", 1.5, "Gate on decode: over the last min_probes probes, the median time per output token of the older half may be at most this x the median of the newer half (decode no longer getting faster probe after probe).",

@@ -112,7 +112,7 @@ class SolidifySection(_Section):
 
 class ReadinessSection(_Section):
     """`readiness.*` (docs/config.md)."""
-    __slots__ = ("p50_threshold_seconds", "p90_threshold_seconds", "min_probes", "window_size", "max_probes", "probe_prompt_length", "probe_interval_seconds", "watch_interval_seconds", "window_seconds", "adaptive", "adaptive_every_samples", "adaptive_margin", "adaptive_min_seconds", "water_level_alpha", "water_level_window_seconds", "water_level_period_seconds", "water_level_headroom", "watch_probe_timeout_seconds", "first_user_steady_requests", "min_probes_server", "probe_max_tokens", "require_decode", "tpot_p90_threshold_seconds", "tpot_convergence_ratio")
+    __slots__ = ("p50_threshold_seconds", "p90_threshold_seconds", "min_probes", "window_size", "max_probes", "probe_prompt_length", "probe_interval_seconds", "watch_interval_seconds", "window_seconds", "adaptive", "adaptive_every_samples", "adaptive_margin", "adaptive_min_seconds", "water_level_alpha", "water_level_window_seconds", "water_level_period_seconds", "water_level_headroom", "watch_probe_timeout_seconds", "first_user_steady_requests", "min_probes_server", "probe_max_tokens", "require_decode", "settle_before_serving", "tpot_p90_threshold_seconds", "tpot_convergence_ratio")
     p50_threshold_seconds: float
     p90_threshold_seconds: float
     min_probes: int
@@ -135,6 +135,7 @@ class ReadinessSection(_Section):
     min_probes_server: int
     probe_max_tokens: int
     require_decode: bool
+    settle_before_serving: bool
     tpot_p90_threshold_seconds: float
     tpot_convergence_ratio: float
 

@@ -109,7 +109,7 @@ def run(ctx: StageContext, detail: dict) -> None:
                   probe_prompt_tokens=ctx.probe_length)
     if cfg.validation.enabled:
         validate(ctx, detail)
-    if ctx.settle is not None:
+    if ctx.settle is not None and cfg.readiness.settle_before_serving:
         before = ctx.driver.warmup_requests
         ctx.settle()        # the users' first request follows what the first probe followed
         detail["settle_requests"] = ctx.driver.warmup_requests - before

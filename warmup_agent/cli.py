@@ -245,6 +245,10 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
         proxy.start()
         log.info("proxy on %s -> %s (fallback %s)", cfg.proxy.listen, proxy.main_name,
                  cfg.proxy.fallback_url or "none: 503 + Retry-After")
+        if local_backend is not None:     # the model answers users in this process: warm their path too
+            from warmup_agent.proxy import user_path
+            at, timeout = (proxy.host, proxy.port), cfg.proxy.timeout_seconds
+            agent.context.user_path_request = lambda: user_path.send(at[0], at[1], timeout)
     log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg.engine,
              model_path, "https" if cfg.exporter.tls_cert_file else "http", host, server.port)
     return server, proxy

@@ -137,6 +137,10 @@ class StageContext:
     #: short request, alone), after the warmup and again just before SERVING, so that the
     #: first probe and the users' first request follow the same.
     settle: Callable[[], None] | None = None
+    #: the command line, where the torch engine answers users through --proxy-listen: one
+    #: request through the users' own path (proxy/user_path.py), which ready sends just
+    #: before SERVING; returns what it took.  None: no such path.
+    user_path_request: Callable[[], dict] | None = None
     #: prewarm, engines that speak the traffic profile: the gate's first probe pairs
     #: (`probe_pair`'s dicts), sent as the per-length test's fresh prompt lengths: the
     #: probes double as the last warmup and the warmup's last test doubles as the first

@@ -113,6 +113,10 @@ def run(ctx: StageContext, detail: dict) -> None:
         before = ctx.driver.warmup_requests
         ctx.settle()        # the users' first request follows what the first probe followed
         detail["settle_requests"] = ctx.driver.warmup_requests - before
+    if ctx.user_path_request is not None:
+        # a user's first request through the proxy found the path from the listener to the
+        # model cold (proxy/user_path.py); outside the engine lock: the batcher takes it
+        detail["user_path_request"] = ctx.user_path_request()
     with ctx.driver.busy():
         fingerprint = ctx.engine.weight_fingerprint()
     if not ctx.sm.serve(fingerprint):

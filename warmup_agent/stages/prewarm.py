@@ -168,10 +168,13 @@ def settle_prompt_tokens(text: TextPrompts | None) -> int:
     settle request shared 0.156 (the 4-5 opening tokens) with every slot, so it went
     to the slot of the last long request and waited 19-23 ms while the server saved
     that slot's prompt to its prompt cache; a request given the least recently used
-    slot waited 2-3.6 ms (H200, bench/results/gpu_server_llamacpp_h200_issue40_run9*,
-    the server's own slot log; 64 tokens took the LRU slot on the CPU build too)."""
+    slot waited 2-3.6 ms (H200, the server's own slot log in run 9's agent log; in run
+    11 every agent request took the LRU slot, docs/benchmarks.md; 64 tokens took it on
+    the CPU build too)."""
     opening = text.opening_tokens() if text is not None else 0
     return max(SETTLE_PROMPT_TOKENS, SETTLE_OPENING_SHARE * opening)
+
+
 #: The length ladder (`_ProfileWarmup.ladder`, prewarm.length_ladder): its first rung, and
 #: the ratio between rungs.
 LADDER_FIRST, LADDER_RATIO = 48, 1.5
@@ -240,7 +243,9 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
        the same again as their controls; only a path whose first call was cold beyond
        its control gets more (benefit.warm_wave);
     2. decode coverage of the profile's lengths (prewarm.decode_coverage always);
-    3. the settle request, then the per-length test, which is the gate's first probe pair:
+    3. the settle request (discovery's request stands in for it where nothing was sent
+       yet: settle_unless_discovery_did), then the per-length test, which is the gate's
+       first probe pair:
        a first probe at a prompt length no request reached and its control (the same
        length again, after the same predecessor).  A cold first probe is followed by a
        second pair at another fresh length: together they say whether decode is slower
@@ -396,7 +401,7 @@ class _ProfileWarmup:
         return self._replay(last, "a probe's control")
 
     def settle(self) -> None:
-        """The settle request: one short request (SETTLE_PROMPT_TOKENS, one output token),
+        """The settle request: one short request (settle_prompt_tokens, one output token),
         alone.  The warmup leaves long prompts in the server's slots; on llama.cpp the next
         request after much longer ones pays 60-100 ms in its slot, warm or not (H200: the
         first user request after the warmup's 854-928-token prompts came at 1.57x steady,

@@ -186,6 +186,7 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
     assert all(p["calls"] == 2 for n, p in paths.items() if not n.startswith("chat/sampled/"))
     # one short request, alone; again after a length ladder (where the first fresh length paid)
     assert warmup["settle_requests"] == 1 + bool(per_length["ladder"]) and warmup["at_once"] >= 1
+    assert warmup["settled_by_discovery"] is False      # the greedy path's calls went before the probes
     assert warmup["ladder_requests"] == len(per_length["ladder"])
     assert per_length["lengths"][-1] == warmup["probe_length"] and per_length["probe_pair"]
     assert prewarm["requests"] == requests_in_record(prewarm)

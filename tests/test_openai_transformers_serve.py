@@ -417,6 +417,7 @@ def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path
         ready = agent.stages[-1].detail
         replayed = sum(p["replayed_requests"] for p in ready["first_probe_pairs"])
         assert detail["warmup"]["settle_requests"] == 0 and ready["settle_requests"] == 1 and replayed >= 1
+        assert detail["warmup"]["settled_by_discovery"] is True
         assert agent.warmup_requests == requests_in_record(detail, ready) == 1 + replayed
         # no anchor pair: the probe pair alone cannot say that decode pays per length; a
         # second pair follows only where the first was cold

@@ -283,6 +283,8 @@ def test_the_template_opening_is_what_every_chat_prompt_begins_with(tmp_path):
     system = TextPrompts(tok, "<s> system be brief <s> user {{ messages[0]['content'] }} <s> assistant")
     assert plain.opening_tokens() == 2 and system.opening_tokens() == 6
     assert TextPrompts(tok, None).opening_tokens() == 0
+    rewrites = TextPrompts(tok, "<s> user {{ messages[0]['content'] | upper }} <s> assistant")
+    assert rewrites.opening_tokens() == 0          # the content is not found: no opening known
 
 
 def test_discoverys_request_stands_in_for_the_first_settle_request():

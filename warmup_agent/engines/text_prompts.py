@@ -83,8 +83,10 @@ class TextPrompts:
         if self._template is None:
             return 0
         marker = "\u2063warmup-agent\u2063"
-        head = self.render([{"role": "user", "content": marker}]).split(marker)[0]
-        return len(self.encode(head))
+        rendered = self.render([{"role": "user", "content": marker}])
+        if marker not in rendered:      # a template that rewrites the content: no opening known
+            return 0
+        return len(self.encode(rendered.split(marker)[0]))
 
     def count_text(self, text: str) -> int:
         return len(self.encode(text))

@@ -504,10 +504,20 @@ def run_inproc(args, model_dir: str, scratch: str, i: int) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{listen}/metrics", timeout=5) as r:
             metrics = r.read().decode()
     finally:
+        t_term = time.time()
         stop(proc, 60)
+        drain = {"seconds": time.time() - t_term, "returncode": proc.returncode}
         log.close()
+    # The command line end to end, as on the server path: the scrape kept and replayed
+    # through the shipped alert rules (a healthy pod must fire none), and SIGTERM's exit.
+    scrape = os.path.join(args.scrapes, f"{args.prefix}_inproc_{i}.prom")
+    with open(scrape, "w") as f:
+        f.write(metrics)
     out.update(spawn_to_ready=t_ready - t0, exported_ttft_tax=_metric(metrics, "warmup_first_request_tax_ratio"),
-               user_first_ttft_tax=_metric(metrics, "warmup_first_user_request_tax_ratio"))
+               exported_total_tax=_metric(metrics, "warmup_first_request_total_tax_ratio"),
+               user_first_ttft_tax=_metric(metrics, "warmup_first_user_request_tax_ratio"),
+               user_first_total_tax=_metric(metrics, "warmup_first_user_request_total_tax_ratio"),
+               drain=drain, scrape=scrape, alerts_firing=_alerts_firing(scrape))
     return out
 
 
@@ -527,6 +537,9 @@ def summarize_inproc(args, runs: dict, model_dir: str, out: str, stopped_early: 
         "inproc_steady_ttft_over_tfserve_median": med(a["steady_ttft_median"] / b["steady_ttft_median"] for a, b in pairs),
         "tfserve_alone_first_ttft_tax_median": med(r["ttft_tax"] for r in alone),
         "warm_control_ttft_ratio_max": max(r["controls"]["after_idle_ttft_ratio"] for r in inproc + alone),
+        **_exported_over_outside(inproc),
+        "healthy_pod_alerts_firing": _alerts_total(inproc),
+        "sigterm_exit_codes": [(r.get("drain") or {}).get("returncode") for r in inproc],
     }
     result = {
         "benchmark": "gpu_inproc_proxy", **figures,
@@ -536,6 +549,10 @@ def summarize_inproc(args, runs: dict, model_dir: str, out: str, stopped_early: 
             "inproc_ready_over_tfserve_first_answer_median": "median over alternating starts of (warmup-agent run --engine torch --proxy-listen: spawn -> /readyz 200) / (transformers serve alone: spawn -> end of its first whole answer, sent at /health 200)",
             "inproc_first_ttft_tax_median": "median over starts of: the outside client's first request through the proxy after /readyz: TTFT / median TTFT of the next STEADY requests of the same drawn shape",
             "inproc_steady_ttft_over_tfserve_median": "median over pairs of: steady TTFT through the agent's proxy / steady TTFT of transformers serve alone, the same drawn requests",
+            "exported_over_outside_ttft_tax_min/_max": "per start: warmup_first_request_tax_ratio (the probes' prediction) / the outside client's first TTFT tax",
+            "real_over_outside_ttft_tax_min/_max": "per start: warmup_first_user_request_tax_ratio (the users' first request, measured by the proxy) / the outside client's first TTFT tax; _total_ the same for the whole answer",
+            "healthy_pod_alerts_firing": "alerts fired over a 40-minute promtool replay of every agent start's /metrics scrape (alerts/replay.py); None without promtool",
+            "sigterm_exit_codes": "the agent's exit code after SIGTERM at the end of each start (0: drained)",
         },
         "draw": {k: v for k, v in args.draw.items() if not k.endswith("_text")},
         "request": {"api": "/v1/chat/completions", "stream": True, **args.sampling, "max_tokens": args.max_tokens,
@@ -551,6 +568,27 @@ def summarize_inproc(args, runs: dict, model_dir: str, out: str, stopped_early: 
     }
     write_result(out, result)
     return figures
+
+
+def _alerts_total(runs: list[dict]) -> int | None:
+    """Alerts fired over every start's replayed scrape; None where promtool was missing."""
+    firing = [r.get("alerts_firing") for r in runs]
+    return sum(len(f) for f in firing) if firing and all(f is not None for f in firing) else None
+
+
+def _exported_over_outside(runs: list[dict]) -> dict:
+    """What the agent exported over what the outside client measured, per start: the
+    predicted first-request figure (the probes') and the real one (the users' first
+    request, measured where it passed through the proxy), TTFT and whole answer."""
+    out = {}
+    for exported, outside, name in (("exported_ttft_tax", "ttft_tax", "exported_over_outside_ttft_tax"),
+                                    ("exported_total_tax", "total_tax", "exported_over_outside_total_tax"),
+                                    ("user_first_ttft_tax", "ttft_tax", "real_over_outside_ttft_tax"),
+                                    ("user_first_total_tax", "total_tax", "real_over_outside_total_tax")):
+        ratios = [r[exported] / r[outside] for r in runs if r.get(exported) and r.get(outside)]
+        out[f"{name}_min"] = min(ratios) if ratios else None
+        out[f"{name}_max"] = max(ratios) if ratios else None
+    return out
 
 
 def _metric(text: str, name: str) -> float | None:

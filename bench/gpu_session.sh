@@ -107,10 +107,10 @@ run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default)
     echo "$2 bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|tfserve" "$OUT_DIR/logs/gpu_server_$2.log"
 }
 run_inproc_proxy_bench() {  # $1: seconds; issue 41: the torch engine behind --proxy-listen vs transformers serve alone
-    mkdir -p "$OUT_DIR/logs/inproc_proxy"
+    mkdir -p "$OUT_DIR/logs/inproc_proxy" "$OUT_DIR/scrapes"
     timeout "$1" python3 bench/bench_gpu_server.py --server transformers --conditions alone,inproc --starts ${INPROC_STARTS:-5} \
         --steady ${SERVER_STEADY:-8} --budget-seconds $(( $1 - 40 )) --out "$OUT_DIR/gpu_inproc_proxy_h200.json" \
-        --logs "$OUT_DIR/logs/inproc_proxy" > "$OUT_DIR/logs/gpu_inproc_proxy.log" 2>&1
+        --logs "$OUT_DIR/logs/inproc_proxy" --scrapes "$OUT_DIR/scrapes" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_inproc_proxy.log" 2>&1
     echo "inproc proxy bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|inproc_|tfserve_" "$OUT_DIR/logs/gpu_inproc_proxy.log"
 }
 run_inproc_bench() {  # $1: seconds; issue 25 (bench/bench_inproc_start.py, bench/diagnostics/import_costs.py)

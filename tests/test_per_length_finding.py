@@ -299,11 +299,11 @@ def test_discoverys_request_stands_in_for_the_first_settle_request():
         wire.append([r.prompt_tokens for r in reqs])
         w.sent += 1
         w.last = list(reqs)
-    w.send_requests, w.sent, w.settled, w.replays, w.last, w.discovery_settled = send_requests, 0, 0, 0, [], False
+    w.send_requests, w.sent, w.settled, w.replays, w.last, w.settled_by_discovery = send_requests, 0, 0, 0, [], False
     w.request = lambda path, tokens=None: SimpleNamespace(prompt_tokens=path.prompt_tokens, max_tokens=tokens or 2)
     w.settle_unless_discovery_did()
     assert wire == [] and w.settled == 0 and [r.prompt_tokens for r in w.last] == [SETTLE_PROMPT_TOKENS]
-    assert w.discovery_settled
+    assert w.settled_by_discovery
     replay = w.replay_before_probe_control(266, 1)
     assert replay is not None
     replay()

@@ -16,23 +16,20 @@ import urllib.error
 import urllib.request
 
 from warmup_agent.errors import EngineError
+from warmup_agent.server.command import http_url, reach_host
 
 #: A short chat turn, sampled as most chat traffic is, two tokens out: the decode path runs.
 BODY = {"messages": [{"role": "user", "content": "Say hello to the first user of this pod."}],
         "max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "stream": True}
 
 
-def connect_host(host: str) -> str:
-    """Where to reach a listener bound to `host` from this machine."""
-    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-
-
 def send(host: str, port: int, timeout: float) -> dict:
     """POST BODY to the proxy at host:port; read the whole stream.  Returns what it took
     ({"seconds", "first_byte_seconds", "chunks"}); raises EngineError("request_failed")
-    when the answer is not a 200 stream that ends with [DONE]."""
-    h = connect_host(host)
-    url = f"http://{'[' + h + ']' if ':' in h else h}:{port}/v1/chat/completions"
+    when the answer is not a 200 stream of JSON chunks that ends with [DONE] (an error
+    event in the stream fails it, as it fails a warmup request).  An answer without text
+    passes: a model may well end its turn at once."""
+    url = http_url(reach_host(host), port) + "/v1/chat/completions"
     req = urllib.request.Request(url, data=json.dumps(BODY).encode(), method="POST",
                                  headers={"Content-Type": "application/json", "X-Warmup": "true"})
     t0 = time.perf_counter()
@@ -45,15 +42,22 @@ def send(host: str, port: int, timeout: float) -> dict:
                 if not line.startswith(b"data:"):
                     continue
                 first = first if first is not None else time.perf_counter() - t0
-                if line[5:].strip() == b"[DONE]":
+                data = line[5:].strip()
+                if data == b"[DONE]":
                     done = True
                     break
+                msg = json.loads(data)
+                if msg.get("error"):
+                    raise EngineError("request_failed",
+                                      f"the users' path before SERVING: POST {url}: {str(msg['error'])[:300]}")
                 chunks += 1
     except urllib.error.HTTPError as e:
         detail = e.read().decode("utf-8", "replace")[:300]
         raise EngineError("request_failed", f"the users' path before SERVING: POST {url}: HTTP {e.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as e:
         raise EngineError("request_failed", f"the users' path before SERVING: POST {url}: {getattr(e, 'reason', e)}") from None
+    except ValueError as e:
+        raise EngineError("request_failed", f"the users' path before SERVING: POST {url}: not an event stream ({e})") from None
     if not done:
         raise EngineError("request_failed", f"the users' path before SERVING: POST {url}: the stream ended without [DONE]")
     return {"seconds": round(time.perf_counter() - t0, 6), "first_byte_seconds": round(first or 0.0, 6),

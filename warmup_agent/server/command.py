@@ -19,13 +19,23 @@ def option(command: list[str], name: str) -> str | None:
     return None
 
 
+def reach_host(host: str) -> str:
+    """Where this machine reaches a listener bound to `host`: a wildcard address on
+    loopback (127.0.0.1 for 0.0.0.0 and "", ::1 for ::, which a v6-only socket needs),
+    any other address as it is."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def http_url(host: str, port: int) -> str:
+    """http://HOST:PORT, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def listen_address(command: list[str]) -> tuple[str, int]:
     """Where a server started with this command answers: its --host (a wildcard
-    address is reached on 127.0.0.1) and --port."""
+    address reached on loopback, reach_host) and --port."""
     host = option(command, "--host") or DEFAULT_HOST
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return host, int(option(command, "--port") or DEFAULT_PORT)
+    return reach_host(host.strip("[]")), int(option(command, "--port") or DEFAULT_PORT)
 
 
 def fix_vllm_command(command: list[str]) -> list[str]:

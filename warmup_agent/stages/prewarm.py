@@ -323,7 +323,7 @@ class _ProfileWarmup:
         self.replays = 0        # ... in this many sends
         self.settled = 0        # settle requests sent
         self.settle_tokens = settle_prompt_tokens(ctx.engine.text)
-        self.discovery_settled = False  # discovery's request stood in for the first settle request
+        self.settled_by_discovery = False  # discovery's request stood in for the first settle request
 
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
         from warmup_agent.warmup.traffic import WarmRequest, _frozen
@@ -429,7 +429,7 @@ class _ProfileWarmup:
             self.settle()
         else:
             self.last = [self.settle_request()]
-            self.discovery_settled = True
+            self.settled_by_discovery = True
 
     def warm(self, path: benefit.Path, tokens: int | None = None) -> None:
         if path.family in self.refused:
@@ -621,7 +621,7 @@ class _ProfileWarmup:
             "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
             "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
             "replayed_requests": self.replayed, "replays": self.replays, "settle_requests": self.settled,
-            "settle_prompt_tokens": self.settle_tokens, "settled_by_discovery": self.discovery_settled,
+            "settle_prompt_tokens": self.settle_tokens, "settled_by_discovery": self.settled_by_discovery,
             "ladder_requests": len(per_length.get("ladder", []))}
         if budget.exhausted():
             unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from warmup_agent.engines.base import EngineError
 from warmup_agent.server.command import (
     fix_vllm_command,
+    http_url,
     is_vllm,
     listen_address,
     option,
@@ -57,7 +58,7 @@ class ServerHandle:
             host, port = listen_address(self.command)
             self.host: str = host
             self.port: int | None = port
-            self.url = (openai.url or f"http://{host}:{port}").rstrip("/")
+            self.url = (openai.url or http_url(host, port)).rstrip("/")
         elif openai.url:
             self.url = openai.url.rstrip("/")
             parsed = urllib.parse.urlparse(self.url)

@@ -573,7 +573,9 @@ def summarize_inproc(args, runs: dict, model_dir: str, out: str, stopped_early: 
 def _alerts_total(runs: list[dict]) -> int | None:
     """Alerts fired over every start's replayed scrape; None where promtool was missing."""
     firing = [r.get("alerts_firing") for r in runs]
-    return sum(len(f) for f in firing) if firing and all(f is not None for f in firing) else None
+    if not firing or any(f is None for f in firing):
+        return None
+    return sum(len(f or ()) for f in firing)
 
 
 def _exported_over_outside(runs: list[dict]) -> dict:

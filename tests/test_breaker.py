@@ -282,3 +282,32 @@ def test_a_rewarm_closes_an_open_breaker():
     assert metrics.registry.get_sample_value("warmup_breaker_state", {"state": "closed"}) == 1
     rd.probe_failure("server_error", "HTTP 500")             # during the re-warm: its stages judge
     assert rd.breaker.state == BreakerState.CLOSED
+
+
+def test_a_batch_of_samples_judges_each_as_one_at_a_time_does():
+    """The proxy process's samples come in batches (Readiness.first_tokens): the window,
+    the breaker's trip and the published quantiles are those of one sample at a time."""
+    rng = np.random.default_rng(7)
+    samples = list(np.concatenate([rng.uniform(0.01, 0.05, 40), rng.uniform(3.0, 4.0, 40)]))
+    outcomes = []
+    for batched in (False, True):
+        cfg = config.load(env={})
+        metrics = AgentMetrics()
+        sm = StateMachine(metrics)
+        rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics)
+        for st in (State.PRELOAD, State.PRIME, State.SERVING):
+            sm.transition(st)
+        trips_at = None
+        for i in range(0, len(samples), 7):
+            if batched:
+                rd.first_tokens(samples[i:i + 7])
+            else:
+                for s in samples[i:i + 7]:
+                    rd.first_token(s)
+            if trips_at is None and rd.breaker.state == BreakerState.OPEN:
+                trips_at = i
+        reg = metrics.registry
+        outcomes.append((trips_at, sm.state, rd.window.values(),
+                         reg.get_sample_value("warmup_breaker_trips_total", {"reason": "slow"})))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] is not None and outcomes[0][1] == State.DEGRADED   # the slow half tripped it

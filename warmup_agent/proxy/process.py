@@ -228,8 +228,12 @@ class ProxyProcess:
             m.warmup_proxy_requests_total.labels(route=route, code=code).inc(n)
         for route, ttft in batch.get("f", ()):
             m.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
-        for ttft in batch.get("o", ()):
-            gate.first_token(ttft)
+        if ttfts := batch.get("o"):
+            if hasattr(gate, "first_tokens"):
+                gate.first_tokens(ttfts)
+            else:
+                for ttft in ttfts:
+                    gate.first_token(ttft)
         for ttft, total, tokens in batch.get("a", ()):
             try:
                 if self._answer_tokens:

@@ -103,7 +103,7 @@ run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default)
     mkdir -p "$OUT_DIR/scrapes" "$OUT_DIR/logs/$2"
     timeout "$1" python3 bench/bench_gpu_server.py --server transformers --starts ${TFSERVE_STARTS:-5} --steady ${SERVER_STEADY:-8} \
         --budget-seconds $(( $1 - 20 )) --out "$OUT_DIR/gpu_server_$2_h200.json" --logs "$OUT_DIR/logs/$2" \
-        --scrapes "$OUT_DIR/scrapes" $extra > "$OUT_DIR/logs/gpu_server_$2.log" 2>&1
+        --scrapes "$OUT_DIR/scrapes" $extra ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server_$2.log" 2>&1
     echo "$2 bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|tfserve" "$OUT_DIR/logs/gpu_server_$2.log"
 }
 run_inproc_proxy_bench() {  # $1: seconds; issue 41: the torch engine behind --proxy-listen vs transformers serve alone

@@ -268,13 +268,19 @@ def test_a_dead_server_trips_once_logs_once_and_counts_each_failed_probe(caplog)
     assert len(loud) == 2 and "breaker closed after 3 good probes" in loud[1].getMessage()
 
 
-def test_a_rewarm_closes_an_open_breaker():
+def serving_readiness() -> tuple[AgentMetrics, StateMachine, Readiness]:
+    """A Readiness of the default config whose state machine is SERVING."""
     cfg = config.load(env={})
     metrics = AgentMetrics()
     sm = StateMachine(metrics)
     rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics)
     for st in (State.PRELOAD, State.PRIME, State.SERVING):
         sm.transition(st)
+    return metrics, sm, rd
+
+
+def test_a_rewarm_closes_an_open_breaker():
+    metrics, sm, rd = serving_readiness()
     rd.probe_failure("server_error", "HTTP 500")
     assert sm.state == State.DEGRADED and rd.breaker.state == BreakerState.OPEN
     assert sm.transition(State.PRELOAD)
@@ -291,12 +297,7 @@ def test_a_batch_of_samples_judges_each_as_one_at_a_time_does():
     samples = list(np.concatenate([rng.uniform(0.01, 0.05, 40), rng.uniform(3.0, 4.0, 40)]))
     outcomes = []
     for batched in (False, True):
-        cfg = config.load(env={})
-        metrics = AgentMetrics()
-        sm = StateMachine(metrics)
-        rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics)
-        for st in (State.PRELOAD, State.PRIME, State.SERVING):
-            sm.transition(st)
+        metrics, sm, rd = serving_readiness()
         trips_at = None
         for i in range(0, len(samples), 7):
             if batched:

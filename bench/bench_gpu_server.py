@@ -573,9 +573,14 @@ def summarize_inproc(args, runs: dict, model_dir: str, out: str, stopped_early: 
 def _alerts_total(runs: list[dict]) -> int | None:
     """Alerts fired over every start's replayed scrape; None where promtool was missing."""
     firing = [r.get("alerts_firing") for r in runs]
-    if not firing or any(f is None for f in firing):
+    if any(f is None for f in firing):
         return None
     return sum(len(f or ()) for f in firing)
+
+
+def _ratios(runs: list[dict], exported: str, outside: str) -> list[float]:
+    """Per start: an exported figure over the outside client's, where both were measured."""
+    return [r[exported] / r[outside] for r in runs if r.get(exported) and r.get(outside)]
 
 
 def _exported_over_outside(runs: list[dict]) -> dict:
@@ -587,7 +592,7 @@ def _exported_over_outside(runs: list[dict]) -> dict:
                                     ("exported_total_tax", "total_tax", "exported_over_outside_total_tax"),
                                     ("user_first_ttft_tax", "ttft_tax", "real_over_outside_ttft_tax"),
                                     ("user_first_total_tax", "total_tax", "real_over_outside_total_tax")):
-        ratios = [r[exported] / r[outside] for r in runs if r.get(exported) and r.get(outside)]
+        ratios = _ratios(runs, exported, outside)
         out[f"{name}_min"] = min(ratios) if ratios else None
         out[f"{name}_max"] = max(ratios) if ratios else None
     return out
@@ -630,9 +635,9 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
     oneshot_pairs = [a["spawn_to_ready"] / b["spawn_to_first_answer"] for a, b in zip(oneshot, alone, strict=False)]
     pairs_health = [a["spawn_to_ready"] / b["spawn_to_health"] for a, b in zip(agent, alone, strict=False)]
     P = args.prefix
-    exp_ttft = [r["exported_ttft_tax"] / r["ttft_tax"] for r in agent if r.get("exported_ttft_tax")]
-    exp_total = [r["exported_total_tax"] / r["total_tax"] for r in agent if r.get("exported_total_tax")]
-    firing = [r.get("alerts_firing") for r in agent]
+    exp_ttft = _ratios(agent, "exported_ttft_tax", "ttft_tax")
+    exp_total = _ratios(agent, "exported_total_tax", "total_tax")
+    alerts = _alerts_total(agent)
     med = statistics.median
     ready_over = pairs_health if args.server == "vllm" else pairs
     warm_controls = [r["controls"]["after_idle_ttft_ratio"] for r in agent + alone + oneshot]
@@ -653,7 +658,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         "exported_over_outside_ttft_tax_max": max(exp_ttft) if exp_ttft else None,
         "exported_over_outside_total_tax_min": min(exp_total) if exp_total else None,
         "exported_over_outside_total_tax_max": max(exp_total) if exp_total else None,
-        "healthy_pod_alerts_firing": (sum(len(f) for f in firing) if all(f is not None for f in firing) else None),
+        "healthy_pod_alerts_firing": alerts,
         f"{P}_first_ttft_tax_p99": p99([r["ttft_tax"] for r in agent]),
         f"{P}_first_total_tax_p99": p99([r["total_tax"] for r in agent]),
         f"{P}_ready_over_alone": statistics.median(pairs_health if args.server == "vllm" else pairs),
@@ -661,7 +666,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
         f"{P}_ready_over_alone_health": statistics.median(pairs_health),
         f"{P}_exported_over_outside_ttft_tax": statistics.median(exp_ttft) if exp_ttft else None,
         f"{P}_exported_over_outside_total_tax": statistics.median(exp_total) if exp_total else None,
-        f"{P}_healthy_pod_alerts_firing": (sum(len(f) for f in firing) if all(f is not None for f in firing) else None),
+        f"{P}_healthy_pod_alerts_firing": alerts,
         # after the steady requests, alone and under the agent alike (see IDLE_SECONDS)
         f"{P}_control_after_idle_ttft_ratio_median": statistics.median(
             r["controls"]["after_idle_ttft_ratio"] for r in agent + alone),

@@ -113,11 +113,6 @@ class ProxyProcess:
         self.settings = {"upstream": upstream_url, "fallback": fallback_url, "retry_after_seconds": retry_after_seconds,
                          "timeout_seconds": timeout_seconds, "max_body_bytes": max_body_bytes}
         self.shared = SharedGate.create()
-        import inspect
-        try:
-            self._answer_tokens = "output_tokens" in inspect.signature(self.gate.user_answer).parameters
-        except (AttributeError, TypeError, ValueError):
-            self._answer_tokens = False
         self.proc: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None
         self._stopping = threading.Event()
@@ -229,17 +224,10 @@ class ProxyProcess:
         for route, ttft in batch.get("f", ()):
             m.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
         if ttfts := batch.get("o"):
-            if hasattr(gate, "first_tokens"):
-                gate.first_tokens(ttfts)
-            else:
-                for ttft in ttfts:
-                    gate.first_token(ttft)
+            gate.first_tokens(ttfts)
         for ttft, total, tokens in batch.get("a", ()):
             try:
-                if self._answer_tokens:
-                    gate.user_answer(ttft, total, output_tokens=tokens)  # type: ignore[call-arg]
-                else:
-                    gate.user_answer(ttft, total)
+                gate.user_answer(ttft, total, output_tokens=tokens)
             except Exception:  # noqa: BLE001 - as in process
                 log.exception("gate.user_answer failed")
         for level, name, message in batch.get("l", ()):
@@ -294,6 +282,9 @@ class _ChildGate:
 
     def first_token(self, ttft: float) -> None:
         self.report.o.append(ttft)
+
+    def first_tokens(self, ttfts: list[float]) -> None:
+        self.report.o.extend(ttfts)
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         self.report.a.append((ttft, total, output_tokens))

@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -84,11 +84,13 @@ class Gate(Protocol):
     def first_token(self, ttft: float) -> None:
         """A user request's time to first token on the main engine (the window, the breaker)."""
 
-    def user_answer(self, ttft: float, total: float) -> None:
+    def first_tokens(self, ttfts: list[float]) -> None:
+        """first_token for each of `ttfts`, in order (the proxy process's batches)."""
+
+    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         """A user request the main engine answered with 200: seconds to its first body
-        chunk and to the end of its body; the users' real first request.  A gate whose
-        user_answer also takes `output_tokens` gets the answer's completion tokens where
-        its usage said (else None)."""
+        chunk and to the end of its body, and its completion tokens where its usage
+        said; the users' real first request."""
 
 
 class RoutedAgent(Protocol):
@@ -188,12 +190,6 @@ class RoutingProxy:
                                          else fallback_url)
         self.retry_after_seconds = retry_after_seconds
         self.max_body_bytes = max_body_bytes
-        # Readiness.user_answer takes the answer's output tokens where it can (they came later).
-        import inspect
-        try:
-            self._answer_tokens = "output_tokens" in inspect.signature(self.gate.user_answer).parameters
-        except (AttributeError, TypeError, ValueError):
-            self._answer_tokens = False
         self.sock = _bind(listen) if isinstance(listen, tuple) else listen   # or a listening socket (process.py)
         self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
@@ -567,10 +563,7 @@ class RoutingProxy:
         found = _COMPLETION_TOKENS.findall(tail)
         tokens = int(found[-1]) if found else None
         try:
-            if self._answer_tokens:
-                cast(Any, self.gate).user_answer(ttft, total, output_tokens=tokens)
-            else:
-                self.gate.user_answer(ttft, total)
+            self.gate.user_answer(ttft, total, output_tokens=tokens)
         except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
             log.exception("gate.user_answer failed")
 

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
+from warmup_agent.engines.openai.client import EventStream
 from warmup_agent.errors import EngineError
 from warmup_agent.server.command import http_url, reach_host
 
@@ -34,22 +35,12 @@ def send(host: str, port: int, timeout: float) -> dict:
                                  headers={"Content-Type": "application/json", "X-Warmup": "true"})
     t0 = time.perf_counter()
     first = None
-    chunks, done = 0, False
+    chunks = 0
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
+            events = EventStream(r, f"the users' path before SERVING: POST {url}")
+            for _ in events:
                 first = first if first is not None else time.perf_counter() - t0
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                msg = json.loads(data)
-                if msg.get("error"):
-                    raise EngineError("request_failed",
-                                      f"the users' path before SERVING: POST {url}: {str(msg['error'])[:300]}")
                 chunks += 1
     except urllib.error.HTTPError as e:
         detail = e.read().decode("utf-8", "replace")[:300]
@@ -58,7 +49,7 @@ def send(host: str, port: int, timeout: float) -> dict:
         raise EngineError("request_failed", f"the users' path before SERVING: POST {url}: {getattr(e, 'reason', e)}") from None
     except ValueError as e:
         raise EngineError("request_failed", f"the users' path before SERVING: POST {url}: not an event stream ({e})") from None
-    if not done:
+    if not events.done:
         raise EngineError("request_failed", f"the users' path before SERVING: POST {url}: the stream ended without [DONE]")
     return {"seconds": round(time.perf_counter() - t0, 6), "first_byte_seconds": round(first or 0.0, 6),
             "chunks": chunks}

@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from warmup_agent.engines.base import EngineError, RequestResult
@@ -24,6 +25,33 @@ T = TypeVar("T")
 # stream_options.include_usage gives the token counts; without it chunks are counted.
 _OPTIONAL_FIELDS = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+class EventStream:
+    """The JSON events of an OpenAI-style event stream (`data: {...}` lines), read
+    from `lines` up to `data: [DONE]`; `done` says whether [DONE] came.  An error
+    event (`{"error": ...}`, what vLLM and llama-server send when a request fails
+    mid-stream) raises EngineError("request_failed") with `where` in its message; a
+    data line that is not JSON raises ValueError.  The one reader of the agent's
+    streams: its warmup requests and probes (StreamingClient) and the users'-path
+    request before SERVING (proxy/user_path.py)."""
+
+    def __init__(self, lines: Iterable[bytes], where: str):
+        self.lines, self.where, self.done = lines, where, False
+
+    def __iter__(self) -> Iterator[dict]:
+        for raw in self.lines:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.done = True
+                return
+            msg = json.loads(data)
+            if msg.get("error"):
+                raise EngineError("request_failed", f"{self.where}: {str(msg['error'])[:300]}")
+            yield msg
 
 
 class _Rejected(Exception):
@@ -105,16 +133,7 @@ class StreamingClient:
         credit = self.traffic.own_started()    # its line in the server's log is ours, not a user's
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                for raw in r:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    msg = json.loads(data)
-                    if msg.get("error"):
-                        raise EngineError("request_failed", f"POST {self.url}{path}: {str(msg['error'])[:300]}")
+                for msg in EventStream(r, f"POST {self.url}{path}"):
                     for choice in msg.get("choices") or ():
                         if first_chunk is None:
                             first_chunk = time.perf_counter()

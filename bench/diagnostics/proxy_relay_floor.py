@@ -146,6 +146,7 @@ def serve(kind: str, upstream: str, port: int) -> None:
 # -- the measurement ----------------------------------------------------------------------------
 
 def start_target(target: str, workdir: str, up_port: int) -> tuple[subprocess.Popen, int]:
+    os.makedirs(workdir, exist_ok=True)
     if target == "nginx":
         return start_nginx(workdir, up_port)
     if target == "proxy":

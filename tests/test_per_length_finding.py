@@ -7,19 +7,22 @@ run 8 (start 4) measured, handed to `_ProfileWarmup.per_length_test` by a script
 on the CPU no server here pays per length)."""
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
 from exporter.metrics import AgentMetrics
 from exporter.recorder import Recorder
 from warmup_agent.stages.prewarm import (
+    EACH_NEW_LENGTH_PAYS,
     SETTLE_PROMPT_TOKENS,
     _ProfileWarmup,
+    length_skip_reason,
     per_length_line,
     remedy_for,
     settle_prompt_tokens,
 )
-from warmup_agent.warmup import benefit
+from warmup_agent.warmup import benefit, findings
 from warmup_agent.warmup.benefit import Call
 
 
@@ -31,9 +34,11 @@ def test_the_line_names_the_first_tokens_only_when_given():
     assert "first tokens" not in per_length_line([2.6, 2.6], [], remedy)
 
 
-def scripted_warmup(probe_pairs: list[tuple[Call, Call]]) -> tuple[_ProfileWarmup, list[int]]:
+def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None = None,
+                    model: str = "qwen2-1.5b") -> tuple[_ProfileWarmup, list[int]]:
     """A _ProfileWarmup whose gate probe pairs (StageContext.probe_pair, scripted here)
     answer `probe_pairs` in turn: a first and its control (the same length again).
+    `data_dir`: where prewarm.remember_findings keeps its file (None: the key is off).
     Returns it and the prompt lengths of the probes sent, in order."""
     w = object.__new__(_ProfileWarmup)
     metrics = AgentMetrics()
@@ -47,12 +52,15 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]]) -> tuple[_ProfileWarmu
         pair = benefit.Controlled(first, control)
         return pair, {**pair.as_dict(), "cold": pair.cold(0.2), "replayed_requests": 0}
     w.ctx = SimpleNamespace(metrics=metrics, recorder=Recorder(metrics), probe_length=probe_pairs[0][0].prompt_tokens,
-                            engine=SimpleNamespace(server_name="transformers serve"),
+                            engine=SimpleNamespace(server_name="transformers serve", capabilities={"model": model}),
+                            cfg=SimpleNamespace(data_dir=data_dir), host_facts={"gpus": [{"name": "NVIDIA H200"}]},
                             probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b))),
                             probe_pair=probe_pair, probe=lambda max_tokens=None: None, first_pairs=[],
                             driver=SimpleNamespace(warmup_requests=0))
-    w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8, length_ladder=False)
+    w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8, length_ladder=False,
+                           remember_findings=data_dir is not None)
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
+    w.concurrency = 4
     w.replayed, w.decoded, w.settle_tokens = 0, [], SETTLE_PROMPT_TOKENS
     w.told = told           # (first, control) ProbeLog.pair was told hold the figures
     return w, sent
@@ -310,3 +318,75 @@ def test_discoverys_request_stands_in_for_the_first_settle_request():
     assert wire == [[SETTLE_PROMPT_TOKENS]] and w.replayed == 1
     w.settle_unless_discovery_did()         # something was sent since: a real settle request
     assert wire == [[SETTLE_PROMPT_TOKENS], [SETTLE_PROMPT_TOKENS]] and w.settled == 1
+
+
+# -- prewarm.remember_findings: the outcome kept for the server's next start (issue 40) -------------
+
+def llamacpp_pairs() -> list[tuple[Call, Call]]:
+    """H200 llama.cpp run 14, start 0 (bench/results/gpu_server_llamacpp_h200_issue40_run14.json):
+    a first fresh length 56.9 ms against its control's 45.2, a second 46.2 against 35.5;
+    decode at steady speed in both."""
+    return [(call(56.9, 3.3, 661), call(45.19, 3.3, 661)), (call(46.18, 3.3, 479), call(35.45, 3.3, 479))]
+
+
+def test_a_server_measured_before_skips_the_second_pair(tmp_path):
+    # the first start runs the whole test: two fresh lengths, each paid in prefill
+    w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    first = w.per_length_test()
+    assert len(sent) == 4 and first["prefill_pays_each_new_length"] and not first["pays"]
+    assert "remembered" not in first
+    kept = json.loads((tmp_path / findings.FILENAME).read_text())
+    assert [e["prefill_pays_each_new_length"] for e in kept.values()] == [True]
+    assert list(kept.values())[0]["about"]["model"] == "qwen2-1.5b"
+    # the next start of the same server: its first fresh length paid as before, so the
+    # second pair would say it again; it is skipped, and the record says why
+    w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    second = w.per_length_test()
+    assert sent == [661, 661] and len(w.ctx.first_pairs) == 1
+    assert second["prefill_pays_each_new_length"] and second["lengths"] == [661]
+    assert second["remembered"]["from"] == str(tmp_path / findings.FILENAME)
+    assert second["remembered"]["measured_at"] == list(kept.values())[0]["measured_at"]
+    assert length_skip_reason(second) == EACH_NEW_LENGTH_PAYS
+
+
+def test_another_model_or_the_key_off_measures_again(tmp_path):
+    w, _ = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    w.per_length_test()
+    w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path), model="another-model")
+    assert "remembered" not in w.per_length_test() and len(sent) == 4
+    w, sent = scripted_warmup(llamacpp_pairs(), None)
+    assert "remembered" not in w.per_length_test() and len(sent) == 4
+
+
+def test_a_one_time_cost_remembered_does_not_skip_anything(tmp_path):
+    """The second fresh length was warm: the first paid a one-time cost.  Nothing to
+    skip on the next start: its first pair may be cold for another reason."""
+    one_time = [(call(56.9, 3.3, 661), call(45.19, 3.3, 661)), (call(35.9, 3.3, 479), call(35.45, 3.3, 479))]
+    w, _ = scripted_warmup(one_time, str(tmp_path))
+    assert not w.per_length_test()["prefill_pays_each_new_length"]
+    w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    per_length = w.per_length_test()
+    assert len(sent) == 4 and "remembered" not in per_length and per_length["prefill_pays_each_new_length"]
+    # ... and that start's whole test replaced the finding
+    kept = json.loads((tmp_path / findings.FILENAME).read_text())
+    assert [e["prefill_pays_each_new_length"] for e in kept.values()] == [True]
+
+
+def test_a_first_pair_that_is_warm_needs_no_finding(tmp_path):
+    w, _ = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    w.per_length_test()
+    w, sent = scripted_warmup([(call(45.5, 3.3, 661), call(45.19, 3.3, 661))], str(tmp_path))
+    per_length = w.per_length_test()
+    assert sent == [661, 661] and not per_length["prefill_pays"] and "remembered" not in per_length
+
+
+def test_an_unreadable_findings_file_is_measured_again_and_rewritten(tmp_path, caplog):
+    (tmp_path / findings.FILENAME).write_text("{not json")
+    w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="warmup_agent.warmup"):
+        per_length = w.per_length_test()
+    assert len(sent) == 4 and "remembered" not in per_length
+    assert any("not readable as the agent's server findings" in r.getMessage() and findings.FILENAME in r.getMessage()
+               for r in caplog.records)
+    assert [e["prefill_pays_each_new_length"] for e in json.loads((tmp_path / findings.FILENAME).read_text()).values()] \
+        == [True]

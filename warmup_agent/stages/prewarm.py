@@ -27,7 +27,7 @@ from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State
-from warmup_agent.warmup import benefit, memory_budget, traffic
+from warmup_agent.warmup import benefit, findings, memory_budget, traffic
 from warmup_agent.warmup import shapes as shape_warmup
 from warmup_agent.warmup.traffic import Shape, grid
 
@@ -491,8 +491,10 @@ class _ProfileWarmup:
         if d["cold"] and self.pc.length_ladder and benefit.prefill_cold(pair, self.tol):
             ladder = self.ladder()
         fresh = benefit.fresh_lengths(self.lo, self.hi, [*self.decoded, (lengths[0], lengths[0] + tokens)], 1, tokens)[0]
+        remembered = self.remembered()
+        skip = d["cold"] and findings.skips_second_pair(remembered) and benefit.prefill_cold(pair, self.tol)
         # Only inside the profile's range: a length above it may be past what the server takes.
-        if d["cold"] and fresh <= self.hi:
+        if d["cold"] and fresh <= self.hi and not skip:
             lengths.append(fresh)
             ctx.probe_length = fresh
             # The exported figures are this pair's: where each new length pays, its first
@@ -503,7 +505,7 @@ class _ProfileWarmup:
             probe_pairs.append(pair)
             ctx.first_pairs.append(d)
         fresh_cold = [benefit.prefill_cold(p, self.tol) for p in probe_pairs]
-        each_length = len(fresh_cold) == 2 and all(fresh_cold)
+        each_length = (len(fresh_cold) == 2 and all(fresh_cold)) or skip
         pairs = probe_pairs
         pays, ratios = benefit.pays_per_length(pairs, self.pc.per_length_ratio)
         cold = [benefit.prefill_cold(pair, self.tol) for pair in pairs]
@@ -522,6 +524,15 @@ class _ProfileWarmup:
             per_length["server_prefill_ms"] = [[round(pair.first.server_prefill * 1e3, 3),  # type: ignore[operator]
                                                 round(pair.control.server_prefill * 1e3, 3)]  # type: ignore[operator]
                                                for pair in pairs]
+        if skip:
+            assert remembered is not None
+            # The first fresh length paid in prefill, as every new length did in this
+            # server's earlier start: the second pair would say so again.
+            per_length["remembered"] = {"from": self.findings_path, "measured_at": remembered.get("measured_at"),
+                                        "second_pair": "skipped: each new prompt length paid in prefill when "
+                                                       "this server was measured before"}
+        elif self.pc.remember_findings and len(probe_pairs) == 2:
+            self.remember(per_length)
         remedy = remedy_for(ctx.engine.server_name) if pays else None
         ctx.recorder.warmup(WarmupStats(per_length_ratios=list(ratios), per_length_remedy=remedy))
         if remedy is not None:
@@ -529,6 +540,30 @@ class _ProfileWarmup:
             first = [pair.first.ttft / pair.control.ttft for pair in pairs] if per_length["prefill_pays"] else []
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
+
+    def _findings(self) -> tuple[findings.Findings, str, dict]:
+        ctx = self.ctx
+        gpus = [str(g.get("name")) for g in ctx.host_facts.get("gpus", []) if isinstance(g, dict)]
+        server, model = ctx.engine.server_name, ctx.engine.capabilities.get("model")
+        key = findings.server_key(server, model, self.concurrency, gpus)
+        about = {"server": server, "model": model, "concurrency": self.concurrency, "gpus": gpus}
+        return findings.Findings(ctx.cfg.data_dir), key, about
+
+    @property
+    def findings_path(self) -> str:
+        return findings.Findings(self.ctx.cfg.data_dir).path
+
+    def remembered(self) -> dict | None:
+        """This server's per-length outcome from an earlier start (prewarm.remember_findings)."""
+        if not self.pc.remember_findings:
+            return None
+        store, key, _ = self._findings()
+        return store.get(key)
+
+    def remember(self, per_length: dict) -> None:
+        """Keep a whole per-length test's outcome (both pairs ran) for the next start."""
+        store, key, about = self._findings()
+        store.put(key, per_length, about)
 
     def ladder(self) -> list[int]:
         """One request (one output token) at each rung of the length ladder, one at a

@@ -1,0 +1,90 @@
+"""What the per-length test found about a server, remembered for its next start (issue 40).
+
+Prewarm's per-length test (stages/prewarm.py) sends a probe pair at a fresh prompt
+length; where the first probe was cold beyond its control, a second pair at another
+fresh length tells a one-time cost from one that every new prompt length pays.  On
+the H200's llama.cpp every new exact length pays 7-14 ms more prefill the first time,
+so the first pair is cold in nearly every start and the second pair follows: 0.09-0.11
+s of the 0.5 s between the server's /health and /readyz
+(bench/results/gpu_server_llamacpp_h200_issue40_run14.json).  The answer is the
+server's, not the start's: the same server, model, settings and GPU give it again.
+
+So the test's outcome is kept in `<data_dir>/server-findings.json`, one entry per
+server (`server_key`), and the next start of the same server reads it: where each new
+length paid in prefill and decode did not pay per length, the second pair is skipped
+and the record says so ("remembered", with when and where it was measured).  Any
+other outcome runs the second pair as before.  A start that ran the test writes its
+outcome, so a server that changed is learned again on its next start.
+
+The file is the agent's own (a few hundred bytes, written atomically); a file that
+cannot be read or parsed is logged once and ignored, never a failed start.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import tempfile
+
+log = logging.getLogger("warmup_agent.warmup")
+
+FILENAME = "server-findings.json"
+#: The keys of the per-length test's outcome that are remembered.
+KEPT = ("prefill_pays_each_new_length", "pays")
+
+
+def server_key(server: str | None, model: str | None, concurrency: int, gpus: list[str]) -> str:
+    """Which server a finding is about: its name, the model it serves, how many requests
+    it takes at once and the GPUs of the host (a different build, model, slot count or
+    GPU may pay differently).  A short hash, with the parts readable beside it in the file."""
+    parts = json.dumps([server or "?", model or "?", int(concurrency), sorted(gpus)])
+    return hashlib.sha256(parts.encode()).hexdigest()[:16]
+
+
+class Findings:
+    """The findings file of one data directory."""
+
+    def __init__(self, data_dir: str):
+        self.path = os.path.join(data_dir, FILENAME)
+
+    def _load(self) -> dict:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("%s: not readable as the agent's server findings (%s); measuring again", self.path, e)
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> dict | None:
+        """The remembered outcome for `key`, with `measured_at`; None where none is."""
+        entry = self._load().get(key)
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), bool) for k in KEPT):
+            return None
+        return entry
+
+    def put(self, key: str, outcome: dict, about: dict) -> None:
+        """Remember the per-length test's `outcome` for `key`; `about` names the server
+        (readable parts of the key).  A write that fails is logged, not raised."""
+        data = self._load()
+        data[key] = {**{k: bool(outcome.get(k)) for k in KEPT}, "about": about,
+                     "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".wa-findings-", dir=os.path.dirname(self.path) or ".")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("cannot write the server findings to %s: %s", self.path, e)
+
+
+def skips_second_pair(remembered: dict | None) -> bool:
+    """Whether a remembered outcome makes the second probe pair say nothing new: each new
+    length paid in prefill (so the first pair's cold probe paid what a new length pays)
+    and decode did not pay per length (the second pair's decode ratios are not needed)."""
+    return bool(remembered and remembered.get("prefill_pays_each_new_length") and not remembered.get("pays"))

@@ -34,8 +34,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from bench.bench_proxy import (cpu_seconds, free_port, quantile, run_load, start_agent, start_nginx,  # noqa: E402
-                               stop, wait_http)
+from bench.bench_proxy import cpu_seconds, free_port, quantile, run_load, start_agent, start_nginx, stop, wait_http  # noqa: E402
 from bench.provenance import provenance, write_result  # noqa: E402
 
 TARGETS = ("nginx", "proxy", "aiohttp_min", "raw_min")
@@ -195,12 +194,14 @@ def main() -> int:
         stop(upstream)
     result = {"benchmark": "proxy_relay_floor", "streams": a.streams, "seconds_per_cell": a.seconds,
               "reps": a.reps, "summary": {}, "cells": cells, **provenance()}
+    def med(target: str, key: str, mode: str) -> float:
+        return quantile([c[key] for c in cells if c["target"] == target and c["mode"] == mode], 0.5)
     for mode in ("new", "keepalive"):
-        def med(target: str, key: str) -> float:
-            return quantile([c[key] for c in cells if c["target"] == target and c["mode"] == mode], 0.5)
-        nginx_rps = med("nginx", "rps")
-        result["summary"][mode] = {t: {"rps_median": med(t, "rps"), "rps_over_nginx": round(med(t, "rps") / nginx_rps, 3),
-                                       "cpu_ms_per_request_median": med(t, "cpu_ms_per_request")} for t in TARGETS}
+        nginx_rps = med("nginx", "rps", mode)
+        result["summary"][mode] = {t: {"rps_median": med(t, "rps", mode),
+                                       "rps_over_nginx": round(med(t, "rps", mode) / nginx_rps, 3),
+                                       "cpu_ms_per_request_median": med(t, "cpu_ms_per_request", mode)}
+                                   for t in TARGETS}
     write_result(a.out, result)
     print(result["summary"])
     return 0

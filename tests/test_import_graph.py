@@ -25,7 +25,7 @@ EXPORTER_MAY_IMPORT = {"warmup_agent.config", "warmup_agent.webconfig", "warmup_
 # is checked on its own (test_the_exporter_imports_no_agent_internals).
 LAYERS: list[tuple[str, ...]] = [
     # the ground floor: imports nothing of the agent above it
-    ("warmup_agent", "warmup_agent.errors", "warmup_agent.failures",
+    ("warmup_agent", "warmup_agent.errors", "warmup_agent.event_stream", "warmup_agent.failures",
      "warmup_agent.periodic", "warmup_agent.config_sections", "warmup_agent.signals"),
     # pure parts, each about one thing, that know nothing of the config or the engines
     ("warmup_agent.warmup", "warmup_agent.model", "warmup_agent.quantization", "warmup_agent.gpu",

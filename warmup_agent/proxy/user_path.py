@@ -15,8 +15,8 @@ import time
 import urllib.error
 import urllib.request
 
-from warmup_agent.engines.openai.client import EventStream
 from warmup_agent.errors import EngineError
+from warmup_agent.event_stream import EventStream
 from warmup_agent.server.command import http_url, reach_host
 
 #: A short chat turn, sampled as most chat traffic is, two tokens out: the decode path runs.

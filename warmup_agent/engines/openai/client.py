@@ -10,10 +10,10 @@ import concurrent.futures
 import json
 import time
 import uuid
-from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from warmup_agent.engines.base import EngineError, RequestResult
+from warmup_agent.event_stream import EventStream
 
 if TYPE_CHECKING:
     from warmup_agent.engines.openai.server_traffic import ServerTraffic
@@ -25,33 +25,6 @@ T = TypeVar("T")
 # stream_options.include_usage gives the token counts; without it chunks are counted.
 _OPTIONAL_FIELDS = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-
-
-class EventStream:
-    """The JSON events of an OpenAI-style event stream (`data: {...}` lines), read
-    from `lines` up to `data: [DONE]`; `done` says whether [DONE] came.  An error
-    event (`{"error": ...}`, what vLLM and llama-server send when a request fails
-    mid-stream) raises EngineError("request_failed") with `where` in its message; a
-    data line that is not JSON raises ValueError.  The one reader of the agent's
-    streams: its warmup requests and probes (StreamingClient) and the users'-path
-    request before SERVING (proxy/user_path.py)."""
-
-    def __init__(self, lines: Iterable[bytes], where: str):
-        self.lines, self.where, self.done = lines, where, False
-
-    def __iter__(self) -> Iterator[dict]:
-        for raw in self.lines:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                self.done = True
-                return
-            msg = json.loads(data)
-            if msg.get("error"):
-                raise EngineError("request_failed", f"{self.where}: {str(msg['error'])[:300]}")
-            yield msg
 
 
 class _Rejected(Exception):

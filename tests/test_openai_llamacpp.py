@@ -147,6 +147,9 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
                WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS="4", WARMUP_AGENT_PREWARM_CONVERGE_TOLERANCE="1000",
                # decode on busy cores can read "pays per length": no coverage tiles in the count below
                WARMUP_AGENT_PREWARM_DECODE_COVERAGE="never",
+               # this start's own per-length test is checked below: nothing remembered from
+               # another test's start in the session's shared data directory
+               WARMUP_AGENT_PREWARM_REMEMBER_FINDINGS="false",
                WARMUP_AGENT_OPENAI_API="chat", WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO="1000",
                WARMUP_AGENT_READINESS_P50_THRESHOLD_SECONDS="60", WARMUP_AGENT_READINESS_P90_THRESHOLD_SECONDS="60")
     agent = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", embedded_model,

@@ -390,3 +390,11 @@ def test_an_unreadable_findings_file_is_measured_again_and_rewritten(tmp_path, c
                for r in caplog.records)
     assert [e["prefill_pays_each_new_length"] for e in json.loads((tmp_path / findings.FILENAME).read_text()).values()] \
         == [True]
+
+
+def test_a_findings_write_that_fails_is_logged_and_leaves_no_temporary_file(tmp_path, caplog):
+    (tmp_path / findings.FILENAME).mkdir()          # the rename onto it fails
+    with caplog.at_level(logging.WARNING, logger="warmup_agent.warmup"):
+        findings.Findings(str(tmp_path)).put("k", {"prefill_pays_each_new_length": True, "pays": False}, {})
+    assert any("cannot write the server findings" in r.getMessage() for r in caplog.records)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [findings.FILENAME]

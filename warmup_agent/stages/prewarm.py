@@ -491,8 +491,9 @@ class _ProfileWarmup:
         if d["cold"] and self.pc.length_ladder and benefit.prefill_cold(pair, self.tol):
             ladder = self.ladder()
         fresh = benefit.fresh_lengths(self.lo, self.hi, [*self.decoded, (lengths[0], lengths[0] + tokens)], 1, tokens)[0]
-        remembered = self.remembered()
-        skip = d["cold"] and findings.skips_second_pair(remembered) and benefit.prefill_cold(pair, self.tol)
+        # Read only where it could matter: a first pair that was not cold has no second.
+        remembered = self.remembered() if d["cold"] else None
+        skip = findings.skips_second_pair(remembered) and benefit.prefill_cold(pair, self.tol)
         # Only inside the profile's range: a length above it may be past what the server takes.
         if d["cold"] and fresh <= self.hi and not skip:
             lengths.append(fresh)

@@ -73,14 +73,21 @@ class Findings:
         data = self._load()
         data[key] = {**{k: bool(outcome.get(k)) for k in KEPT}, "about": about,
                      "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        folder = os.path.dirname(self.path) or "."
         try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".wa-findings-", dir=os.path.dirname(self.path) or ".")
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".wa-findings-", dir=folder)
+        except OSError as e:
+            log.warning("cannot write the server findings to %s: %s", self.path, e)
+            return
+        try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("cannot write the server findings to %s: %s", self.path, e)
+            if os.path.exists(tmp):      # a failed write leaves no temporary file behind
+                os.unlink(tmp)
 
 
 def skips_second_pair(remembered: dict | None) -> bool:

@@ -26,7 +26,7 @@ EXPORTER_MAY_IMPORT = {"warmup_agent.config", "warmup_agent.webconfig", "warmup_
 LAYERS: list[tuple[str, ...]] = [
     # the ground floor: imports nothing of the agent above it
     ("warmup_agent", "warmup_agent.errors", "warmup_agent.event_stream", "warmup_agent.failures",
-     "warmup_agent.periodic", "warmup_agent.config_sections", "warmup_agent.signals"),
+     "warmup_agent.periodic", "warmup_agent.config_sections", "warmup_agent.signals", "warmup_agent.atomic_file"),
     # pure parts, each about one thing, that know nothing of the config or the engines
     ("warmup_agent.warmup", "warmup_agent.model", "warmup_agent.quantization", "warmup_agent.gpu",
      "warmup_agent.host", "warmup_agent.states"),

@@ -351,11 +351,8 @@ def _record(agent: Agent, cfg: Config) -> dict:
 def _write_record(path: str | None, record: dict) -> None:
     if not path:
         return
-    import json
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2, default=str)
-    os.replace(tmp, path)
+    from warmup_agent.atomic_file import write_json_atomic
+    write_json_atomic(path, record, indent=2, default=str)
 
 
 if __name__ == "__main__":

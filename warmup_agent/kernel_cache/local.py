@@ -12,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from typing import Any
+
+from warmup_agent.atomic_file import write_bytes_atomic
 
 KINDS = ("inductor", "triton", "vllm")
 # Environment variables that point each engine at its directory.
@@ -90,16 +91,8 @@ class LocalTier:
         """Write atomically (temp file + rename): an engine never sees half a file."""
         target = self.path(kind, relpath)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".wa-", dir=os.path.dirname(target))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, mode & 0o777)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        # ".wa-": scan() and _skip() pass over the temporary file
+        write_bytes_atomic(target, data, mode=mode & 0o777, prefix=".wa-")
 
     def touch(self, kind: str, relpath: str) -> None:
         try:

@@ -15,6 +15,8 @@ import random
 import shutil
 import tempfile
 
+from warmup_agent.atomic_file import write_json_atomic
+
 RECIPE = "v1"
 SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
@@ -114,7 +116,4 @@ def add_chat_template(model_dir: str, template: str = CHAT_TEMPLATE) -> None:
     if cfg.get("chat_template"):
         return
     cfg["chat_template"] = template
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(path, cfg, indent=2)

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from warmup_agent.atomic_file import write_json_atomic
+
 
 @dataclass
 class Check:
@@ -178,10 +180,7 @@ def check_performance(p50: float, path: str, key: str, factor: float) -> Check:
     if not base:
         baselines[key] = {"p50_seconds": p50, "recorded_unix": time.time()}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(baselines, f, indent=2)
-        os.replace(tmp, path)
+        write_json_atomic(path, baselines, indent=2)
         detail["baseline_p50_seconds"] = p50
         return Check("performance", "recorded", f"no baseline for this model yet: recorded P50 {p50 * 1000:.2f} ms", detail)
     if p50 > factor * base:

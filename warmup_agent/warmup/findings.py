@@ -26,7 +26,8 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
+
+from warmup_agent.atomic_file import write_json_atomic
 
 log = logging.getLogger("warmup_agent.warmup")
 
@@ -76,18 +77,10 @@ class Findings:
         folder = os.path.dirname(self.path) or "."
         try:
             os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".wa-findings-", dir=folder)
+            # mode 0o600 as tempfile.mkstemp made it; a failed write leaves no temporary file behind
+            write_json_atomic(self.path, data, mode=0o600, prefix=".wa-findings-", indent=1, sort_keys=True)
         except OSError as e:
             log.warning("cannot write the server findings to %s: %s", self.path, e)
-            return
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except OSError as e:
-            log.warning("cannot write the server findings to %s: %s", self.path, e)
-            if os.path.exists(tmp):      # a failed write leaves no temporary file behind
-                os.unlink(tmp)
 
 
 def skips_second_pair(remembered: dict | None) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import secrets
 from typing import Any
 
 __all__ = ["write_bytes_atomic", "write_json_atomic"]
@@ -23,10 +22,11 @@ __all__ = ["write_bytes_atomic", "write_json_atomic"]
 
 def _open_temporary(directory: str, prefix: str, suffix: str, perms: int) -> tuple[int, str]:
     """A new file of a name unused in `directory`, opened for writing, created with
-    `perms` (less the umask, as open() does)."""
+    `perms` (less the umask, as open() does).  Named from os.urandom, which costs no
+    import (`secrets` and `tempfile` import `random`)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     for _ in range(100):
-        tmp = os.path.join(directory, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        tmp = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}{suffix}")
         try:
             return os.open(tmp, flags, perms), tmp
         except FileExistsError:

@@ -85,6 +85,30 @@ def server_remedy(command: list[str] | None) -> dict[str, str]:
     return dict(SERVER_REMEDIES.get(server_name_of(command) or "", {}))
 
 
+#: The longest TMPDIR a supervised server gets.  Servers bind Unix sockets in it, whose
+#: path may be at most 107 bytes: Python's multiprocessing (transformers serve passing
+#: tensors between processes) binds <TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX (32 more),
+#: vLLM's IPC sockets <TMPDIR>/<uuid4> (37 more).  Past this, "AF_UNIX path too long".
+MAX_SERVER_TMPDIR = 64
+
+
+def server_tmpdir(data_dir: str) -> str:
+    """The supervised server's scratch folder: <data_dir>/tmp/server, or where that path is
+    too long for the Unix sockets servers bind there (MAX_SERVER_TMPDIR), a short folder
+    named for the data directory under the system's temporary folder.  The same data
+    directory always gets the same folder (early_spawn plans this environment before the
+    engine compares it).  No tempfile import: this runs before the server's spawn."""
+    path = os.path.join(data_dir, "tmp", "server")
+    if len(os.fsencode(path)) <= MAX_SERVER_TMPDIR:
+        return path
+    import hashlib
+    digest = hashlib.sha256(os.fsencode(os.path.abspath(data_dir))).hexdigest()[:12]
+    base = os.environ.get("TMPDIR") or "/tmp"
+    if len(os.fsencode(base)) > MAX_SERVER_TMPDIR - 32:
+        base = "/tmp"
+    return os.path.join(base, f"warmup-agent-{os.getuid()}-{digest}")
+
+
 def server_env(base: dict[str, str] | os._Environ, data_dir: str, host: str, lora_adapters: str | None,
                remedy: dict[str, str] | None = None) -> dict[str, str]:
     """A supervised server's environment: `base` plus the caches pointed at the
@@ -99,7 +123,7 @@ def server_env(base: dict[str, str] | os._Environ, data_dir: str, host: str, lor
         env.setdefault(var, os.path.join(data_dir, "cache", sub))
         os.makedirs(env[var], exist_ok=True)
     # The CPU build leaves socket files in TMPDIR: give it a scratch folder of its own.
-    env.setdefault("TMPDIR", os.path.join(data_dir, "tmp", "server"))
+    env.setdefault("TMPDIR", server_tmpdir(data_dir))
     os.makedirs(env["TMPDIR"], exist_ok=True)
     if host.startswith("127.") or host == "localhost":
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -57,6 +57,14 @@ def test_a_long_data_dir_gets_a_short_scratch_where_a_unix_socket_binds(tmp_path
     assert failed.returncode != 0 and "AF_UNIX path too long" in failed.stderr
 
 
+def test_a_relative_data_dir_is_measured_where_it_lies(tmp_path, monkeypatch):
+    deep = tmp_path / ("a-working-directory-with-a-long-name-" * 2)
+    deep.mkdir()
+    monkeypatch.chdir(deep)
+    tmpdir = server_tmpdir("d")          # short as written, long as an absolute path
+    assert len(os.path.abspath(tmpdir)) <= MAX_SERVER_TMPDIR
+
+
 def test_a_tmpdir_the_caller_set_is_kept(tmp_path):
     env = server_env({"TMPDIR": str(tmp_path)}, str(tmp_path / ("x" * 90)), "127.0.0.1", None)
     assert env["TMPDIR"] == str(tmp_path)

@@ -99,7 +99,9 @@ def server_tmpdir(data_dir: str) -> str:
     directory always gets the same folder (early_spawn plans this environment before the
     engine compares it).  No tempfile import: this runs before the server's spawn."""
     path = os.path.join(data_dir, "tmp", "server")
-    if len(os.fsencode(path)) <= MAX_SERVER_TMPDIR:
+    # Measured absolute: a relative TMPDIR reaches the sockets as an absolute path
+    # (tempfile.gettempdir makes it so), however short the relative one is.
+    if len(os.fsencode(os.path.abspath(path))) <= MAX_SERVER_TMPDIR:
         return path
     import hashlib
     digest = hashlib.sha256(os.fsencode(os.path.abspath(data_dir))).hexdigest()[:12]

@@ -99,7 +99,11 @@ CORE: tuple[MetricSpec, ...] = (
                "The first probe after warmup, less what its control paid too, over the steady probe time: 1 + (first - control) / median of the later probes' time to first token; 1.0 means no cold-start tax.",
                unit="short",
                doc="The control is the same shape with a fresh prompt after the same predecessor (benefit.Controlled): "
-                   "a server's ordinary costs, which the control pays too, are not counted as cold start."),
+                   "a server's ordinary costs, which the control pays too, are not counted as cold start. Where each "
+                   "new prompt length pays and this start skipped the per-length test's second pair because the "
+                   "server was measured before (prewarm.remember_findings), it is 1 + what that second fresh length "
+                   "paid beyond its control then: this start's first probe also paid one-time costs no user meets "
+                   "(the run record: first_request_new_length_remembered)."),
     MetricSpec("warmup_time_per_output_token_window_seconds", "gauge",
                "Exact percentile of time per output token (decode) over the readiness sliding window of probes (openai engine).",
                labels=("percentile",), unit="s",
@@ -117,7 +121,9 @@ CORE: tuple[MetricSpec, ...] = (
                    "figure is the first user's whole answer predicted from it: its extra cost per decode step "
                    "at a length nothing had reached, times the mean of such steps left at the profile's prompt "
                    "lengths after the probes (warmup_agent/readiness/cold_decode.py; the run record keeps the probe's own "
-                   "as first_probe_total_tax_ratio). In-process engines' probes are 1 token."),
+                   "as first_probe_total_tax_ratio). Where the second fresh length was remembered, not sent, 1 + "
+                   "what it paid on the whole answer then, as warmup_first_request_tax_ratio. In-process engines' "
+                   "probes are 1 token."),
     MetricSpec("warmup_first_user_request_tax_ratio", "gauge",
                "Time to first token of the users' real first request after SERVING (through the proxy) divided by the median of the users' answers after it; 0 until measured.",
                unit="short",

@@ -45,6 +45,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
     sent: list[int] = []
     script = list(probe_pairs)
     told: list[tuple[int, int]] = []
+    remembered: list[dict] = []
 
     def probe_pair(probe, tokens, replay):
         first, control = script.pop(0)
@@ -54,7 +55,8 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
     w.ctx = SimpleNamespace(metrics=metrics, recorder=Recorder(metrics), probe_length=probe_pairs[0][0].prompt_tokens,
                             engine=SimpleNamespace(server_name="transformers serve", capabilities={"model": model}),
                             cfg=SimpleNamespace(data_dir=data_dir), host_facts={"gpus": [{"name": "NVIDIA H200"}]},
-                            probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b))),
+                            probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b)),
+                                                      remembered_new_length=remembered.append),
                             probe_pair=probe_pair, probe=lambda max_tokens=None: None, first_pairs=[],
                             driver=SimpleNamespace(warmup_requests=0))
     w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8, length_ladder=False,
@@ -63,6 +65,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
     w.concurrency = 4
     w.replayed, w.decoded, w.settle_tokens = 0, [], SETTLE_PROMPT_TOKENS
     w.told = told           # (first, control) ProbeLog.pair was told hold the figures
+    w.told_new_length = remembered   # what ProbeLog.remembered_new_length was told
     return w, sent
 
 
@@ -334,10 +337,14 @@ def test_a_server_measured_before_skips_the_second_pair(tmp_path):
     w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
     first = w.per_length_test()
     assert len(sent) == 4 and first["prefill_pays_each_new_length"] and not first["pays"]
-    assert "remembered" not in first
+    assert "remembered" not in first and w.told_new_length == []
     kept = json.loads((tmp_path / findings.FILENAME).read_text())
     assert [e["prefill_pays_each_new_length"] for e in kept.values()] == [True]
     assert list(kept.values())[0]["about"]["model"] == "qwen2-1.5b"
+    # what the second fresh length paid beyond its control (46.18 against 35.45 ms to the
+    # first token, the whole answers 69.28 against 58.55 ms) is kept with it
+    excess = {"ttft": round(10.73 / 35.45, 4), "total": round(10.73 / 58.55, 4)}
+    assert first[findings.EXCESS] == excess and list(kept.values())[0][findings.EXCESS] == excess
     # the next start of the same server: its first fresh length paid as before, so the
     # second pair would say it again; it is skipped, and the record says why
     w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
@@ -347,6 +354,30 @@ def test_a_server_measured_before_skips_the_second_pair(tmp_path):
     assert second["remembered"]["from"] == str(tmp_path / findings.FILENAME)
     assert second["remembered"]["measured_at"] == list(kept.values())[0]["measured_at"]
     assert length_skip_reason(second) == EACH_NEW_LENGTH_PAYS
+    # its first pair's excess (56.9 against 45.19 ms) held this start's one-time costs: the
+    # figures are the remembered second length's, and the record says so
+    assert w.told_new_length == [{**excess, "measured_at": list(kept.values())[0]["measured_at"]}]
+    assert second["remembered"][findings.EXCESS] == excess
+
+
+def test_a_finding_without_the_new_length_excess_is_measured_again(tmp_path):
+    """An entry an older agent wrote (no new_length_excess) cannot give the figures a
+    skipped second pair would have measured: both pairs run, and the entry is rewritten."""
+    w, _ = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    w.per_length_test()
+    path = tmp_path / findings.FILENAME
+    kept = json.loads(path.read_text())
+    for entry in kept.values():
+        del entry[findings.EXCESS]
+    path.write_text(json.dumps(kept))
+    w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    per_length = w.per_length_test()
+    assert len(sent) == 4 and "remembered" not in per_length and w.told_new_length == []
+    assert all(findings.EXCESS in e for e in json.loads(path.read_text()).values())
+    # a malformed one is not used either
+    assert findings.excess_of({findings.EXCESS: {"ttft": "0.3", "total": 0.1}}) is None
+    assert findings.excess_of({findings.EXCESS: {"ttft": -0.1, "total": 0.1}}) is None
+    assert not findings.skips_second_pair({"prefill_pays_each_new_length": True, "pays": False})
 
 
 def test_another_model_or_the_key_off_measures_again(tmp_path):
@@ -398,3 +429,32 @@ def test_a_findings_write_that_fails_is_logged_and_leaves_no_temporary_file(tmp_
         findings.Findings(str(tmp_path)).put("k", {"prefill_pays_each_new_length": True, "pays": False}, {})
     assert any("cannot write the server findings" in r.getMessage() for r in caplog.records)
     assert sorted(p.name for p in tmp_path.iterdir()) == [findings.FILENAME]
+
+
+def test_a_gate_that_skipped_the_second_pair_exports_the_remembered_excess():
+    """H200 llama.cpp run 20 (bench/results/gpu_server_llamacpp_h200_issue40_run20.json):
+    start 0 measured both fresh lengths, the second 28.90 ms against its control's 23.71;
+    start 1 remembered that and sent one pair, 28.88 against 19.69 ms, whose first probe
+    also paid the start's one-time costs: its own figure read 1.47 where the outside
+    client's first request met 0.91x steady.  The gate exports 1 + the remembered excess."""
+    from warmup_agent.readiness.probes import ProbeLog
+    measured = benefit.Controlled(Call(0.02890, 0.04997, 8, 303), Call(0.02371, 0.04553, 8, 303)).excess()
+    assert measured == {"ttft": round(5.19 / 23.71, 4), "total": round(4.44 / 45.53, 4)}
+    log = ProbeLog()
+    log.restart()
+    for c in (Call(0.02888, 0.05608, 8, 264), Call(0.01969, 0.04123, 8, 264)):
+        log.add(c)
+    log.pair(0, 1)
+    assert round(log.figures.ttft_tax, 3) == round(1 + 9.19 / 19.69, 3)     # the pair's own: 1.467
+    log.remembered_new_length({**measured, "measured_at": "2026-12-03T17:20:00+00:00"})
+    fr = log.freeze()
+    assert fr.ttft_tax == 1 + measured["ttft"] and fr.total_tax == 1 + measured["total"]
+    # the probes' own times stay as measured, for the record
+    assert fr.ttft_seconds == 0.02888 and round(fr.measured_total_tax, 3) == round(1 + 14.85 / 41.23, 3)
+    assert fr.new_length["measured_at"] == "2026-12-03T17:20:00+00:00"
+    # a re-warm's gate measures afresh
+    log.restart()
+    log.add(Call(0.030, 0.05, 8, 264))
+    log.add(Call(0.020, 0.04, 8, 264))
+    log.pair(0, 1)
+    assert log.figures.new_length is None and round(log.figures.ttft_tax, 3) == 1.5

@@ -152,7 +152,14 @@ def prepare_source(root: Path, from_tarball: Path | None, sdist: Path | None = N
                     raise BuildError(f"extract: cannot read {sdist}: {e}") from None
         log(f"source: {n} entries (stripped) -> {src}")
         (tmp / ".complete").write_text(f"{PACKAGE}=={VERSION}\n")
-        tmp.rename(src)
+        try:
+            tmp.rename(src)
+        except OSError:
+            # another build of the same version extracted it meanwhile (two at once on one
+            # cache: test-setup beside a --source-tarball run); theirs is as good as ours
+            if not (src / ".complete").is_file():
+                raise
+            log(f"source: {src} was extracted meanwhile by another build; using it")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return src

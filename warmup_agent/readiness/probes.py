@@ -22,6 +22,10 @@ user meets the state after it), except where prewarm's per-length test found tha
 each new prompt length pays once: then a user's first request, at a length no
 request reached, meets what the first pair's first probe met, and the figures stay
 the first pair's.
+A start that skipped the second pair because this server was measured before
+(warmup/findings.py) exports what the second fresh length paid then, over its
+control: 1 + the remembered excess (`FirstRequest.new_length`); its own first pair's
+excess holds the start's one-time costs too, which no user meets.
 Without a control (a gate of one probe), the first probe over the steady level.
 On a server that pays per decode length, the whole-answer tax is the one a
 user's first request meets after the probes have warmed their own lengths
@@ -56,6 +60,10 @@ class FirstRequest:
     cold_decode: dict | None = None
     #: The first probe's control (same shape, same predecessor); None: not sent.
     control: Call | None = None
+    #: Where this start skipped the second fresh length (warmup/findings.py): what it paid
+    #: beyond its control when the server was measured ({"ttft", "total": fractions of the
+    #: control's times, "measured_at"}): the exported taxes are 1 + those.
+    new_length: dict | None = None
 
     @property
     def pair(self) -> Controlled | None:
@@ -67,6 +75,8 @@ class FirstRequest:
     def ttft_tax(self) -> float | None:
         if not self.steady_ttft_seconds:
             return None
+        if self.new_length is not None:
+            return 1 + self.new_length["ttft"]
         pair = self.pair
         return pair.ttft_tax(self.steady_ttft_seconds) if pair else self.ttft_seconds / self.steady_ttft_seconds
 
@@ -80,8 +90,13 @@ class FirstRequest:
 
     @property
     def total_tax(self) -> float | None:
-        """The exported whole-answer tax: the cold-decode prediction where there is one."""
-        return self.cold_decode["total_tax"] if self.cold_decode else self.measured_total_tax
+        """The exported whole-answer tax: the cold-decode prediction where there is one,
+        the remembered new-length excess where the second pair was skipped."""
+        if self.cold_decode:
+            return self.cold_decode["total_tax"]
+        if self.new_length is not None and self.steady_total_seconds:
+            return 1 + self.new_length["total"]
+        return self.measured_total_tax
 
 
 def first_request(probes: list[Probe], first: int = 0, control: int | None = None) -> FirstRequest | None:
@@ -118,6 +133,7 @@ class ProbeLog:
         self._pair: tuple[int, int] | None = None   # (first, control) within the gate's probes
         self._frozen: FirstRequest | None = None
         self._frozen_at: int | None = None
+        self._new_length: dict | None = None   # FirstRequest.new_length of the current gate
 
     def add(self, probe: Probe) -> None:
         self.probes.append(probe)
@@ -136,6 +152,7 @@ class ProbeLog:
         self._pair = None
         self._frozen = None
         self._frozen_at = None
+        self._new_length = None
 
     def pair(self, first: int, control: int) -> Controlled:
         """The gate's probes `first` and `control` (indices within gate_probes) are a
@@ -143,6 +160,11 @@ class ProbeLog:
         self._pair = (first, control)
         probes = self.gate_probes
         return Controlled(probes[first], probes[control])
+
+    def remembered_new_length(self, excess: dict) -> None:
+        """This gate skipped the second fresh length (warmup/findings.py): its figures are
+        1 + `excess` (FirstRequest.new_length), not its first pair's."""
+        self._new_length = dict(excess)
 
     def freeze(self, cold_decode: Callable[[FirstRequest, list[Probe]], dict | None] | None = None) -> FirstRequest | None:
         """Fix the first-request figures to the gate's probes so far (the gate opened).
@@ -172,7 +194,8 @@ class ProbeLog:
 
     def _figures(self) -> FirstRequest | None:
         first, control = self._pair if self._pair is not None else (0, None)
-        return first_request(self.gate_probes, first, control)
+        figures = first_request(self.gate_probes, first, control)
+        return replace(figures, new_length=self._new_length) if figures is not None and self._new_length else figures
 
     @property
     def ttfts(self) -> list[float]:

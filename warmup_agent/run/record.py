@@ -99,6 +99,9 @@ class RunRecord:
             # where decode pays per length: the first probe's own, and how the exported one was predicted
             "first_probe_total_tax_ratio": None if fr is None else fr.measured_total_tax,
             "first_request_cold_decode": None if fr is None else fr.cold_decode,
+            # where the per-length test's second pair was skipped: the excess it paid when the
+            # server was measured, which the two taxes above are 1 + of (warmup/findings.py)
+            "first_request_new_length_remembered": None if fr is None else fr.new_length,
             "first_request_prompt_tokens": None if fr is None else fr.prompt_tokens,
             "first_request_output_tokens": None if fr is None else fr.output_tokens,
             "time_per_output_token_window_seconds": {percentile_label(q): v for q, v in log.decode.quantiles().items()},

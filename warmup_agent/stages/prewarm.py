@@ -525,15 +525,7 @@ class _ProfileWarmup:
             per_length["server_prefill_ms"] = [[round(pair.first.server_prefill * 1e3, 3),  # type: ignore[operator]
                                                 round(pair.control.server_prefill * 1e3, 3)]  # type: ignore[operator]
                                                for pair in pairs]
-        if skip:
-            assert remembered is not None
-            # The first fresh length paid in prefill, as every new length did in this
-            # server's earlier start: the second pair would say so again.
-            per_length["remembered"] = {"from": self.findings_path, "measured_at": remembered.get("measured_at"),
-                                        "second_pair": "skipped: each new prompt length paid in prefill when "
-                                                       "this server was measured before"}
-        elif self.pc.remember_findings and len(probe_pairs) == 2:
-            self.remember(per_length)
+        self.keep_finding(per_length, pairs, remembered if skip else None)
         remedy = remedy_for(ctx.engine.server_name) if pays else None
         ctx.recorder.warmup(WarmupStats(per_length_ratios=list(ratios), per_length_remedy=remedy))
         if remedy is not None:
@@ -541,6 +533,30 @@ class _ProfileWarmup:
             first = [pair.first.ttft / pair.control.ttft for pair in pairs] if per_length["prefill_pays"] else []
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
+
+    def keep_finding(self, per_length: dict, pairs: list[benefit.Controlled], skipped_for: dict | None) -> None:
+        """The per-length test's outcome and the findings file: where both pairs ran and
+        each new length paid, what the second fresh length paid beyond its control (a
+        user's first request at a length nothing reached pays it; that first paid none of
+        the start's one-time costs) goes with the outcome, which is remembered.  Where the
+        second pair was skipped for the finding `skipped_for`, the gate's figures are the
+        remembered excess, not the first pair's (readiness/probes.py), and the record says so."""
+        if per_length["prefill_pays_each_new_length"] and len(pairs) == 2:
+            per_length[findings.EXCESS] = pairs[1].excess()
+        if skipped_for is None:
+            if self.pc.remember_findings and len(pairs) == 2:
+                self.remember(per_length)
+            return
+        excess = findings.excess_of(skipped_for)
+        assert excess is not None, "skips_second_pair checked it"
+        when = skipped_for.get("measured_at")
+        self.ctx.probe_log.remembered_new_length({**excess, "measured_at": when})
+        per_length["remembered"] = {"from": self.findings_path, "measured_at": when,
+                                    "second_pair": "skipped: each new prompt length paid in prefill when "
+                                                   "this server was measured before",
+                                    findings.EXCESS: excess,
+                                    "first_request_figures": "1 + what the second fresh length paid beyond "
+                                                             "its control when this server was measured"}
 
     def _findings(self) -> tuple[findings.Findings, str, dict]:
         ctx = self.ctx

@@ -110,6 +110,13 @@ class Controlled:
         """The same on the whole answer."""
         return 1 + max(0.0, self.first.total - self.control.total) / steady_total
 
+    def excess(self) -> dict[str, float]:
+        """What the first paid beyond its control, as fractions of the control's time to
+        first token and whole answer (never below 0): the taxes above with the control
+        as the steady level, kept where a later start reuses them (warmup/findings.py)."""
+        return {"ttft": round(max(0.0, self.first.ttft - self.control.ttft) / self.control.ttft, 4),
+                "total": round(max(0.0, self.first.total - self.control.total) / self.control.total, 4)}
+
     def as_dict(self) -> dict:
         return {"first_ttft_ms": round(self.first.ttft * 1e3, 2), "control_ttft_ms": round(self.control.ttft * 1e3, 2),
                 "first_total_ms": round(self.first.total * 1e3, 2), "control_total_ms": round(self.control.total * 1e3, 2)}

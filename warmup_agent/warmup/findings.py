@@ -16,6 +16,14 @@ and the record says so ("remembered", with when and where it was measured).  Any
 other outcome runs the second pair as before.  A start that ran the test writes its
 outcome, so a server that changed is learned again on its next start.
 
+What the second fresh length paid beyond its control (`new_length_excess`, fractions
+of the control's times) is kept too: it is what a user's first request at a length no
+request reached pays, and a start that skips the second pair exports it as its
+first-request figures (readiness/probes.py).  Its own first pair cannot say it: that
+first probe also paid the start's one-time costs (H200 llama.cpp run 20: remembered
+starts exported 1.36-1.79 from it while users met 0.91-1.15; the measured start's
+second pair read 1.22).  An entry without it (an older agent's) is measured again.
+
 The file is the agent's own (a few hundred bytes, written atomically); a file that
 cannot be read or parsed is logged once and ignored, never a failed start.
 """
@@ -34,6 +42,8 @@ log = logging.getLogger("warmup_agent.warmup")
 FILENAME = "server-findings.json"
 #: The keys of the per-length test's outcome that are remembered.
 KEPT = ("prefill_pays_each_new_length", "pays")
+#: ... and the second pair's excess over its control, where both pairs ran (Controlled.excess).
+EXCESS = "new_length_excess"
 
 
 def server_key(server: str | None, model: str | None, concurrency: int, gpus: list[str]) -> str:
@@ -74,6 +84,8 @@ class Findings:
         data = self._load()
         data[key] = {**{k: bool(outcome.get(k)) for k in KEPT}, "about": about,
                      "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if (excess := excess_of(outcome)) is not None:
+            data[key][EXCESS] = excess
         folder = os.path.dirname(self.path) or "."
         try:
             os.makedirs(folder, exist_ok=True)
@@ -83,8 +95,25 @@ class Findings:
             log.warning("cannot write the server findings to %s: %s", self.path, e)
 
 
+def excess_of(entry: dict | None) -> dict | None:
+    """The entry's `new_length_excess` ({"ttft": f, "total": f}, each a number >= 0), or
+    None where it has none or a malformed one."""
+    excess = (entry or {}).get(EXCESS)
+    if not isinstance(excess, dict):
+        return None
+    kept: dict[str, float] = {}
+    for k in ("ttft", "total"):
+        v = excess.get(k)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+            return None
+        kept[k] = float(v)
+    return kept
+
+
 def skips_second_pair(remembered: dict | None) -> bool:
     """Whether a remembered outcome makes the second probe pair say nothing new: each new
-    length paid in prefill (so the first pair's cold probe paid what a new length pays)
-    and decode did not pay per length (the second pair's decode ratios are not needed)."""
-    return bool(remembered and remembered.get("prefill_pays_each_new_length") and not remembered.get("pays"))
+    length paid in prefill, decode did not pay per length (the second pair's decode
+    ratios are not needed), and what the second fresh length paid is kept (the figures
+    a user's first request meets)."""
+    return bool(remembered and remembered.get("prefill_pays_each_new_length") and not remembered.get("pays")
+                and excess_of(remembered) is not None)

@@ -57,8 +57,8 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
                             cfg=SimpleNamespace(data_dir=data_dir), host_facts={"gpus": [{"name": "NVIDIA H200"}]},
                             probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b)),
                                                       remembered_new_length=remembered.append),
-                            probe_pair=probe_pair, probe=lambda max_tokens=None: None, first_pairs=[],
-                            driver=SimpleNamespace(warmup_requests=0))
+                            probe_pair=probe_pair, probe=lambda max_tokens=None: sent.append(w.ctx.probe_length),
+                            first_pairs=[], first_probe_alone=False, driver=SimpleNamespace(warmup_requests=0))
     w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8, length_ladder=False,
                            remember_findings=data_dir is not None)
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
@@ -345,17 +345,18 @@ def test_a_server_measured_before_skips_the_second_pair(tmp_path):
     # first token, the whole answers 69.28 against 58.55 ms) is kept with it
     excess = {"ttft": round(10.73 / 35.45, 4), "total": round(10.73 / 58.55, 4)}
     assert first[findings.EXCESS] == excess and list(kept.values())[0][findings.EXCESS] == excess
-    # the next start of the same server: its first fresh length paid as before, so the
-    # second pair would say it again; it is skipped, and the record says why
+    # the next start of the same server: a pair would say again what the finding says; the
+    # first probe goes alone (no control, no second pair), and the record says why
     w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
     second = w.per_length_test()
-    assert sent == [661, 661] and len(w.ctx.first_pairs) == 1
-    assert second["prefill_pays_each_new_length"] and second["lengths"] == [661]
+    assert sent == [661] and w.ctx.first_pairs == [] and w.ctx.first_probe_alone
+    assert second["prefill_pays_each_new_length"] and second["lengths"] == [661] and second["pairs"] == []
+    assert second["remembered"]["control"].startswith("skipped") and not second["pays"]
     assert second["remembered"]["from"] == str(tmp_path / findings.FILENAME)
     assert second["remembered"]["measured_at"] == list(kept.values())[0]["measured_at"]
     assert length_skip_reason(second) == EACH_NEW_LENGTH_PAYS
-    # its first pair's excess (56.9 against 45.19 ms) held this start's one-time costs: the
-    # figures are the remembered second length's, and the record says so
+    # a first pair's excess would hold this start's one-time costs too: the figures are the
+    # remembered second length's, and the record says so
     assert w.told_new_length == [{**excess, "measured_at": list(kept.values())[0]["measured_at"]}]
     assert second["remembered"][findings.EXCESS] == excess
 
@@ -403,12 +404,46 @@ def test_a_one_time_cost_remembered_does_not_skip_anything(tmp_path):
     assert [e["prefill_pays_each_new_length"] for e in kept.values()] == [True]
 
 
-def test_a_first_pair_that_is_warm_needs_no_finding(tmp_path):
-    w, _ = scripted_warmup(llamacpp_pairs(), str(tmp_path))
-    w.per_length_test()
+def test_a_start_that_remembers_nothing_to_skip_sends_the_whole_pair(tmp_path):
+    """Only a finding that each new length pays sends the first probe alone: with the key
+    off, or nothing kept yet, the first pair runs with its control."""
     w, sent = scripted_warmup([(call(45.5, 3.3, 661), call(45.19, 3.3, 661))], str(tmp_path))
     per_length = w.per_length_test()
     assert sent == [661, 661] and not per_length["prefill_pays"] and "remembered" not in per_length
+    assert not w.ctx.first_probe_alone and len(w.ctx.first_pairs) == 1
+
+
+def test_a_first_probe_sent_alone_exports_the_remembered_figures_without_a_steady_level():
+    """A gate of the first probe alone has no steady level of its own; its figures are
+    1 + the remembered excess all the same, and its own times stay in the record."""
+    from warmup_agent.readiness.probes import ProbeLog
+    log = ProbeLog()
+    log.restart()
+    log.add(Call(0.02888, 0.05608, 8, 264))
+    log.remembered_new_length({"ttft": 0.2189, "total": 0.0975, "measured_at": "2026-12-04T11:34:13+00:00"})
+    fr = log.freeze()
+    assert fr.steady_ttft_seconds is None and fr.control is None
+    assert fr.ttft_tax == 1.2189 and fr.total_tax == 1.0975 and fr.measured_total_tax is None
+    assert fr.ttft_seconds == 0.02888
+    # without a remembered excess one probe gives no figures, as before
+    log.restart()
+    log.add(Call(0.03, 0.05, 8, 264))
+    assert log.figures.ttft_tax is None and log.figures.total_tax is None
+
+
+def test_decode_of_a_first_probe_alone_is_judged_on_its_threshold_only():
+    """ready.decode_converged: with no convergence ratio to meet (a first probe sent alone,
+    or a pair whose first decoded no slower), min_probes samples under the P90 threshold
+    do; with a ratio, two are needed to compare."""
+    import math
+
+    from warmup_agent.readiness.window import SlidingWindow
+    from warmup_agent.stages.ready import decode_converged
+    window = SlidingWindow(10)
+    window.add(0.004)
+    assert decode_converged(window, 1, 0.5, math.inf)
+    assert not decode_converged(window, 1, 0.5, 1.5) and not decode_converged(window, 2, 0.5, math.inf)
+    assert not decode_converged(window, 1, 0.003, math.inf)      # over the threshold
 
 
 def test_an_unreadable_findings_file_is_measured_again_and_rewritten(tmp_path, caplog):

@@ -26,6 +26,9 @@ A start that skipped the second pair because this server was measured before
 (warmup/findings.py) exports what the second fresh length paid then, over its
 control: 1 + the remembered excess (`FirstRequest.new_length`); its own first pair's
 excess holds the start's one-time costs too, which no user meets.
+Such a start sends its first probe alone (no control, no later probe before SERVING:
+stages/prewarm.py, first_probe_alone), so it has no steady level of its own; its figures
+need none.
 Without a control (a gate of one probe), the first probe over the steady level.
 On a server that pays per decode length, the whole-answer tax is the one a
 user's first request meets after the probes have warmed their own lengths
@@ -73,10 +76,10 @@ class FirstRequest:
 
     @property
     def ttft_tax(self) -> float | None:
+        if self.new_length is not None:     # no steady level needed: a first probe alone has none
+            return 1 + self.new_length["ttft"]
         if not self.steady_ttft_seconds:
             return None
-        if self.new_length is not None:
-            return 1 + self.new_length["ttft"]
         pair = self.pair
         return pair.ttft_tax(self.steady_ttft_seconds) if pair else self.ttft_seconds / self.steady_ttft_seconds
 
@@ -94,7 +97,7 @@ class FirstRequest:
         the remembered new-length excess where the second pair was skipped."""
         if self.cold_decode:
             return self.cold_decode["total_tax"]
-        if self.new_length is not None and self.steady_total_seconds:
+        if self.new_length is not None:
             return 1 + self.new_length["total"]
         return self.measured_total_tax
 

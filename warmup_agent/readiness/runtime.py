@@ -128,13 +128,15 @@ class Readiness:
                 self.metrics.warmup_validation_checks_total.labels(check=check, result=result)
         self.metrics.warmup_water_level_requests_per_second.set_function(self.water.read)
 
-    def gate_profile_probes(self) -> int:
+    def gate_profile_probes(self, alone: bool = False) -> int:
         """The gate's probes speak the traffic profile (a server engine): they are paired
         with controls and judged one by one, so fewer make the window
-        (readiness.min_probes_server instead of readiness.min_probes).  Returns the
+        (readiness.min_probes_server instead of readiness.min_probes).  `alone`: the
+        first probe went without a control, because this server was measured before
+        (StageContext.first_probe_alone): that one probe makes the window.  Returns the
         minimum now in force."""
-        self.thresholds.min_samples = self._min_probes_server
-        return self._min_probes_server
+        self.thresholds.min_samples = 1 if alone else self._min_probes_server
+        return self.thresholds.min_samples
 
     # -- samples ---------------------------------------------------------------------
     def first_token(self, ttft: float) -> None:

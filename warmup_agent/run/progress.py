@@ -167,6 +167,10 @@ def summary_table(record: dict) -> str:
         lines.append(f"first request after warmup: {first * 1000:.1f} ms time to first token; "
                      f"steady: {steady * 1000:.1f} ms (median of {record['probe_count'] - 1} probes); "
                      f"first-request tax {tax:.2f}x")
+    elif first is not None and tax is not None and record.get("first_request_new_length_remembered"):
+        lines.append("")
+        lines.append(f"first request after warmup: {first * 1000:.1f} ms time to first token (sent alone); "
+                     f"first-request tax {tax:.2f}x, as this server measured before")
     if record.get("failure_reason"):
         lines.append(f"failed: {record['failure_reason']}: {record.get('failure_message', '')}")
     return "\n".join(lines)

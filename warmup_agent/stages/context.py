@@ -147,6 +147,10 @@ class StageContext:
     #: pairs.  ready goes on from them instead of sending its own (and clears them).
     #: Empty: ready sends the first pair.
     first_pairs: list[dict] = field(default_factory=list)
+    #: prewarm: this server was measured before and each new prompt length paid in
+    #: prefill (warmup/findings.py), so the gate's first probe went alone, with no
+    #: control and no second pair: ready sends no pair, and that probe makes the window.
+    first_probe_alone: bool = False
     #: after SERVING: watch probes not sent because the supervised server was serving
     #: other clients (Agent._server_busy_with_others); the run record's `watch_probes_skipped`.
     watch_skipped: int = 0

@@ -20,7 +20,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from exporter.recorder import LoadStats, WarmupStats
 from warmup_agent.errors import EngineError
@@ -483,6 +483,10 @@ class _ProfileWarmup:
             ctx.probe(max_tokens=n)
         probe_pairs, ctx.first_pairs = [], []
         assert ctx.probe_length is not None, "choose_probe_length runs first"
+        known = self.remembered()
+        if findings.skips_second_pair(known):
+            assert known is not None
+            return self.first_probe_alone(known, tokens)
         lengths: list[int] = [ctx.probe_length]
         pair, d = ctx.probe_pair(send, tokens, replay=True)
         probe_pairs.append(pair)
@@ -491,11 +495,8 @@ class _ProfileWarmup:
         if d["cold"] and self.pc.length_ladder and benefit.prefill_cold(pair, self.tol):
             ladder = self.ladder()
         fresh = benefit.fresh_lengths(self.lo, self.hi, [*self.decoded, (lengths[0], lengths[0] + tokens)], 1, tokens)[0]
-        # Read only where it could matter: a first pair that was not cold has no second.
-        remembered = self.remembered() if d["cold"] else None
-        skip = findings.skips_second_pair(remembered) and benefit.prefill_cold(pair, self.tol)
         # Only inside the profile's range: a length above it may be past what the server takes.
-        if d["cold"] and fresh <= self.hi and not skip:
+        if d["cold"] and fresh <= self.hi:
             lengths.append(fresh)
             ctx.probe_length = fresh
             # The exported figures are this pair's: where each new length pays, its first
@@ -506,7 +507,7 @@ class _ProfileWarmup:
             probe_pairs.append(pair)
             ctx.first_pairs.append(d)
         fresh_cold = [benefit.prefill_cold(p, self.tol) for p in probe_pairs]
-        each_length = (len(fresh_cold) == 2 and all(fresh_cold)) or skip
+        each_length = len(fresh_cold) == 2 and all(fresh_cold)
         pairs = probe_pairs
         pays, ratios = benefit.pays_per_length(pairs, self.pc.per_length_ratio)
         cold = [benefit.prefill_cold(pair, self.tol) for pair in pairs]
@@ -525,13 +526,36 @@ class _ProfileWarmup:
             per_length["server_prefill_ms"] = [[round(pair.first.server_prefill * 1e3, 3),  # type: ignore[operator]
                                                 round(pair.control.server_prefill * 1e3, 3)]  # type: ignore[operator]
                                                for pair in pairs]
-        self.keep_finding(per_length, pairs, remembered if skip else None)
+        self.keep_finding(per_length, pairs, None)
         remedy = remedy_for(ctx.engine.server_name) if pays else None
         ctx.recorder.warmup(WarmupStats(per_length_ratios=list(ratios), per_length_remedy=remedy))
         if remedy is not None:
             per_length["remedy"] = remedy
             first = [pair.first.ttft / pair.control.ttft for pair in pairs] if per_length["prefill_pays"] else []
             log.warning(per_length_line(ratios, first, remedy))
+        return per_length
+
+    def first_probe_alone(self, known: dict, tokens: int) -> dict:
+        """The per-length test of a server measured before, where each new prompt length
+        paid in prefill and decode did not pay per length (findings.skips_second_pair):
+        the gate's first probe goes alone, at a length no request reached, as a user's
+        first request will.  No control and no second pair: they would measure again what
+        the finding says, and the first pair's control and the settle request re-sent
+        before it cost 0.07-0.08 s of the 0.23-0.30 s between the server's /health and
+        /readyz (H200 llama.cpp, runs 21-23, where that first pair was cold in every start
+        that remembered).  The exported figures are 1 + the remembered excess; the gate
+        opens on this probe's own time to first token and per output token, against the
+        thresholds (ready: StageContext.first_probe_alone)."""
+        ctx = self.ctx
+        ctx.probe(max_tokens=tokens)
+        ctx.first_probe_alone = True
+        per_length: dict[str, Any] = {"tested": True, "pays": False, "ratios": [], "lengths": [ctx.probe_length],
+                      "probe_pair": False, "prefill_pays": True, "prefill_pays_each_new_length": True,
+                      "pairs": [], "ladder": [], "replayed_requests": 0}
+        self.keep_finding(per_length, [], known)
+        per_length["remembered"]["control"] = ("skipped: the first probe went alone, as the users' first request "
+                                               "will; its control would measure what the finding says")
+        ctx.recorder.warmup(WarmupStats(per_length_ratios=[], per_length_remedy=None))
         return per_length
 
     def keep_finding(self, per_length: dict, pairs: list[benefit.Controlled], skipped_for: dict | None) -> None:

@@ -35,10 +35,13 @@ def decode_converged(window: Any, min_probes: int, p90_max: float, ratio: float)
     median of the newer half.  Medians, not a P90/P50 spread: a healthy server on a
     noisy host has a wide spread forever, but its cold phase ends."""
     values = window.values()
-    if len(values) < max(min_probes, 2):
+    # Convergence compares two halves; with no ratio to meet, min_probes samples will do.
+    if len(values) < (max(min_probes, 1) if ratio == math.inf else max(min_probes, 2)):
         return False
     if nearest_rank(sorted(values), 0.9) > p90_max:
         return False
+    if ratio == math.inf:
+        return True
     recent = values[-max(min_probes, 2):]
     half = len(recent) // 2
     return statistics.median(recent[:half]) <= ratio * statistics.median(recent[half:])
@@ -52,12 +55,14 @@ def run(ctx: StageContext, detail: dict) -> None:
     # asks for the profile's longest answer (it stands for the first user request),
     # the later ones for readiness.probe_max_tokens, all at ctx.probe_length.
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
-    min_probes = rd.gate_profile_probes() if profile_probes else cfg.readiness.min_probes
+    # A first probe sent alone (prewarm: this server was measured before) makes the window.
+    alone = profile_probes and ctx.first_probe_alone
+    min_probes = rd.gate_profile_probes(alone) if profile_probes else cfg.readiness.min_probes
     # Decode is gated only where probes time it (engines that speak the traffic profile).
     gate_decode = cfg.readiness.require_decode and profile_probes
-    if not ctx.first_pairs:
+    if not ctx.first_pairs and not alone:
         # a re-warm: its first probe is a first request again (the log keeps all); prewarm
-        # restarted the log itself where it sent the first pair
+        # restarted the log itself where it sent the first pair or the first probe alone
         ctx.probe_log.restart()
 
     pairs: list[dict] = []
@@ -68,8 +73,10 @@ def run(ctx: StageContext, detail: dict) -> None:
         # The one cold-start measurement: a first probe that decoded no slower than its
         # control (benefit.Controlled.cold compares TPOT too) has no cold decode left to
         # wait for; only the absolute threshold remains.  Else decode must stop getting
-        # faster over the last probes.
-        ratio = cfg.readiness.tpot_convergence_ratio if not (pairs and not pairs[-1]["cold"]) else math.inf
+        # faster over the last probes.  A first probe sent alone was not judged: the
+        # remembered finding says decode does not pay at new lengths on this server.
+        warm = alone or (pairs and not pairs[-1]["cold"])
+        ratio = math.inf if warm else cfg.readiness.tpot_convergence_ratio
         return decode_converged(ctx.probe_log.decode, min_probes, cfg.readiness.tpot_p90_threshold_seconds, ratio)
     sent = len(ctx.probe_log.gate_probes)        # prewarm's first pairs, where it sent them
 
@@ -81,9 +88,11 @@ def run(ctx: StageContext, detail: dict) -> None:
         ctx.progress.probe(sent, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
 
     detail["first_pairs_from_prewarm"] = len(ctx.first_pairs)
-    pairs += first_probe_pairs(ctx, probe, max_probes)
+    if not alone:
+        pairs += first_probe_pairs(ctx, probe, max_probes)
     detail["first_probe_pairs"] = pairs
-    ctx.first_pairs = []        # a re-warm's prewarm sends its own
+    detail["first_probe_alone"] = alone
+    ctx.first_pairs, ctx.first_probe_alone = [], False   # a re-warm's prewarm sends its own
     for _ in range(sent, max_probes):
         if rd.thresholds.met(ctx.readiness.window) and decode_ok():
             break

@@ -100,9 +100,9 @@ CORE: tuple[MetricSpec, ...] = (
                unit="short",
                doc="The control is the same shape with a fresh prompt after the same predecessor (benefit.Controlled): "
                    "a server's ordinary costs, which the control pays too, are not counted as cold start. Where each "
-                   "new prompt length pays and this start skipped the per-length test's second pair because the "
-                   "server was measured before (prewarm.remember_findings), it is 1 + what that second fresh length "
-                   "paid beyond its control then: this start's first probe also paid one-time costs no user meets "
+                   "new prompt length pays and this start sent its first probe alone because the server was measured "
+                   "before (prewarm.remember_findings), it is 1 + what the second fresh length paid beyond its "
+                   "control then: this start's first probe also paid one-time costs no user meets "
                    "(the run record: first_request_new_length_remembered)."),
     MetricSpec("warmup_time_per_output_token_window_seconds", "gauge",
                "Exact percentile of time per output token (decode) over the readiness sliding window of probes (openai engine).",

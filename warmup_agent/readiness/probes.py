@@ -22,10 +22,10 @@ user meets the state after it), except where prewarm's per-length test found tha
 each new prompt length pays once: then a user's first request, at a length no
 request reached, meets what the first pair's first probe met, and the figures stay
 the first pair's.
-A start that skipped the second pair because this server was measured before
+A start that skipped the pairs because this server was measured before
 (warmup/findings.py) exports what the second fresh length paid then, over its
-control: 1 + the remembered excess (`FirstRequest.new_length`); its own first pair's
-excess holds the start's one-time costs too, which no user meets.
+control: 1 + the remembered excess (`FirstRequest.new_length`); its own first probe
+holds the start's one-time costs too, which no user meets.
 Such a start sends its first probe alone (no control, no later probe before SERVING:
 stages/prewarm.py, first_probe_alone), so it has no steady level of its own; its figures
 need none.

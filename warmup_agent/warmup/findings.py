@@ -11,14 +11,17 @@ server's, not the start's: the same server, model, settings and GPU give it agai
 
 So the test's outcome is kept in `<data_dir>/server-findings.json`, one entry per
 server (`server_key`), and the next start of the same server reads it: where each new
-length paid in prefill and decode did not pay per length, the second pair is skipped
-and the record says so ("remembered", with when and where it was measured).  Any
-other outcome runs the second pair as before.  A start that ran the test writes its
-outcome, so a server that changed is learned again on its next start.
+length paid in prefill and decode did not pay per length, the gate's first probe goes
+alone (no control, no second pair: stages/prewarm.py, first_probe_alone) and the record
+says so ("remembered", with when and where it was measured).  Any
+other outcome runs the test as before, and writes its outcome.  A start that remembered
+runs no test, so a server that changed under the same name, model, requests at once and
+GPUs keeps its old finding until the file is removed (the data directory is a pod's
+volume: a new pod measures again).
 
 What the second fresh length paid beyond its control (`new_length_excess`, fractions
 of the control's times) is kept too: it is what a user's first request at a length no
-request reached pays, and a start that skips the second pair exports it as its
+request reached pays, and a start that remembers it exports it as its
 first-request figures (readiness/probes.py).  Its own first pair cannot say it: that
 first probe also paid the start's one-time costs (H200 llama.cpp run 20: remembered
 starts exported 1.36-1.79 from it while users met 0.91-1.15; the measured start's

@@ -101,17 +101,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         probe(None)
     if not (rd.thresholds.met(ctx.readiness.window) and decode_ok()):
         fail_not_met(ctx, max_probes)
-    # The first-request figures, once, from the gate's probes (warmup_agent/readiness/probes.py).
-    figures = ctx.probe_log.freeze(cold_decode_of(ctx))
-    if figures is not None and figures.cold_decode:
-        c = figures.cold_decode
-        log.info(f"the server pays per decode length: the first probe's whole answer ran {c['probe_total_tax']:.2f}x "
-                 f"steady, {c['probe_unreached_steps']} unreached decode steps at {c['step_cost_ms']:.1f} ms more each; "
-                 f"after the probes, a first request at the profile's prompt lengths meets {c['mean_unreached_steps']:g} "
-                 f"on average (at most {c['worst_unreached_steps']}, from {c['worst_prompt_tokens']} tokens): "
-                 f"whole-answer tax {c['total_tax']:.2f}x exported")
-    if figures is not None:
-        ctx.recorder.first_request(TaxStats(figures.ttft_tax, figures.total_tax))
+    freeze_first_request(ctx)
     # the gate's probes are probes[gate_first_probe:probes] of the record (prewarm's pair
     # stays before them where the gate sent a new first pair)
     detail.update(probes=len(ctx.probe_log.probes), gate_first_probe=ctx.probe_log.gate_start,
@@ -130,6 +120,21 @@ def run(ctx: StageContext, detail: dict) -> None:
         fingerprint = ctx.engine.weight_fingerprint()
     if not ctx.sm.serve(fingerprint):
         ctx.checkpoint()
+
+
+def freeze_first_request(ctx: StageContext) -> None:
+    """The first-request figures, once, from the gate's probes (warmup_agent/readiness/probes.py):
+    logged where decode pays per length, and exported."""
+    figures = ctx.probe_log.freeze(cold_decode_of(ctx))
+    if figures is not None and figures.cold_decode:
+        c = figures.cold_decode
+        log.info(f"the server pays per decode length: the first probe's whole answer ran {c['probe_total_tax']:.2f}x "
+                 f"steady, {c['probe_unreached_steps']} unreached decode steps at {c['step_cost_ms']:.1f} ms more each; "
+                 f"after the probes, a first request at the profile's prompt lengths meets {c['mean_unreached_steps']:g} "
+                 f"on average (at most {c['worst_unreached_steps']}, from {c['worst_prompt_tokens']} tokens): "
+                 f"whole-answer tax {c['total_tax']:.2f}x exported")
+    if figures is not None:
+        ctx.recorder.first_request(TaxStats(figures.ttft_tax, figures.total_tax))
 
 
 def fail_not_met(ctx: StageContext, max_probes: int) -> None:

@@ -11,8 +11,11 @@ import json
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from exporter.metrics import AgentMetrics
 from exporter.recorder import Recorder
+from tests.helpers.servers import Redis
 from warmup_agent.stages.prewarm import (
     EACH_NEW_LENGTH_PAYS,
     SETTLE_PROMPT_TOKENS,
@@ -24,6 +27,7 @@ from warmup_agent.stages.prewarm import (
 )
 from warmup_agent.warmup import benefit, findings
 from warmup_agent.warmup.benefit import Call
+from warmup_agent.warmup.shared_findings import SharedFindings
 
 
 def test_the_line_names_the_first_tokens_only_when_given():
@@ -35,7 +39,7 @@ def test_the_line_names_the_first_tokens_only_when_given():
 
 
 def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None = None,
-                    model: str = "qwen2-1.5b") -> tuple[_ProfileWarmup, list[int]]:
+                    model: str = "qwen2-1.5b", redis_url: str | None = None) -> tuple[_ProfileWarmup, list[int]]:
     """A _ProfileWarmup whose gate probe pairs (StageContext.probe_pair, scripted here)
     answer `probe_pairs` in turn: a first and its control (the same length again).
     `data_dir`: where prewarm.remember_findings keeps its file (None: the key is off).
@@ -54,7 +58,8 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
         return pair, {**pair.as_dict(), "cold": pair.cold(0.2), "replayed_requests": 0}
     w.ctx = SimpleNamespace(metrics=metrics, recorder=Recorder(metrics), probe_length=probe_pairs[0][0].prompt_tokens,
                             engine=SimpleNamespace(server_name="transformers serve", capabilities={"model": model}),
-                            cfg=SimpleNamespace(data_dir=data_dir), host_facts={"gpus": [{"name": "NVIDIA H200"}]},
+                            cfg=SimpleNamespace(data_dir=data_dir, kernel_cache=kernel_cache(redis_url)),
+                            host_facts={"gpus": [{"name": "NVIDIA H200"}]},
                             probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b)),
                                                       remembered_new_length=remembered.append),
                             probe_pair=probe_pair, probe=lambda max_tokens=None: sent.append(w.ctx.probe_length),
@@ -67,6 +72,15 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
     w.told = told           # (first, control) ProbeLog.pair was told hold the figures
     w.told_new_length = remembered   # what ProbeLog.remembered_new_length was told
     return w, sent
+
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def kernel_cache(redis_url: str | None, secret: str | None = SECRET) -> SimpleNamespace:
+    """The kernel_cache section the shared findings read (warmup/shared_findings.py)."""
+    return SimpleNamespace(redis_url=redis_url, secret=secret, secret_file=None, key_prefix="warmup:test",
+                           socket_timeout_seconds=0.5, ttl_seconds=3600)
 
 
 def call(ttft_ms: float, tpot_ms: float, prompt: int) -> Call:
@@ -493,3 +507,53 @@ def test_a_gate_that_skipped_the_second_pair_exports_the_remembered_excess():
     log.add(Call(0.020, 0.04, 8, 264))
     log.pair(0, 1)
     assert log.figures.new_length is None and round(log.figures.ttft_tax, 3) == 1.5
+
+
+# -- the findings shared by every pod through the kernel cache's Redis ----------------------------
+
+@pytest.fixture
+def redis_server(tmp_path):
+    d = tmp_path / "redis"
+    d.mkdir()
+    server = Redis(d)
+    yield server
+    server.stop()
+
+
+def test_a_new_pod_remembers_what_another_pod_measured_through_redis(tmp_path, redis_server):
+    """The chart's data directory is an emptyDir: a new pod's file is empty.  Where the
+    kernel cache shares through Redis, the first pod's finding reaches the next pod, whose
+    first probe goes alone; the entry is then kept in its own file too."""
+    w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path / "pod-a"), redis_url=redis_server.url)
+    first = w.per_length_test()
+    assert len(sent) == 4 and first["prefill_pays_each_new_length"] and "remembered" not in first
+    pod_b = tmp_path / "pod-b"
+    w, sent = scripted_warmup(llamacpp_pairs(), str(pod_b), redis_url=redis_server.url)
+    second = w.per_length_test()
+    assert sent == [661] and w.ctx.first_probe_alone
+    assert second["remembered"]["from"] == f"redis 127.0.0.1:{redis_server.port}/0 warmup:test:findings"
+    kept = json.loads((pod_b / findings.FILENAME).read_text())
+    assert [e[findings.EXCESS] for e in kept.values()] == [second["remembered"][findings.EXCESS]]
+    # a pod whose Redis entry cannot be verified (another secret) measures again
+    store = findings.Findings(str(tmp_path / "pod-c"), SharedFindings.from_config(
+        kernel_cache(redis_server.url, secret="another secret of 32 bytes......")))
+    key = next(iter(kept))
+    assert store.get(key) is None
+
+
+def test_redis_trouble_is_a_warning_and_the_pod_measures(tmp_path, caplog):
+    """A Redis that refuses: one warning per read or write, never a failed start; without
+    a secret nothing is shared at all."""
+    from tests.helpers.servers import free_port
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert SharedFindings.from_config(kernel_cache(url, secret=None)) is None
+    assert SharedFindings.from_config(kernel_cache(None)) is None
+    with caplog.at_level(logging.WARNING, logger="warmup_agent.warmup"):
+        w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path), redis_url=url)
+        per_length = w.per_length_test()
+    assert len(sent) == 4 and per_length["prefill_pays_each_new_length"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("server findings not read from redis" in m for m in lines)
+    assert any("server findings not shared through redis" in m for m in lines)
+    # the pod's own file still has it
+    assert json.loads((tmp_path / findings.FILENAME).read_text())

@@ -575,7 +575,7 @@ class _ProfileWarmup:
         assert excess is not None, "skips_second_pair checked it"
         when = skipped_for.get("measured_at")
         self.ctx.probe_log.remembered_new_length({**excess, "measured_at": when})
-        per_length["remembered"] = {"from": self.findings_path, "measured_at": when,
+        per_length["remembered"] = {"from": skipped_for.get("from") or self.findings_path, "measured_at": when,
                                     "second_pair": "skipped: each new prompt length paid in prefill when "
                                                    "this server was measured before",
                                     findings.EXCESS: excess,
@@ -588,7 +588,8 @@ class _ProfileWarmup:
         server, model = ctx.engine.server_name, ctx.engine.capabilities.get("model")
         key = findings.server_key(server, model, self.concurrency, gpus)
         about = {"server": server, "model": model, "concurrency": self.concurrency, "gpus": gpus}
-        return findings.Findings(ctx.cfg.data_dir), key, about
+        from warmup_agent.warmup.shared_findings import SharedFindings
+        return findings.Findings(ctx.cfg.data_dir, SharedFindings.from_config(ctx.cfg.kernel_cache)), key, about
 
     @property
     def findings_path(self) -> str:

@@ -16,8 +16,9 @@ alone (no control, no second pair: stages/prewarm.py, first_probe_alone) and the
 says so ("remembered", with when and where it was measured).  Any
 other outcome runs the test as before, and writes its outcome.  A start that remembered
 runs no test, so a server that changed under the same name, model, requests at once and
-GPUs keeps its old finding until the file is removed (the data directory is a pod's
-volume: a new pod measures again).
+GPUs keeps its old finding until the file is removed.  Where the kernel cache shares
+through Redis, the findings are shared there too (warmup/shared_findings.py): the chart's
+data directory is an emptyDir, so without it every new pod would measure again.
 
 What the second fresh length paid beyond its control (`new_length_excess`, fractions
 of the control's times) is kept too: it is what a user's first request at a length no
@@ -37,8 +38,12 @@ import hashlib
 import json
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 from warmup_agent.atomic_file import write_json_atomic
+
+if TYPE_CHECKING:
+    from warmup_agent.warmup.shared_findings import SharedFindings
 
 log = logging.getLogger("warmup_agent.warmup")
 
@@ -58,10 +63,12 @@ def server_key(server: str | None, model: str | None, concurrency: int, gpus: li
 
 
 class Findings:
-    """The findings file of one data directory."""
+    """The findings file of one data directory, and the findings every pod shares where
+    the kernel cache has a shared tier (`shared`: warmup/shared_findings.py)."""
 
-    def __init__(self, data_dir: str):
+    def __init__(self, data_dir: str, shared: SharedFindings | None = None):
         self.path = os.path.join(data_dir, FILENAME)
+        self.shared = shared
 
     def _load(self) -> dict:
         try:
@@ -75,20 +82,33 @@ class Findings:
         return data if isinstance(data, dict) else {}
 
     def get(self, key: str) -> dict | None:
-        """The remembered outcome for `key`, with `measured_at`; None where none is."""
+        """The remembered outcome for `key`, with `measured_at` and `from` (where it was
+        read); None where none is.  This data directory's file first; else the shared
+        entry, which is then kept in the file too (a restart needs no Redis)."""
         entry = self._load().get(key)
-        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), bool) for k in KEPT):
+        if isinstance(entry, dict) and _valid(entry):
+            return {**entry, "from": self.path}
+        shared = self.shared.get(key) if self.shared is not None else None
+        if not _valid(shared):
             return None
-        return entry
+        assert shared is not None and self.shared is not None
+        self._write(key, shared)
+        return {**shared, "from": self.shared.where}
 
     def put(self, key: str, outcome: dict, about: dict) -> None:
         """Remember the per-length test's `outcome` for `key`; `about` names the server
         (readable parts of the key).  A write that fails is logged, not raised."""
-        data = self._load()
-        data[key] = {**{k: bool(outcome.get(k)) for k in KEPT}, "about": about,
-                     "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        entry = {**{k: bool(outcome.get(k)) for k in KEPT}, "about": about,
+                 "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         if (excess := excess_of(outcome)) is not None:
-            data[key][EXCESS] = excess
+            entry[EXCESS] = excess
+        self._write(key, entry)
+        if self.shared is not None:
+            self.shared.put(key, entry)
+
+    def _write(self, key: str, entry: dict) -> None:
+        data = self._load()
+        data[key] = entry
         folder = os.path.dirname(self.path) or "."
         try:
             os.makedirs(folder, exist_ok=True)
@@ -96,6 +116,10 @@ class Findings:
             write_json_atomic(self.path, data, mode=0o600, prefix=".wa-findings-", indent=1, sort_keys=True)
         except OSError as e:
             log.warning("cannot write the server findings to %s: %s", self.path, e)
+
+
+def _valid(entry: Any) -> bool:
+    return isinstance(entry, dict) and all(isinstance(entry.get(k), bool) for k in KEPT)
 
 
 def excess_of(entry: dict | None) -> dict | None:

@@ -16,6 +16,7 @@ import pytest
 from exporter.metrics import AgentMetrics
 from exporter.recorder import Recorder
 from tests.helpers.servers import Redis
+from warmup_agent.kernel_cache.shared_findings import SharedFindings
 from warmup_agent.stages.prewarm import (
     EACH_NEW_LENGTH_PAYS,
     SETTLE_PROMPT_TOKENS,
@@ -27,7 +28,6 @@ from warmup_agent.stages.prewarm import (
 )
 from warmup_agent.warmup import benefit, findings
 from warmup_agent.warmup.benefit import Call
-from warmup_agent.warmup.shared_findings import SharedFindings
 
 
 def test_the_line_names_the_first_tokens_only_when_given():
@@ -78,7 +78,7 @@ SECRET = "0123456789abcdef0123456789abcdef"
 
 
 def kernel_cache(redis_url: str | None, secret: str | None = SECRET) -> SimpleNamespace:
-    """The kernel_cache section the shared findings read (warmup/shared_findings.py)."""
+    """The kernel_cache section the shared findings read (kernel_cache/shared_findings.py)."""
     return SimpleNamespace(redis_url=redis_url, secret=secret, secret_file=None, key_prefix="warmup:test",
                            socket_timeout_seconds=0.5, ttl_seconds=3600)
 

@@ -588,7 +588,7 @@ class _ProfileWarmup:
         server, model = ctx.engine.server_name, ctx.engine.capabilities.get("model")
         key = findings.server_key(server, model, self.concurrency, gpus)
         about = {"server": server, "model": model, "concurrency": self.concurrency, "gpus": gpus}
-        from warmup_agent.warmup.shared_findings import SharedFindings
+        from warmup_agent.kernel_cache.shared_findings import SharedFindings
         return findings.Findings(ctx.cfg.data_dir, SharedFindings.from_config(ctx.cfg.kernel_cache)), key, about
 
     @property

@@ -17,7 +17,7 @@ says so ("remembered", with when and where it was measured).  Any
 other outcome runs the test as before, and writes its outcome.  A start that remembered
 runs no test, so a server that changed under the same name, model, requests at once and
 GPUs keeps its old finding until the file is removed.  Where the kernel cache shares
-through Redis, the findings are shared there too (warmup/shared_findings.py): the chart's
+through Redis, the findings are shared there too (kernel_cache/shared_findings.py): the chart's
 data directory is an emptyDir, so without it every new pod would measure again.
 
 What the second fresh length paid beyond its control (`new_length_excess`, fractions
@@ -38,12 +38,9 @@ import hashlib
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from warmup_agent.atomic_file import write_json_atomic
-
-if TYPE_CHECKING:
-    from warmup_agent.warmup.shared_findings import SharedFindings
 
 log = logging.getLogger("warmup_agent.warmup")
 
@@ -62,11 +59,23 @@ def server_key(server: str | None, model: str | None, concurrency: int, gpus: li
     return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
+class SharedStore(Protocol):
+    """What Findings needs of the store every pod shares (kernel_cache/shared_findings.py,
+    a layer above this one: it knows Redis and the kernel cache's secret)."""
+
+    @property
+    def where(self) -> str: ...
+
+    def get(self, key: str) -> dict | None: ...
+
+    def put(self, key: str, entry: dict) -> None: ...
+
+
 class Findings:
     """The findings file of one data directory, and the findings every pod shares where
-    the kernel cache has a shared tier (`shared`: warmup/shared_findings.py)."""
+    the kernel cache has a shared tier (`shared`: kernel_cache/shared_findings.py)."""
 
-    def __init__(self, data_dir: str, shared: SharedFindings | None = None):
+    def __init__(self, data_dir: str, shared: SharedStore | None = None):
         self.path = os.path.join(data_dir, FILENAME)
         self.shared = shared
 

@@ -41,6 +41,18 @@ def gguf(embedded_model) -> str:
 
 
 @pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on 127.0.0.1, its data in the test's folder (the kernel cache's
+    shared tier, the shared server findings)."""
+    from tests.helpers.servers import Redis
+    d = tmp_path / "redis"
+    d.mkdir()
+    server = Redis(d)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def clean_env(monkeypatch):
     """No WARMUP_AGENT_* variables leak in from the developer's shell."""
     for k in list(os.environ):

@@ -40,15 +40,6 @@ ARTIFACTS = {
 SCRATCH = {("inductor", "locks/cab123.lock"): b""}
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    d = tmp_path / "redis"
-    d.mkdir()
-    server = Redis(d)
-    yield server
-    server.stop()
-
-
 def client(server) -> redis.Redis:
     return redis.Redis.from_url(server.url)
 

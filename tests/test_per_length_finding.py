@@ -11,11 +11,8 @@ import json
 import logging
 from types import SimpleNamespace
 
-import pytest
-
 from exporter.metrics import AgentMetrics
 from exporter.recorder import Recorder
-from tests.helpers.servers import Redis
 from warmup_agent.kernel_cache.shared_findings import SharedFindings
 from warmup_agent.stages.prewarm import (
     EACH_NEW_LENGTH_PAYS,
@@ -510,15 +507,6 @@ def test_a_gate_that_skipped_the_second_pair_exports_the_remembered_excess():
 
 
 # -- the findings shared by every pod through the kernel cache's Redis ----------------------------
-
-@pytest.fixture
-def redis_server(tmp_path):
-    d = tmp_path / "redis"
-    d.mkdir()
-    server = Redis(d)
-    yield server
-    server.stop()
-
 
 def test_a_new_pod_remembers_what_another_pod_measured_through_redis(tmp_path, redis_server):
     """The chart's data directory is an emptyDir: a new pod's file is empty.  Where the

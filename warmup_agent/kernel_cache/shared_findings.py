@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("warmup_agent.warmup")
 
-#: What the signature covers besides the entry: the hash's name and the field.
 _SIGNED = b"server-findings\0"
 
 
@@ -63,8 +62,10 @@ class SharedFindings:
         host = self.url.split("@")[-1]
         return f"redis {host.split('://')[-1]} {self.hash}"
 
-    def _signature(self, key: str, payload: bytes) -> str:
-        return sign(self.secret, _SIGNED + key.encode() + b"\0", payload)
+    @staticmethod
+    def _signed_key(key: str) -> bytes:
+        """What the signature covers besides the entry: the hash's name and the field."""
+        return _SIGNED + key.encode() + b"\0"
 
     def get(self, key: str) -> dict | None:
         """The entry for `key`, when one is there and its signature verifies."""
@@ -78,7 +79,7 @@ class SharedFindings:
         try:
             value = json.loads(raw)
             payload = json.dumps(value["entry"], sort_keys=True).encode()
-            ok = verify(self.secret, _SIGNED + key.encode() + b"\0", payload, str(value["signature"]))
+            ok = verify(self.secret, self._signed_key(key), payload, str(value["signature"]))
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -90,7 +91,8 @@ class SharedFindings:
     def put(self, key: str, entry: dict) -> None:
         """Share `entry` for `key`; the hash lives kernel_cache.ttl_seconds after the last write."""
         payload = json.dumps(entry, sort_keys=True).encode()
-        value = json.dumps({"entry": entry, "signature": self._signature(key, payload)}, sort_keys=True)
+        value = json.dumps({"entry": entry, "signature": sign(self.secret, self._signed_key(key), payload)},
+                           sort_keys=True)
         try:
             with self.client.pipeline(transaction=True) as p:
                 p.hset(self.hash, key, value)

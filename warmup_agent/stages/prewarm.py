@@ -15,6 +15,7 @@ speaks the traffic profile (openai) is warmed by measured benefit instead
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -575,14 +576,17 @@ class _ProfileWarmup:
         assert excess is not None, "skips_second_pair checked it"
         when = skipped_for.get("measured_at")
         self.ctx.probe_log.remembered_new_length({**excess, "measured_at": when})
-        per_length["remembered"] = {"from": skipped_for.get("from") or self.findings_path, "measured_at": when,
+        per_length["remembered"] = {"from": skipped_for["from"], "measured_at": when,
                                     "second_pair": "skipped: each new prompt length paid in prefill when "
                                                    "this server was measured before",
                                     findings.EXCESS: excess,
                                     "first_request_figures": "1 + what the second fresh length paid beyond "
                                                              "its control when this server was measured"}
 
+    @functools.cached_property
     def _findings(self) -> tuple[findings.Findings, str, dict]:
+        """The findings store (one Redis client, the secret read once, for both the read and
+        the write of a start), this server's key and what names it."""
         ctx = self.ctx
         gpus = [str(g.get("name")) for g in ctx.host_facts.get("gpus", []) if isinstance(g, dict)]
         server, model = ctx.engine.server_name, ctx.engine.capabilities.get("model")
@@ -591,20 +595,16 @@ class _ProfileWarmup:
         from warmup_agent.kernel_cache.shared_findings import SharedFindings
         return findings.Findings(ctx.cfg.data_dir, SharedFindings.from_config(ctx.cfg.kernel_cache)), key, about
 
-    @property
-    def findings_path(self) -> str:
-        return findings.Findings(self.ctx.cfg.data_dir).path
-
     def remembered(self) -> dict | None:
         """This server's per-length outcome from an earlier start (prewarm.remember_findings)."""
         if not self.pc.remember_findings:
             return None
-        store, key, _ = self._findings()
+        store, key, _ = self._findings
         return store.get(key)
 
     def remember(self, per_length: dict) -> None:
         """Keep a whole per-length test's outcome (both pairs ran) for the next start."""
-        store, key, about = self._findings()
+        store, key, about = self._findings
         store.put(key, per_length, about)
 
     def ladder(self) -> list[int]:

@@ -36,7 +36,7 @@ def decode_converged(window: Any, min_probes: int, p90_max: float, ratio: float)
     noisy host has a wide spread forever, but its cold phase ends."""
     values = window.values()
     # Convergence compares two halves; with no ratio to meet, min_probes samples will do.
-    if len(values) < (max(min_probes, 1) if ratio == math.inf else max(min_probes, 2)):
+    if len(values) < max(min_probes, 1 if ratio == math.inf else 2):
         return False
     if nearest_rank(sorted(values), 0.9) > p90_max:
         return False

@@ -38,7 +38,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from warmup_agent.atomic_file import write_json_atomic
 
@@ -95,12 +95,13 @@ class Findings:
         read); None where none is.  This data directory's file first; else the shared
         entry, which is then kept in the file too (a restart needs no Redis)."""
         entry = self._load().get(key)
-        if isinstance(entry, dict) and _valid(entry):
+        if _valid(entry):
             return {**entry, "from": self.path}
-        shared = self.shared.get(key) if self.shared is not None else None
+        if self.shared is None:
+            return None
+        shared = self.shared.get(key)
         if not _valid(shared):
             return None
-        assert shared is not None and self.shared is not None
         self._write(key, shared)
         return {**shared, "from": self.shared.where}
 
@@ -127,7 +128,7 @@ class Findings:
             log.warning("cannot write the server findings to %s: %s", self.path, e)
 
 
-def _valid(entry: Any) -> bool:
+def _valid(entry: Any) -> TypeGuard[dict]:
     return isinstance(entry, dict) and all(isinstance(entry.get(k), bool) for k in KEPT)
 
 

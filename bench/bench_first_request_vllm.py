@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import random
@@ -172,9 +171,8 @@ def main() -> None:
     result = run(args.steady, args.rounds)
     out = args.out or os.path.join(REPO, "bench", "results",
                                    f"first_request_vllm_{datetime.date.today().isoformat()}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    from bench.provenance import write_result
+    write_result(out, result)
     w, u = result["warmed"], result["unwarmed"]
     for label, r in (("unwarmed", u), ("warmed", w)):
         print(f"{label:9s} first (median of {len(r['first_seconds'])}) {r['first_median_seconds'] * 1000:.1f} ms"

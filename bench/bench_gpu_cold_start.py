@@ -408,9 +408,8 @@ def summarize(args, runs: dict, floors: dict, stopped_early: bool) -> dict:
     if args.fp8:
         fp8_figures(result, runs)
     result["rounds_done"], result["rounds_planned"], result["partial"] = len(runs["agent"]), args.runs, stopped_early
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2, default=str)
+    from bench.provenance import write_result
+    write_result(args.out, result)
     return result
 
 

@@ -27,7 +27,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # a script, not a package: make warmup_agent and tests importable
-from bench.provenance import commit  # noqa: E402
+from bench.provenance import commit, write_result  # noqa: E402
 
 # Model shapes: "llama-small" compiles in tens of seconds on a CPU; "qwen2-1.5b" is the
 # Qwen2-1.5B shape of the GPU figures in TESTING.md; "mlp" is for the CI test.
@@ -161,9 +161,7 @@ def main() -> int:
     }
     out = args.out or os.path.join(ROOT, "bench", "results",
                                    f"kernel_cache_{'cuda' if args.device.startswith('cuda') else 'cpu'}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    write_result(out, result)
     print(f"warm_over_cold_compile={ratio:.3f}  cold compile {cold['compile_s']:.1f} s, "
           f"new pod: restore {warm['restore_s']:.2f} s + compile {warm['compile_s']:.1f} s  -> {out}")
     return 0

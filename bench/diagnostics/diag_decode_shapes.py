@@ -36,7 +36,6 @@ every sequence length the traffic reaches), and the switch as the server owner's
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -145,8 +144,8 @@ def main() -> int:
                      for k, v in results.items()},
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": os.environ.get("BENCH_COMMIT", "unknown")}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        from bench.provenance import write_result
+        write_result(args.out, out)
     return 0
 
 

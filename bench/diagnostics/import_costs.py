@@ -174,8 +174,8 @@ def main() -> int:
             for n, s in result[key][:25]:
                 print(f"  {s:7.3f} s  {n}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        from bench.provenance import write_result
+        write_result(args.out, result)
     return 0
 
 

@@ -52,7 +52,16 @@ PLAIN_SEQUENCE = [("cold", 10)] + AFTER
 
 VARIANTS = [("default", {}, []), ("eager_modules", {"CUDA_MODULE_LOADING": "EAGER"}, []),
             ("no_cuda_graphs", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, []), ("no_cache_ram", {}, ["--cache-ram", "0"]),
-            ("plain", {}, []), ("ladder", {}, [])]
+            ("plain", {}, []), ("ladder", {}, []),
+            # Without CUDA graphs (whose capture on a shape's second request muddles the
+            # picture), what is left of a new length's premium, and what takes it away:
+            # llama.cpp's own graph reuse off (does the same length again pay too: the
+            # graph's build and allocation), cuBLASLt's heuristics cache off (a GEMM's
+            # algorithm chosen on every call), flash attention off (its kernels' tiles).
+            ("graphs_off_no_reuse", {"GGML_CUDA_DISABLE_GRAPHS": "1", "LLAMA_GRAPH_REUSE_DISABLE": "1"}, []),
+            ("graphs_off_no_heuristics_cache", {"GGML_CUDA_DISABLE_GRAPHS": "1",
+                                                "CUBLASLT_HEURISTICS_CACHE_CAPACITY": "0"}, []),
+            ("graphs_off_fa_off", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, ["-fa", "off"])]
 
 
 def post(url: str, body: dict) -> tuple[dict, float]:
@@ -107,7 +116,14 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     chosen = args.variants.split(",")
-    runs = [run_variant(args, name, env, extra, rng) for name, env, extra in VARIANTS if name in chosen]
+    runs = []
+    for name, env, extra in VARIANTS:
+        if name in chosen:
+            try:
+                runs.append(run_variant(args, name, env, extra, rng))
+            except (RuntimeError, OSError) as e:   # a server that would not start or answer: the others still run
+                print(f"{name}: failed: {e}", flush=True)
+                runs.append({"variant": name, "env": env, "args": extra, "error": str(e)})
     write_result(args.out, {"benchmark": "diag_llamacpp_length", "seed": seed, "server": args.llama_server,
                             "runs": runs, **provenance()})
     print(f"wrote {args.out}")

@@ -30,7 +30,7 @@ def dumps_result(result: dict) -> str:
     to the device with the carried binaries under one 64 MiB limit
     (/work/.library/device/README.md): indented, bench/results took 11.8 MB; so, 6.8 MB."""
     import json
-    lines = [f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), default=str)}" for k, v in result.items()]
+    lines = [f"  {json.dumps(str(k))}: {json.dumps(v, separators=(',', ':'), default=str)}" for k, v in result.items()]
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 

@@ -50,6 +50,48 @@ AFTER = [("probe 285", 285)] + [x for n in (131, 203, 71, 300, 631, 151, 457, 93
 LADDER_SEQUENCE = [("cold", 10)] + [(f"rung {n}", n) for n in LADDER] + AFTER
 PLAIN_SEQUENCE = [("cold", 10)] + AFTER
 
+#: The map (variants `map`, `map_graphs_off`): MAP_PAIRS fresh lengths drawn from MAP_RANGE
+#: (one ubatch each), each sent twice in a row.  Which new lengths pay, against how near the
+#: lengths run before them were: the nearest one, or one in the same block of W tokens.
+MAP_RANGE, MAP_PAIRS, MAP_WIDTHS = (64, 512), 40, (8, 16, 32, 64, 128)
+#: A new length "pays" where its prefill took this much more than the same length right after.
+PAYS_MS = 3.0
+
+
+def map_sequence(rng: random.Random, rungs: int = 0) -> list[tuple[str, int]]:
+    """The map's requests; `rungs` > 0: first one request every `rungs` tokens across
+    MAP_RANGE (does a dense ladder leave any new length to pay?)."""
+    lengths = rng.sample(range(*MAP_RANGE), MAP_PAIRS)
+    ladder = [(f"rung {n}", n) for n in range(MAP_RANGE[0], MAP_RANGE[1] + 1, rungs)] if rungs else []
+    return ([("cold", 10), ("first 285", 285), ("again 285", 285)] + ladder
+            + [x for n in lengths for x in ((f"new {n}", n), (f"again {n}", n))])
+
+
+def map_summary(rows: list[dict]) -> dict:
+    """Each new/again pair: its premium (ms of prefill over the same length right after),
+    the distance to the nearest length run before it, and whether a length run before
+    fell in its block of W tokens; then, per W and per distance, how often a new length paid."""
+    pairs = []
+    for i in range(1, len(rows) - 1):
+        a, b = rows[i], rows[i + 1]
+        if not (a["label"].startswith("new ") and b["label"].startswith("again ")) or None in (a["prompt_ms"], b["prompt_ms"]):
+            continue
+        n, before = a["prompt_tokens"], [r["prompt_tokens"] for r in rows[:i]]
+        pairs.append({"tokens": n, "premium_ms": round(a["prompt_ms"] - b["prompt_ms"], 2),
+                      "nearest_before": min(abs(n - m) for m in before),
+                      "block_seen": {str(w): any(m // w == n // w for m in before) for w in MAP_WIDTHS}})
+
+    def share(sel: list[dict]) -> dict:
+        prem = sorted(p["premium_ms"] for p in sel)
+        return {"pairs": len(sel), "paid": sum(x > PAYS_MS for x in prem),
+                "premium_ms_median": prem[len(prem) // 2] if prem else None}
+    by_block = {str(w): {"seen": share([p for p in pairs if p["block_seen"][str(w)]]),
+                         "not_seen": share([p for p in pairs if not p["block_seen"][str(w)]])} for w in MAP_WIDTHS}
+    by_distance = {f"<= {d}": share([p for p in pairs if lo < p["nearest_before"] <= d])
+                   for lo, d in ((-1, 4), (4, 16), (16, 32), (32, 64), (64, 10**6))}
+    return {"pays_ms": PAYS_MS, "pairs": pairs, "by_block": by_block, "by_nearest_before": by_distance}
+
+
 VARIANTS = [("default", {}, []), ("eager_modules", {"CUDA_MODULE_LOADING": "EAGER"}, []),
             ("no_cuda_graphs", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, []), ("no_cache_ram", {}, ["--cache-ram", "0"]),
             ("plain", {}, []), ("ladder", {}, []),
@@ -61,7 +103,9 @@ VARIANTS = [("default", {}, []), ("eager_modules", {"CUDA_MODULE_LOADING": "EAGE
             ("graphs_off_no_reuse", {"GGML_CUDA_DISABLE_GRAPHS": "1", "LLAMA_GRAPH_REUSE_DISABLE": "1"}, []),
             ("graphs_off_no_heuristics_cache", {"GGML_CUDA_DISABLE_GRAPHS": "1",
                                                 "CUBLASLT_HEURISTICS_CACHE_CAPACITY": "0"}, []),
-            ("graphs_off_fa_off", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, ["-fa", "off"])]
+            ("graphs_off_fa_off", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, ["-fa", "off"]),
+            ("map", {}, []), ("map_graphs_off", {"GGML_CUDA_DISABLE_GRAPHS": "1"}, []),
+            ("map_after_ladder16", {}, []), ("map_after_ladder32", {}, [])]
 
 
 def post(url: str, body: dict) -> tuple[dict, float]:
@@ -84,7 +128,9 @@ def run_variant(args: argparse.Namespace, name: str, env: dict, extra: list[str]
     try:
         healthy = wait_http(base + "/health", t0 + 120, proc, interval=0.01) - t0
         rows = []
-        sequence = {"plain": PLAIN_SEQUENCE, "ladder": LADDER_SEQUENCE}.get(name, SEQUENCE)
+        rungs = int(name.rsplit("ladder", 1)[1]) if name.startswith("map_after_ladder") else 0
+        sequence = (map_sequence(rng, rungs) if name.startswith("map")
+                    else {"plain": PLAIN_SEQUENCE, "ladder": LADDER_SEQUENCE}.get(name, SEQUENCE))
         for label, n in sequence:
             ids = [rng.randrange(100, args.max_id) for _ in range(n)]
             out, wall = post(base + "/completion", {"prompt": ids, "n_predict": 1, "cache_prompt": False,
@@ -94,8 +140,13 @@ def run_variant(args: argparse.Namespace, name: str, env: dict, extra: list[str]
                          "client_ms": round(wall * 1e3, 3)})
             print(f"{name:15s} {label:14s} prompt {timings.get('prompt_ms', 0):7.2f} ms  client {wall * 1e3:7.2f} ms",
                   flush=True)
-        return {"variant": name, "env": env, "args": extra, "healthy_after_spawn_seconds": round(healthy, 3),
-                "requests": rows}
+        out = {"variant": name, "env": env, "args": extra, "healthy_after_spawn_seconds": round(healthy, 3),
+               "requests": rows}
+        if name.startswith("map"):
+            out["map"] = map_summary(rows)
+            print(json.dumps({"variant": name, "by_block": out["map"]["by_block"],
+                              "by_nearest_before": out["map"]["by_nearest_before"]}), flush=True)
+        return out
     finally:
         stop(proc, timeout=10)
 

@@ -14,7 +14,11 @@ through `/completion` (one output token, no prompt cache, fresh random ids every
 a short cold request, then lengths repeated and fresh, near and far from the ones before,
 and ten distinct lengths in a row.  Variants `plain` and `ladder`: the cold request, then
 (`ladder` only) one request at each of LADDER's lengths, then a probe-like request and new
-lengths, each once more right after.  The server's own `timings.prompt_ms` says what each
+lengths, each once more right after.  Variants `graphs_off_*`: without CUDA graphs, and
+without llama.cpp's graph reuse, cuBLASLt's heuristics cache or flash attention.  Variants
+`map*`: 40 fresh lengths, each twice in a row (plain, without CUDA graphs, after a ladder
+every 16 or 32 tokens), summarised as which new lengths paid against the blocks of tokens
+run before (`map` in the JSON).  The server's own `timings.prompt_ms` says what each
 prefill cost; the client's time says the rest.  Writes JSON with every request and the
 variants' start-up times.
 """

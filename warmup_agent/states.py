@@ -1,6 +1,6 @@
 """The warmup state machine (seed 000 §3.3).
 
-    INIT -> PRELOAD -> PRIME -> SERVING,  plus DEGRADED, DRAINING, FAILED.
+    INIT -> PRELOAD -> PRIME -> SERVING,  plus DEGRADED, SLEEPING, DRAINING, FAILED.
 
 States are an ordered enum: the order is the order of a normal warmup, and the
 states from DRAINING on are terminal for the pod (no way back to serving).
@@ -34,8 +34,9 @@ class State(enum.IntEnum):
     PRIME = 2
     SERVING = 3
     DEGRADED = 4      # fallback active, main path frozen (breaker open)
-    DRAINING = 5      # terminal marker: from here on the pod only winds down
-    FAILED = 6
+    SLEEPING = 5      # the server sleeps as its operator asked (not an outage)
+    DRAINING = 6      # terminal marker: from here on the pod only winds down
+    FAILED = 7
 
     @property
     def terminal(self) -> bool:
@@ -52,8 +53,9 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.INIT: frozenset({State.PRELOAD, State.FAILED, State.DRAINING}),
     State.PRELOAD: frozenset({State.PRIME, State.FAILED, State.DRAINING}),
     State.PRIME: frozenset({State.SERVING, State.PRELOAD, State.FAILED, State.DRAINING}),
-    State.SERVING: frozenset({State.DEGRADED, State.PRELOAD, State.DRAINING, State.FAILED}),
+    State.SERVING: frozenset({State.DEGRADED, State.PRELOAD, State.SLEEPING, State.DRAINING, State.FAILED}),
     State.DEGRADED: frozenset({State.SERVING, State.PRELOAD, State.DRAINING, State.FAILED}),
+    State.SLEEPING: frozenset({State.SERVING, State.PRELOAD, State.DEGRADED, State.DRAINING, State.FAILED}),
     State.DRAINING: frozenset(),
     State.FAILED: frozenset(),
 }

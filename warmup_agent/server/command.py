@@ -6,6 +6,8 @@ import os
 import shlex
 import sys
 
+from warmup_agent.server.kinds import kind_of_command
+
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
@@ -61,28 +63,15 @@ def parse_adapters(spec: str | None) -> list[tuple[str, str]]:
 
 
 def server_name_of(command: list[str] | None) -> str | None:
-    """What server a command starts ("transformers serve", "llama.cpp", "vllm", "sglang",
-    "tgi"), for remedies and log lines; None: unknown."""
-    words = [os.path.basename(w) for w in (command or [])[:4]]
-    text = " ".join(words)
-    if "transformers" in words and "serve" in words:
-        return "transformers serve"
-    for needle, name in (("llama-server", "llama.cpp"), ("llama_cpp", "llama.cpp"), ("vllm", "vllm"),
-                         ("sglang", "sglang"), ("text-generation-launcher", "tgi")):
-        if needle in text:
-            return name
-    return None
-
-
-#: The environment that removes a per-sequence-length cost the per-length test finds,
-#: by server: PyTorch's cuDNN attention builds a plan per sequence length, so a warm
-#: `transformers serve` paid 63-67 ms more at every new prompt length without it.
-SERVER_REMEDIES = {"transformers serve": {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}}
+    """What server a command starts (a name of server/kinds.py's table), or None."""
+    kind = kind_of_command(command)
+    return kind.name if kind is not None else None
 
 
 def server_remedy(command: list[str] | None) -> dict[str, str]:
     """The remedy environment for the server `command` starts ({} where none is known)."""
-    return dict(SERVER_REMEDIES.get(server_name_of(command) or "", {}))
+    kind = kind_of_command(command)
+    return dict(kind.remedy_env) if kind is not None else {}
 
 
 #: The longest TMPDIR a supervised server gets.  Servers bind Unix sockets in it, whose

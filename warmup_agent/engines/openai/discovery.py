@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING
 
 from warmup_agent.engines.base import EngineError
 from warmup_agent.engines.openai.client import _PATHS
+from warmup_agent.server.kinds import BY_OWNER
 
 if TYPE_CHECKING:
     from warmup_agent.config_sections import OpenaiSection
     from warmup_agent.engines.openai.client import StreamingClient
 
-#: Requests at once where the server batches them but does not say how many: by the
-#: `owned_by` its /v1/models gives the model (openai.concurrency overrides).
-SERVER_CONCURRENCY = {"vllm": 4, "sglang": 4}
 
 
 class Discovery:
@@ -140,7 +138,8 @@ class Discovery:
                 return slots
         except Exception:  # noqa: BLE001 - not llama.cpp (404), or an old one
             pass
-        return SERVER_CONCURRENCY.get(str(self.models_info.get("owned_by", "")), 1)
+        kind = BY_OWNER.get(str(self.models_info.get("owned_by", "")))
+        return kind.concurrency if kind is not None and kind.concurrency else 1
 
     def _ask(self, api: str) -> None:
         """One marked 1-token request on `api`; raises EngineError when it is not answered."""

@@ -46,6 +46,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("warmup_agent.stages",),
     # what is left of a run: its record (over the StageContext) and the report of it
     ("warmup_agent.run", "warmup_agent.run.record", "warmup_agent.run.report"),
+    # `warmup-agent bench`: starts a server (and the agent) as processes, measures from outside
+    ("warmup_agent.bench",),
     # the composition root and the command line
     ("warmup_agent.pipeline",),
     ("warmup_agent.cli", "warmup_agent.__main__"),

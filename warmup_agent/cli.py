@@ -45,6 +45,7 @@ examples:
   warmup-agent check-config agent.yaml
   warmup-agent config-reference > agent.yaml   every key with its default
   warmup-agent cache stats                     what the kernel cache tiers hold
+  warmup-agent bench -- llama-server -m m.gguf --port 8080   measure a server's cold start
 
 exit codes: 0 ok, 2 usage or configuration error, 3 model or validation failure
 """
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("config-reference", help="print every config key with its default and documentation")
     from warmup_agent.kernel_cache import cli as cache_cli
     cache_cli.add_parser(sub)
+    from warmup_agent.bench import cli as bench_cli
+    bench_cli.add_parser(sub)
     rep = sub.add_parser("report", help="render a recorded run (--record) as PNG and HTML")
     from warmup_agent.run import report
     report.add_arguments(rep)
@@ -114,6 +117,9 @@ def _main(argv: list[str]) -> int:
         if args.command == "cache":
             from warmup_agent.kernel_cache import cli as cache_cli
             return cache_cli.main(args)
+        if args.command == "bench":
+            from warmup_agent.bench import cli as bench_cli
+            return bench_cli.main(args)
         if args.command == "config-reference":
             from warmup_agent.config import reference_yaml
             sys.stdout.write(reference_yaml())

@@ -1,0 +1,89 @@
+"""The bench's loop: N starts per condition, alternating (start i puts each
+condition first in turn), the JSON rewritten after every start so an interrupt
+or a failure keeps what was measured."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from warmup_agent.bench import report, summary
+from warmup_agent.bench.start import Setup, StartFailed, run_start
+from warmup_agent.bench.traffic import Traffic
+from warmup_agent.run.progress import Progress
+
+
+@dataclass
+class Outcome:
+    status: str                 # "complete", "failed" or "interrupted"
+    error: str | None
+    result: dict[str, Any]
+    files: list[str] = field(default_factory=list)
+
+
+def order(conditions: list[str], starts: int) -> list[tuple[str, int]]:
+    """(condition, start index) in run order: each condition goes first in turn."""
+    out = []
+    for i in range(starts):
+        k = i % len(conditions)
+        out += [(c, i) for c in conditions[k:] + conditions[:k]]
+    return out
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt    # the bench itself told to stop: the same clean stop as Ctrl-C
+
+
+def _line(rec: dict[str, Any]) -> str:
+    first = rec.get("first") or {}
+    return (f"{rec['condition']} start {rec['start']}: ready {rec['ready_seconds']:.2f} s, first ttft "
+            f"{first.get('ttft_seconds', 0) * 1000:.1f} ms (tax {rec.get('first_ttft_tax', 0):.2f}), "
+            f"whole answer tax {rec.get('first_total_tax', 0):.2f}, exit {rec['sigterm']['exit_seconds']:.2f} s, "
+            f"orphans {rec['sigterm']['orphans']}")
+
+
+def run(setup: Setup, traffic: Traffic, conditions: list[str], starts: int, out_dir: str,
+        head: dict[str, Any], progress: Progress) -> Outcome:
+    """Every start in order; stops at the first failure or interrupt.  Writes
+    out_dir/bench.json after each start and the report at the end."""
+    plan = order(conditions, starts)
+    done: list[dict[str, Any]] = []
+    json_path = os.path.join(out_dir, "bench.json")
+    status, error = "complete", None
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    progress.stage_started(1, 1, f"bench: {len(plan)} starts")
+    t0 = time.monotonic()
+    try:
+        for n, (cond, i) in enumerate(plan):
+            progress.step(n, len(plan), f"{cond} start {i + 1}")
+            try:
+                rec = run_start(setup, traffic, cond, i)
+            except StartFailed as e:
+                done.append({**e.record, "error": str(e)})
+                status, error = "failed", str(e)
+                break
+            done.append(rec)
+            progress.clear()
+            progress.stream.write(_line(rec) + "\n")
+            progress.redraw()
+            summary.write(json_path, _result(head, done, conditions, "running", None))
+        else:
+            progress.step(len(plan), len(plan), "done")
+    except KeyboardInterrupt:
+        status = "interrupted"
+        error = f"interrupted after {len(done)} of {len(plan)} starts; the server was stopped"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        progress.stage_finished("bench", time.monotonic() - t0, ok=status == "complete")
+    res = _result(head, done, conditions, status, error)
+    summary.write(json_path, res)
+    files = [json_path, *report.write_report(res, out_dir)]
+    return Outcome(status, error, res, files)
+
+
+def _result(head: dict[str, Any], done: list[dict[str, Any]], conditions: list[str], status: str,
+            error: str | None) -> dict[str, Any]:
+    counts = {c: sum(1 for r in done if r["condition"] == c and "error" not in r) for c in conditions}
+    return summary.result({**head, "status": status, "error": error, "starts_done": counts}, done, conditions)

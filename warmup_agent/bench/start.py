@@ -1,0 +1,176 @@
+"""One start of the user's server under one condition, measured from outside.
+
+  alone    the server's command; ready when its health endpoint answers 200
+  oneshot  the same, plus one 1-token request at health; ready when it is answered
+  agent    `warmup-agent run --engine openai ... -- COMMAND`; ready at the agent's /readyz
+
+At ready the first request goes out at once, then the steady ones one by one,
+then a burst of concurrent ones; then SIGTERM, timed, and the orphans counted.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from warmup_agent.bench import client, process
+from warmup_agent.bench.traffic import Shape, Traffic
+
+CONDITIONS = ("alone", "oneshot", "agent")
+POLL = 0.02        # seconds between health polls
+
+
+class StartFailed(Exception):
+    """A start that could not be measured; str() is the one line to show, and
+    `record` keeps what was measured before it failed."""
+
+    def __init__(self, message: str, record: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+@dataclass
+class Setup:
+    """What every start needs; `command` may hold `{port}`, replaced per start."""
+    command: list[str]
+    host: str
+    port: int | None                 # None: a free port per start ({port} in the command)
+    model: str | None                # the name requests send (None: the server's default)
+    health_path: str = "/health"
+    ready_timeout: float = 600.0
+    steady: int = 8
+    burst: int = 4
+    stop_timeout: float = 60.0
+    logs: str = "."
+    agent_args: list[str] = field(default_factory=list)   # --config / --model for `run`
+    agent_env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] | None = None
+
+    def server_command(self, port: int) -> list[str]:
+        return [w.replace("{port}", str(port)) for w in self.command]
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _wait_ready(s: process.Started, url: str, timeout: float, what: str) -> float:
+    """Seconds from spawn until GET url answers 200; StartFailed-ready messages
+    are raised by the caller from the RuntimeError's text."""
+    deadline = s.t0 + timeout
+    last_note = 0.0
+    while True:
+        code = s.exited()
+        if code is not None:
+            line = s.last_line()
+            raise RuntimeError(f"exited with code {code} before {what} answered 200"
+                               + (f"; its last line: {line}" if line else ""))
+        if client.get_status(url) == 200:
+            return time.monotonic() - s.t0
+        now = time.monotonic()
+        if now > deadline:
+            raise RuntimeError(f"never became ready: {url} did not answer 200 within {timeout:g} s")
+        if now - last_note > 1.0:
+            s.note_children()
+            last_note = now
+        time.sleep(POLL)
+
+
+def _spawn(setup: Setup, condition: str, index: int, port: int) -> tuple[process.Started, str]:
+    """Start the condition's process; returns it and the URL that says it is ready."""
+    log = os.path.join(setup.logs, f"{condition}-{index + 1}.log")
+    cmd = setup.server_command(port)
+    if condition != "agent":
+        return process.spawn(cmd, log, env=setup.env), _url(setup.host, port) + setup.health_path
+    listen = process.free_port()
+    record = os.path.join(setup.logs, f"agent-{index + 1}.record.json")
+    agent = [sys.executable, "-m", "warmup_agent", "run", "--no-progress", "--engine", "openai",
+             "--listen", f"127.0.0.1:{listen}", "--record", record, *setup.agent_args, "--", *cmd]
+    env = dict(setup.env if setup.env is not None else os.environ, **setup.agent_env)
+    return process.spawn(agent, log, env=env), f"http://127.0.0.1:{listen}/readyz"
+
+
+def _measure(base: str, model: str | None, traffic: Traffic, shape: Shape, setup: Setup, out: dict) -> None:
+    """First, steady, burst; each figure goes into `out` as soon as it is measured."""
+    first = client.stream_chat(base, model, traffic.request(shape))
+    out["first"] = first.as_dict()
+    steady = [client.stream_chat(base, model, traffic.request(shape)) for _ in range(setup.steady)]
+    st_ttft = statistics.median(a.ttft for a in steady)
+    st_total = statistics.median(a.total for a in steady)
+    out.update(steady_ttft_seconds=st_ttft, steady_total_seconds=st_total,
+               first_ttft_tax=first.ttft / st_ttft, first_total_tax=first.total / st_total,
+               steady_ttft_all_seconds=[a.ttft for a in steady])
+    if setup.burst > 1:
+        bodies = [traffic.request(shape) for _ in range(setup.burst)]
+        with ThreadPoolExecutor(setup.burst) as pool:
+            burst = list(pool.map(lambda b: client.stream_chat(base, model, b), bodies))
+        out.update(burst_ttft_median_seconds=statistics.median(a.ttft for a in burst),
+                   burst_total_max_seconds=max(a.total for a in burst),
+                   burst_ttft_over_steady=statistics.median(a.ttft for a in burst) / st_ttft)
+
+
+def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dict[str, Any]:
+    """One start, measured; raises StartFailed (with what was measured) when the
+    server fails to start, never gets ready, or stops answering."""
+    port = setup.port if setup.port is not None else process.free_port()
+    shape = traffic.shape(index)
+    rec: dict[str, Any] = {"condition": condition, "start": index + 1, "port": port, "shape": shape.describe()}
+    _wait_port(setup.host, port, rec)
+    s, ready_url = _spawn(setup, condition, index, port)
+    rec.update(pid=s.pid, log=s.log_path)
+    base = _url(setup.host, port)
+    try:
+        try:
+            if condition == "agent":
+                rec["ready_seconds"] = _wait_ready(s, ready_url, setup.ready_timeout, "the agent's /readyz")
+            else:
+                rec["health_seconds"] = _wait_ready(s, ready_url, setup.ready_timeout, setup.health_path)
+                if condition == "oneshot":
+                    client.stream_chat(base, setup.model, {"messages": [{"role": "user", "content": "Hello"}],
+                                                           "max_tokens": 1})
+                rec["ready_seconds"] = time.monotonic() - s.t0
+        except RuntimeError as e:
+            raise StartFailed(f"{condition} start {index + 1}: the {_who(condition)} {e}", rec) from None
+        _measure(base, setup.model, traffic, shape, setup, rec)
+    except client.RequestFailed as e:
+        code = _exit_code(s)
+        process.kill_now(s)
+        how = (f"the {_who(condition)} exited with code {code} mid-run" if code is not None
+               else "the server stopped answering mid-run")
+        raise StartFailed(f"{condition} start {index + 1}: {how} ({e})", rec) from None
+    except BaseException:      # a failed start, Ctrl-C: nothing it started stays behind
+        process.kill_now(s)
+        raise
+    try:
+        rec["sigterm"] = process.stop(s, setup.stop_timeout)
+    except BaseException:
+        process.kill_now(s)
+        raise
+    return rec
+
+
+def _exit_code(s: process.Started, wait: float = 1.0) -> int | None:
+    """Its exit code if it died (a dropped stream comes a moment before the exit is seen)."""
+    try:
+        return s.proc.wait(wait)
+    except subprocess.TimeoutExpired:   # still running
+        return None
+
+
+def _who(condition: str) -> str:
+    return "agent" if condition == "agent" else "server"
+
+
+def _wait_port(host: str, port: int, rec: dict[str, Any], timeout: float = 10.0) -> None:
+    """The port must be free before a start: a listener left there would be measured instead."""
+    deadline = time.monotonic() + timeout
+    while not process.port_free(host, port):
+        if time.monotonic() > deadline:
+            raise StartFailed(f"{rec['condition']} start {rec['start']}: port {port} on {host} is in use "
+                              "by another process", rec)
+        time.sleep(0.2)

@@ -1,0 +1,126 @@
+"""The bench's figures: per condition the median and spread of each start's
+figures, the ratios of oneshot and agent to alone, and the JSON that keeps them
+with where, when and on what they were measured."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+from typing import Any
+
+from warmup_agent import __version__
+
+# (key, what it is); each start's record has these (the first request's under "first").
+FIGURES: tuple[tuple[str, str], ...] = (
+    ("ready_seconds", "spawn to ready: /health 200 (alone), the 1-token request answered (oneshot), "
+                      "the agent's /readyz 200 (agent)"),
+    ("first_ttft_seconds", "the first request's time to first token, sent at ready"),
+    ("first_total_seconds", "the first request's whole answer (end of its stream)"),
+    ("steady_ttft_seconds", "median time to first token of the next requests, one at a time"),
+    ("steady_total_seconds", "median whole answer of the next requests"),
+    ("first_ttft_tax", "first request's time to first token / the steady median (1.0: no cold start)"),
+    ("first_total_tax", "first request's whole answer / the steady median"),
+    ("burst_ttft_over_steady", "median time to first token of a burst of concurrent requests / steady median"),
+    ("burst_total_max_seconds", "the burst's slowest whole answer"),
+    ("sigterm_exit_seconds", "SIGTERM to exit"),
+    ("orphans", "processes left after the exit (killed by the bench)"),
+)
+#: The figures whose oneshot/alone and agent/alone ratios are reported.
+RATIO_FIGURES = ("ready_seconds", "first_ttft_seconds", "first_total_seconds", "first_ttft_tax",
+                 "first_total_tax", "burst_ttft_over_steady")
+
+
+def figure(rec: dict[str, Any], key: str) -> float | None:
+    """One figure of a start's record, or None where it was not measured."""
+    if key in ("first_ttft_seconds", "first_total_seconds"):
+        v = (rec.get("first") or {}).get(key.removeprefix("first_"))
+    elif key in ("sigterm_exit_seconds", "orphans"):
+        v = (rec.get("sigterm") or {}).get(key.removeprefix("sigterm_"))
+    else:
+        v = rec.get(key)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(starts: list[dict[str, Any]], conditions: list[str]) -> dict[str, dict[str, Any]]:
+    """Per condition, per figure: median, min, max and n over the starts that measured it."""
+    out: dict[str, dict[str, Any]] = {}
+    for cond in conditions:
+        recs = [r for r in starts if r["condition"] == cond]
+        out[cond] = {}
+        for key, _ in FIGURES:
+            vals = [v for r in recs if (v := figure(r, key)) is not None]
+            out[cond][key] = spread(vals) if vals else None
+    return out
+
+
+def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """median(condition) / median(alone), for oneshot and agent."""
+    out: dict[str, dict[str, float | None]] = {}
+    base = summary.get("alone") or {}
+    for cond in ("oneshot", "agent"):
+        if cond not in summary:
+            continue
+        out[f"{cond}_over_alone"] = {}
+        for key in RATIO_FIGURES:
+            a, b = (summary[cond].get(key) or {}).get("median"), (base.get(key) or {}).get("median")
+            out[f"{cond}_over_alone"][key] = a / b if a is not None and b else None
+    return out
+
+
+def commit() -> str:
+    """The agent's commit: BENCH_COMMIT, else git HEAD of its checkout, else its version."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        r = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=here, capture_output=True, text=True,
+                           timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return f"warmup-agent {__version__}"
+    return r.stdout.strip() if r.returncode == 0 else f"warmup-agent {__version__}"
+
+
+def gpu_name() -> str | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 -- no NVML, no GPU: a CPU host
+        return None
+
+
+def provenance() -> dict[str, Any]:
+    return {"machine": platform.node(), "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "gpu": gpu_name(), "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit(), "version": __version__}
+
+
+def result(head: dict[str, Any], starts: list[dict[str, Any]], conditions: list[str]) -> dict[str, Any]:
+    """The whole JSON: `head` (tool, server, seed, status, ...), the figures, the starts."""
+    summary = summarize(starts, conditions)
+    return {**head, "summary": summary, "ratios": ratios(summary),
+            "definitions": dict(FIGURES), "starts": starts}
+
+
+def dumps(res: dict[str, Any]) -> str:
+    """One top-level key per line, values compact (bench/results' form: diffs stay readable)."""
+    lines = [f"  {json.dumps(str(k))}: {json.dumps(v, separators=(',', ':'), default=str)}" for k, v in res.items()]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def write(path: str, res: dict[str, Any]) -> None:
+    """Write atomically: an interrupt never leaves half a file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(dumps(res))
+    os.replace(tmp, path)

@@ -1,0 +1,123 @@
+"""The bench's traffic: streamed chat requests drawn by one seeded generator.
+
+Each start gets one request shape (a prompt length, an answer length, sampling),
+drawn from the requests file when one is given, else from a built-in mix of
+lengths; start i of every condition gets the same shape, so the conditions meet
+the same traffic.  Every request of a start (the first, the steady ones, the
+burst) is that shape with a new prefix and new words, so no prefix or prompt
+cache can answer it.
+"""
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from warmup_agent.warmup.requests_file import check_file, read_error
+
+# Plain words: any tokenizer splits them into few tokens, so a prompt of N words
+# stays within a small context.
+WORDS = tuple("""the a order delivery address office week customer account payment card refund
+price invoice ship box parcel late early today tomorrow please help change update cancel
+return size colour item store online phone email message reply question answer problem
+issue team manager service support time day month year first last next new old good bad
+fast slow open close start stop check send read write find keep make give take show tell
+ask need want like know think see look come go get put call work play run move live city
+street house room door window table chair book paper letter note list plan idea report
+data file page line word name number code key value test result error model system
+""".split())
+
+# The built-in mix: (weight, prompt words low, high), a chat service's spread of
+# short questions, paragraphs and pasted documents.  Scaled to --max-context.
+MIX = ((0.5, 0.02, 0.10), (0.35, 0.10, 0.30), (0.15, 0.30, 0.55))
+SAMPLINGS = ({"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0, "top_p": 0.95})
+
+
+class TrafficError(Exception):
+    """A requests file that cannot be used; str() is the one line to show."""
+
+
+@dataclass
+class Shape:
+    """One start's requests: `body` is an OpenAI chat body (no model, no stream
+    fields) whose last user message gets a fresh prefix per request."""
+    body: dict[str, Any]
+    source: str                     # "mix" or "FILE:LINE"
+    prompt_words: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        keys = ("max_tokens", "temperature", "top_p", "top_k")
+        return {"source": self.source, "prompt_words": self.prompt_words,
+                **{k: self.body[k] for k in keys if k in self.body}}
+
+
+@dataclass
+class Traffic:
+    """The run's generator: `shape(i)` for start i, `request(shape)` for each request."""
+    seed: int
+    max_context: int = 2048
+    max_tokens: int = 32
+    file_bodies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed ^ 0x5EED)
+
+    def shape(self, start: int) -> Shape:
+        """Start `start`'s shape, the same for every condition (seed, start)."""
+        rng = random.Random(self.seed * 1_000_003 + start)
+        if self.file_bodies:
+            source, body = rng.choice(self.file_bodies)
+            return _shape_of_body(source, body, self.max_tokens)
+        weights = [w for w, _, _ in MIX]
+        _, lo, hi = rng.choices(MIX, weights=weights)[0]
+        # A word is one to three tokens; the prompt plus the answer fits the context.
+        budget = max(8, self.max_context // 3 - self.max_tokens)
+        words = max(4, int(rng.uniform(lo, hi) * budget))
+        body = {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))}],
+                "max_tokens": rng.randint(max(4, self.max_tokens // 2), self.max_tokens), **rng.choice(SAMPLINGS)}
+        return Shape(body, "mix", words)
+
+    def request(self, shape: Shape) -> dict[str, Any]:
+        """A new request of `shape`: a fresh prefix, and new words for the mix's prompts."""
+        body = copy.deepcopy(shape.body)
+        rng = self._rng
+        prefix = f"{rng.randrange(10**6):06d} {' '.join(rng.choice(WORDS) for _ in range(3))}: "
+        last = next(m for m in reversed(body["messages"]) if m.get("role") == "user")
+        if shape.source == "mix":
+            last["content"] = " ".join(rng.choice(WORDS) for _ in range(shape.prompt_words))
+        last["content"] = prefix + _text(last.get("content"))
+        return body
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):   # content parts: keep their text
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def _shape_of_body(source: str, body: dict[str, Any], max_tokens: int) -> Shape:
+    out = {k: v for k, v in body.items() if k not in ("model", "stream", "stream_options", "n")}
+    if "prompt" in out:            # a completions line: the same text as one user message
+        out["messages"] = [{"role": "user", "content": _text(out.pop("prompt"))}]
+    out.setdefault("max_tokens", out.pop("max_completion_tokens", max_tokens))
+    words = sum(len(_text(m.get("content")).split()) for m in out["messages"])
+    return Shape(out, source, words)
+
+
+def load_requests_file(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """The usable lines of a requests file (JSON Lines of OpenAI request bodies)."""
+    try:
+        check = check_file(path)
+    except OSError as e:
+        raise TrafficError(read_error(path, e)) from None
+    bodies = [(f"{path}:{n}", b) for n, b in check.good
+              if any(m.get("role") == "user" for m in b.get("messages") or []) or isinstance(b.get("prompt"), str)]
+    if not bodies:
+        shown = "; ".join(f"line {n}: {why}" for n, why in check.bad[:3])
+        raise TrafficError(f"{path}: no usable request (a chat body with a user message, or a text prompt)"
+                           + (f"; {shown}" if shown else ""))
+    return bodies

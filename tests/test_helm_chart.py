@@ -21,6 +21,7 @@ import yaml
 from tests.helpers.paths import ROOT_PATH as ROOT
 from tools import sync_chart_files
 from warmup_agent import config as agent_config
+from warmup_agent.server.kinds import PRESETS as KIND_PRESETS
 
 CHART = ROOT / "helm" / "warmup-agent"
 HELM = ROOT / ".tools" / "helm"
@@ -572,7 +573,7 @@ def test_notes_tell_how_to_watch_the_warmup(helm_env, tmp_path):
 
 # -- server presets ---------------------------------------------------------------------------
 
-PRESETS = ("vllm", "llamacpp", "sglang", "transformers", "custom")
+PRESETS = (*KIND_PRESETS, "custom")   # the table of server kinds, as the chart's files/presets.yaml holds it
 MODES = ("entrypoint", "sidecar")
 PORT = 8123   # not any preset's own default, so a missing port flag shows
 # The whole command line each preset must give the server, written out here (not derived
@@ -594,18 +595,24 @@ EXPECTED_HEALTH = {"vllm": "/health", "llamacpp": "/health", "sglang": "/health"
 # The model name the agent must send: the served name, or the model path for transformers serve.
 EXPECTED_AGENT_MODEL = {"vllm": "served", "llamacpp": "served", "sglang": "served", "transformers": "/models/m",
                         "custom": "served"}
+# A preset added to warmup_agent/server/kinds.py since: what its table entry says.
+for _name, _p in KIND_PRESETS.items():
+    _served = "served" if _p.served_name_flag else ""
+    EXPECTED_SERVER_COMMAND.setdefault(_name, _p.command("/models/m", PORT, _served) + ["--extra", "one"])
+    EXPECTED_HEALTH.setdefault(_name, _p.health_path)
+    EXPECTED_AGENT_MODEL.setdefault(_name, "served" if _served else "/models/m")
 
 
 def preset_args(preset: str, mode: str) -> list[str]:
     args = ["--set", f"mode={mode}", "--set", f"server.preset={preset}", "--set", "server.model=/models/m",
             "--set", f"server.port={PORT}", "--set", "server.extraArgs={--extra,one}",
             "--set", "agent.image.repository=registry.example.com/agent-and-server"]
-    if preset != "transformers":
+    if preset == "custom" or KIND_PRESETS[preset].served_name_flag:
         args += ["--set", "server.servedModelName=served"]
     if preset == "custom":
         args += ["--set", "server.command={my-server}", "--set", f"server.args={{--listen,0.0.0.0:{PORT}}}",
                  "--set", "server.healthPath=/ping"]
-    if mode == "sidecar" and preset != "vllm":
+    if mode == "sidecar" and (preset == "custom" or not KIND_PRESETS[preset].image):
         args += ["--set", f"server.image.repository=example.com/{preset}", "--set-string", "server.image.tag=1.0"]
     return args
 
@@ -649,7 +656,8 @@ def test_every_preset_renders_its_command_line_in_every_mode(helm_env, preset, m
             assert server["args"] == expected[1:]
         else:
             assert "args" not in server
-        assert server["image"] == ("vllm/vllm-openai:v0.32.0" if preset == "vllm" else f"example.com/{preset}:1.0")
+        own = KIND_PRESETS.get(preset)
+        assert server["image"] == (f"{own.image}:{own.image_tag}" if own and own.image else f"example.com/{preset}:1.0")
         health = {"path": EXPECTED_HEALTH[preset], "port": "http"}
         assert server["startupProbe"]["httpGet"] == health and server["livenessProbe"]["httpGet"] == health
     assert server_cmd == expected

@@ -30,4 +30,4 @@ def test_fetch_helm_is_idempotent_and_pins_the_version():
 def test_sync_check_passes_on_the_committed_chart():
     out = run("tools/sync_chart_files.py", "--check")
     assert out.returncode == 0, out.stderr
-    assert "match alerts/ and dashboards/" in out.stdout
+    assert "match alerts/, dashboards/ and the server kinds" in out.stdout

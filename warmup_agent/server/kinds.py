@@ -1,26 +1,65 @@
-"""The one table of model server kinds: what the agent knows about each server.
+"""The one table of model server kinds: what the agent and the Helm chart know about each.
 
-One entry per server, as node_exporter registers one collector per name.  The
-code reads it (command recognition, remedies, concurrency, the pod's-life
-signals in server/signals.py) and the Helm chart's presets are checked against
-it (tests/test_server_kinds.py).  Adding a server means adding an entry here,
-a preset in the chart, and a line in docs/servers.md.
+One entry per server, as node_exporter registers one collector per name.  The agent reads
+it (command recognition, remedies, concurrency, start-up log lines, the pod's-life signals
+of server/signals.py); `make regenerate` writes the chart's presets from it
+(tools/sync_chart_files.py: files/presets.yaml, the schema's enum, the README's table) and
+tests/test_server_kinds.py fails when they disagree.  docs/architecture.md shows how to add
+a server.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
+#: A request line in a server's log (uvicorn's access line; llama.cpp's `request: POST ...`).
+REQUEST_LOG = r"POST /v1/(?:chat/)?completions\b"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How the chart starts a server (`server.preset`):
+    `executable MODEL_FLAG MODEL HOST_FLAG 0.0.0.0 PORT_FLAG PORT [SERVED_NAME_FLAG NAME]`.
+    `model_flag` "": the model is positional.  `served_name_flag` None: the server has none
+    and serves the model under its path, which the agent then sends.  `image`/`image_tag`:
+    its default image in sidecar mode ("": the user names one).  `in_agent_image`: the
+    default agent image holds it.  `gives_model_path`: in entrypoint mode the chart tells the
+    agent the model directory (model.path), where the command line does not say it plainly.
+    `model_example`: how the chart's README writes the model argument."""
+    executable: tuple[str, ...]
+    model_flag: str = ""
+    served_name_flag: str | None = "--served-model-name"
+    host_flag: str = "--host"
+    port_flag: str = "--port"
+    health_path: str = "/health"
+    image: str = ""
+    image_tag: str = ""
+    in_agent_image: bool = False
+    gives_model_path: bool = False
+    model_example: str = "MODEL"
+
+    def command(self, model: str, port: int, served_name: str = "") -> list[str]:
+        """The command line the chart renders (before server.extraArgs)."""
+        cmd = [*self.executable, *([self.model_flag] if self.model_flag else []), model,
+               self.host_flag, "0.0.0.0", self.port_flag, str(port)]
+        if served_name and self.served_name_flag:
+            cmd += [self.served_name_flag, served_name]
+        return cmd
+
 
 @dataclass(frozen=True)
 class ServerKind:
     """One model server.
 
-    `name`: what logs, metrics and docs call it; `chart_name`: the Helm preset
-    (`server.preset`); `command_words`: words that identify its command line.
-    `remedy_env`: environment that removes a per-prompt-length cost the warmup
-    finds (openai.apply_server_remedy).  `concurrency`: requests it serves at
-    once when it does not say (0: ask it, else 1).
+    `name`: its one name, in the chart (`server.preset`), logs and docs; `label`: how its
+    users write it, for log lines.  `command_words`: words that identify its command line.
+    `owned_by`: what /v1/models says owns the model, for a server the agent did not start.
+    `preset`: the chart's command line (None: run it with preset custom).
+    `remedy_env`/`remedy`: environment that removes a per-prompt-length cost the warmup
+    finds (openai.apply_server_remedy), and the advice in the user's words.  `concurrency`:
+    requests it serves at once when it does not say (0: ask it, else 1).
+    `startup_log`: start-up line patterns whose one group is seconds it spent (key: what).
+    `request_log`: a pattern of its log's request lines (other clients' traffic).
 
     The pod's-life signals (DESIGN.md, "The pod's whole life"), all read without
     sending the server a task:
@@ -30,10 +69,15 @@ class ServerKind:
     line option that makes it sleep when idle; `wake_path`: a POST that wakes it
     (None: its next request wakes it)."""
     name: str
-    chart_name: str
+    label: str
     command_words: tuple[str, ...]
+    owned_by: str = ""
+    preset: Preset | None = None
     remedy_env: dict[str, str] = field(default_factory=dict)
+    remedy: str = ""
     concurrency: int = 0
+    startup_log: dict[str, str] = field(default_factory=dict)
+    request_log: str = REQUEST_LOG
     start_time_metric: str | None = None
     sleep_path: str | None = None
     sleep_key: str = "is_sleeping"
@@ -50,44 +94,73 @@ class ServerKind:
         return self.can_sleep and self.wake_path is None
 
 
+#: vLLM's start-up lines that say how long its own compile, graph capture and loads took.
+_VLLM_STARTUP_LOG = {
+    "compile_seconds": r"torch\.compile takes ([\d.]+) s in total",
+    "graph_capture_seconds": r"Graph capturing finished in ([\d.]+) sec",
+    "engine_init_seconds": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) sec",
+    "weights_load_seconds": r"Loading weights took ([\d.]+) sec",
+    "model_load_seconds": r"Model loading took [\d.]+ [GM]i?B(?: memory)? and ([\d.]+) sec",
+}
+
 KINDS: tuple[ServerKind, ...] = (
-    ServerKind("vllm", "vllm", ("vllm",), concurrency=4,
+    ServerKind("vllm", "vLLM", ("vllm",), owned_by="vllm", concurrency=4,
+               preset=Preset(("vllm", "serve"), image="vllm/vllm-openai", image_tag="v0.32.0",
+                             in_agent_image=True),
+               startup_log=_VLLM_STARTUP_LOG,
                start_time_metric="process_start_time_seconds",
                # vLLM serves these only with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode.
                sleep_path="/is_sleeping", sleep_option="--enable-sleep-mode", wake_path="/wake_up"),
-    ServerKind("llama.cpp", "llamacpp", ("llama-server", "llama_cpp"),
+    ServerKind("llamacpp", "llama.cpp", ("llama-server", "llama_cpp"), owned_by="llamacpp",
+               preset=Preset(("llama-server",), model_flag="-m", served_name_flag="--alias",
+                             model_example="MODEL.gguf"),
                sleep_path="/props", sleep_option="--sleep-idle-seconds"),
-    ServerKind("sglang", "sglang", ("sglang",), concurrency=4,
+    ServerKind("sglang", "SGLang", ("sglang",), owned_by="sglang", concurrency=4,
+               preset=Preset(("python3", "-m", "sglang.launch_server"), model_flag="--model-path",
+                             gives_model_path=True),
                start_time_metric="process_start_time_seconds"),
-    ServerKind("transformers serve", "transformers", ("transformers",),
-               # PyTorch's cuDNN attention builds a plan per sequence length.
-               remedy_env={"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}),
-    ServerKind("tgi", "tgi", ("text-generation-launcher",)),
+    ServerKind("transformers", "transformers serve", ("transformers serve",),
+               preset=Preset(("transformers", "serve"), served_name_flag=None, gives_model_path=True),
+               remedy_env={"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"},
+               remedy=("set TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in the server's environment "
+                       "(PyTorch's cuDNN attention builds a plan per sequence length)")),
+    ServerKind("tgi", "text-generation-inference", ("text-generation-launcher",)),
 )
 
 BY_NAME = {k.name: k for k in KINDS}
-BY_CHART_NAME = {k.chart_name: k for k in KINDS}
 #: What /v1/models says owns the model, for a server the agent did not start.
-BY_OWNER = {"vllm": BY_NAME["vllm"], "llamacpp": BY_NAME["llama.cpp"], "sglang": BY_NAME["sglang"]}
+BY_OWNER = {k.owned_by: k for k in KINDS if k.owned_by}
+#: The chart's presets (server.preset), besides `custom`.
+PRESETS = {k.name: k.preset for k in KINDS if k.preset is not None}
 
 
 def kind_of_command(command: list[str] | None) -> ServerKind | None:
-    """The server a command line starts, or None."""
+    """The server a command line starts, or None.  A command word of several words
+    matches when each of them is among the command's first four words."""
     words = [os.path.basename(w) for w in (command or [])[:4]]
-    if "transformers" in words and "serve" in words:
-        return BY_NAME["transformers serve"]
     text = " ".join(words)
     for kind in KINDS:
-        if kind.name != "transformers serve" and any(w in text for w in kind.command_words):
-            return kind
+        for w in kind.command_words:
+            parts = w.split()
+            if all(p in words for p in parts) if len(parts) > 1 else w in text:
+                return kind
     return None
 
 
 def sleeps_when_idle(kind: ServerKind | None, command: list[str] | None) -> bool:
-    """Whether the command asks its server to sleep when idle (llama.cpp's
-    --sleep-idle-seconds N with N >= 0; vLLM's --enable-sleep-mode)."""
-    if kind is None or kind.sleep_option is None or not command:
+    """Whether the command asks its server to sleep on its own after an idle time
+    (llama.cpp's --sleep-idle-seconds N with N >= 0).  vLLM's --enable-sleep-mode only
+    allows a sleep that a client asks for (POST /sleep): it is not idle sleep."""
+    if kind is None or kind.sleep_option is None or kind.wake_path is not None or not command:
         return False
+    for i, word in enumerate(command):
+        if word == kind.sleep_option or word.startswith(kind.sleep_option + "="):
+            value = word.split("=", 1)[1] if "=" in word else (command[i + 1] if i + 1 < len(command) else "")
+            try:
+                return int(value) >= 0
+            except ValueError:
+                return False
+    return False
     for i, word in enumerate(command):
         if word == kind.sleep_option or word.startswith(kind.sleep_option + "="):
             if kind.name == "vllm":

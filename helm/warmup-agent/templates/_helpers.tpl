@@ -76,75 +76,82 @@ app.kubernetes.io/component: model-server
 {{- end }}
 
 {{/*
+The preset server.preset names, from files/presets.yaml (generated from
+warmup_agent/server/kinds.py), as YAML; {} for custom.
+*/}}
+{{- define "warmup-agent.preset" -}}
+{{- $name := default "vllm" .Values.server.preset }}
+{{- $presets := fromYaml (.Files.Get "files/presets.yaml") }}
+{{- if eq $name "custom" }}
+{{- toYaml (dict) }}
+{{- else if hasKey $presets $name }}
+{{- toYaml (index $presets $name) }}
+{{- else }}
+{{- fail (printf "server.preset %s is not one of %s, custom" $name (keys $presets | sortAlpha | join ", ")) }}
+{{- end }}
+{{- end }}
+
+{{/*
 The model server's command line, built from server.preset, as JSON:
   {"command": [...], "args": [...]}.
 A preset puts its executable (server.command, else the preset's own) and every argument
-in "command": model, --host 0.0.0.0, its port flag with server.port, its served-model-name
-flag with server.servedModelName, then server.extraArgs. custom takes server.command
-verbatim, and server.args then server.extraArgs as "args". Entrypoint mode runs command
-and args after the agent's `--`; sidecar mode gives them to the server container.
+in "command": its model flag and server.model, its host flag with 0.0.0.0, its port flag
+with server.port, its served-model-name flag with server.servedModelName, then
+server.extraArgs. custom takes server.command verbatim, and server.args then
+server.extraArgs as "args". Entrypoint mode runs command and args after the agent's `--`;
+sidecar mode gives them to the server container.
 */}}
 {{- define "warmup-agent.serverCommand" -}}
 {{- $s := .Values.server }}
 {{- $preset := default "vllm" $s.preset }}
-{{- $port := toString $s.port }}
+{{- $p := fromYaml (include "warmup-agent.preset" .) }}
 {{- $name := $s.servedModelName }}
 {{- $exe := default (list) $s.command }}
 {{- $cmd := list }}
 {{- $args := list }}
-{{- if and (ne $preset "custom") $s.args }}
-{{- fail (printf "server.args is for server.preset custom only (server.preset is %s, which builds its own arguments): put more arguments in server.extraArgs" $preset) }}
-{{- end }}
-{{- if eq $preset "vllm" }}
-{{- $cmd = concat (default (list "vllm" "serve") $exe) (list $s.model "--host" "0.0.0.0" "--port" $port) }}
-{{- if $name }}{{ $cmd = concat $cmd (list "--served-model-name" $name) }}{{ end }}
-{{- else if eq $preset "llamacpp" }}
-{{- $cmd = concat (default (list "llama-server") $exe) (list "-m" $s.model "--host" "0.0.0.0" "--port" $port) }}
-{{- if $name }}{{ $cmd = concat $cmd (list "--alias" $name) }}{{ end }}
-{{- else if eq $preset "sglang" }}
-{{- $cmd = concat (default (list "python3" "-m" "sglang.launch_server") $exe) (list "--model-path" $s.model "--host" "0.0.0.0" "--port" $port) }}
-{{- if $name }}{{ $cmd = concat $cmd (list "--served-model-name" $name) }}{{ end }}
-{{- else if eq $preset "transformers" }}
-{{- if $name }}
-{{- fail "server.servedModelName must be empty with server.preset transformers: `transformers serve` has no served-model-name flag and serves the model under server.model" }}
-{{- end }}
-{{- $cmd = concat (default (list "transformers" "serve") $exe) (list $s.model "--host" "0.0.0.0" "--port" $port) }}
-{{- else if eq $preset "custom" }}
+{{- $extra := default (list) $s.extraArgs }}
+{{- if eq $preset "custom" }}
 {{- if not $exe }}
 {{- fail "server.command is empty: server.preset custom needs the server's command (a list, e.g. [my-server]) and its arguments in server.args" }}
 {{- end }}
 {{- $cmd = $exe }}
-{{- $args = default (list) $s.args }}
+{{- $args = concat (default (list) $s.args) $extra }}
 {{- else }}
-{{- fail (printf "server.preset %s is not one of vllm, llamacpp, sglang, transformers, custom" $preset) }}
+{{- if $s.args }}
+{{- fail (printf "server.args is for server.preset custom only (server.preset is %s, which builds its own arguments): put more arguments in server.extraArgs" $preset) }}
 {{- end }}
-{{- $extra := default (list) $s.extraArgs }}
-{{- if eq $preset "custom" }}
-{{- $args = concat $args $extra }}
-{{- else }}
+{{- if and $name (not $p.servedNameFlag) }}
+{{- fail (printf "server.servedModelName must be empty with server.preset %s: `%s` has no served-model-name flag and serves the model under server.model" $preset $p.label) }}
+{{- end }}
+{{- $cmd = default $p.executable $exe }}
+{{- if $p.modelFlag }}{{ $cmd = append $cmd $p.modelFlag }}{{ end }}
+{{- $cmd = concat $cmd (list $s.model $p.hostFlag "0.0.0.0" $p.portFlag (toString $s.port)) }}
+{{- if $name }}{{ $cmd = concat $cmd (list $p.servedNameFlag $name) }}{{ end }}
 {{- $cmd = concat $cmd $extra }}
 {{- end }}
 {{- toJson (dict "command" $cmd "args" $args) }}
 {{- end }}
 
-{{/* Health path of the model server: server.healthPath, else the preset's (every preset: /health). */}}
+{{/* Health path of the model server: server.healthPath, else the preset's. */}}
 {{- define "warmup-agent.healthPath" -}}
-{{- default "/health" .Values.server.healthPath }}
+{{- $p := fromYaml (include "warmup-agent.preset" .) }}
+{{- default (default "/health" $p.healthPath) .Values.server.healthPath }}
 {{- end }}
 
-{{/* The server container's image (sidecar mode): server.image, else the vllm preset's vLLM image. */}}
+{{/* The server container's image (sidecar mode): server.image, else the preset's default image. */}}
 {{- define "warmup-agent.serverImage" -}}
 {{- $i := .Values.server.image }}
 {{- $preset := default "vllm" .Values.server.preset }}
+{{- $p := fromYaml (include "warmup-agent.preset" .) }}
 {{- if $i.repository }}
 {{- if not $i.tag }}
-{{- fail (printf "server.image.tag is empty: give the tag of %s (only the vllm preset's default image has one)" $i.repository) }}
+{{- fail (printf "server.image.tag is empty: give the tag of %s (only a preset's default image has one)" $i.repository) }}
 {{- end }}
 {{- printf "%s:%s" $i.repository (toString $i.tag) }}
-{{- else if eq $preset "vllm" }}
-{{- printf "vllm/vllm-openai:%s" (toString (default "v0.32.0" $i.tag)) }}
+{{- else if $p.image }}
+{{- printf "%s:%s" $p.image (toString (default $p.imageTag $i.tag)) }}
 {{- else }}
-{{- fail (printf "server.image.repository is empty: mode sidecar with server.preset %s needs the image of that server in server.image.repository and server.image.tag (only the vllm preset has a default image)" $preset) }}
+{{- fail (printf "server.image.repository is empty: mode sidecar with server.preset %s needs the image of that server in server.image.repository and server.image.tag (this preset has no default image)" $preset) }}
 {{- end }}
 {{- end }}
 
@@ -165,15 +172,15 @@ The agent's configuration file, in three layers:
 {{- $defaults := dict
     "openai" (dict "ready_timeout_seconds" $load)
     "deadlines" (dict "preload_seconds" $load) }}
-{{- $preset := default "vllm" .Values.server.preset }}
+{{- $p := fromYaml (include "warmup-agent.preset" .) }}
 {{- if .Values.server.servedModelName }}
 {{- $_ := set $defaults.openai "model" .Values.server.servedModelName }}
-{{- else if eq $preset "transformers" }}
-{{- /* transformers serve serves the model under its path or id */}}
+{{- else if and (hasKey $p "servedNameFlag") (not $p.servedNameFlag) }}
+{{- /* a server without a served-model-name flag serves the model under its path or id */}}
 {{- $_ := set $defaults.openai "model" .Values.server.model }}
 {{- end }}
-{{- if and (eq .Values.mode "entrypoint") (has $preset (list "sglang" "transformers")) (hasPrefix "/" .Values.server.model) }}
-{{- /* the agent finds the tokenizer in the model directory (vllm's positional model it reads from the command) */}}
+{{- if and (eq .Values.mode "entrypoint") $p.givesModelPath (hasPrefix "/" .Values.server.model) }}
+{{- /* the agent finds the tokenizer in the model directory */}}
 {{- $_ := set $defaults "model" (dict "path" .Values.server.model) }}
 {{- end }}
 {{- $derived := dict

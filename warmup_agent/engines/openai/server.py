@@ -24,21 +24,12 @@ from warmup_agent.server.command import (
     server_name_of,
     server_remedy,
 )
+from warmup_agent.server.kinds import kind_of_command
 
 if TYPE_CHECKING:
     from warmup_agent.config_sections import LoraSection, OpenaiSection, VllmSection
     from warmup_agent.engines.openai.server_traffic import ServerTraffic
     from warmup_agent.server.supervisor import Supervisor
-
-# vLLM's start-up log lines that say how long its own compile / graph capture took.
-_STARTUP_PATTERNS = {
-    "compile_seconds": re.compile(r"torch\.compile takes ([\d.]+) s in total"),
-    "graph_capture_seconds": re.compile(r"Graph capturing finished in ([\d.]+) sec"),
-    "engine_init_seconds": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) sec"),
-    "weights_load_seconds": re.compile(r"Loading weights took ([\d.]+) sec"),
-    "model_load_seconds": re.compile(r"Model loading took [\d.]+ [GM]i?B(?: memory)? and ([\d.]+) sec"),
-}
-
 
 class ServerHandle:
     """The server behind the engine.  `command`: the server to start and supervise
@@ -78,7 +69,9 @@ class ServerHandle:
         self._start_thread: threading.Thread | None = None   # prestart(): waiting for the first health 200
         self._start_error: EngineError | None = None
         self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
-        self.startup: dict[str, float] = {}   # what the server's start-up log says it spent (_STARTUP_PATTERNS)
+        self.startup: dict[str, float] = {}   # what the server's start-up log says it spent
+        kind = kind_of_command(self.command)
+        self._startup_log = {k: re.compile(p) for k, p in (kind.startup_log if kind else {}).items()}
         self.spawn: dict = {}                  # the supervised server's spawn: early (server/early_spawn.py) or not, and why
 
     @property
@@ -139,7 +132,7 @@ class ServerHandle:
 
     def _on_log_line(self, line: str) -> None:
         self.traffic.log_line(line)
-        for key, pattern in _STARTUP_PATTERNS.items():
+        for key, pattern in self._startup_log.items():
             m = pattern.search(line)
             if m:
                 self.startup[key] = float(m.group(1))

@@ -1,26 +1,15 @@
 """Other clients' requests, as the supervised server's own log shows them.
 
-Why: after SERVING the agent keeps probing every few seconds. A server that answers
-one request at a time (`transformers serve`; llama.cpp with one slot) makes a probe
-that arrives during a user's answer wait for the whole answer. On the H200, probes
-sent while an outside client streamed 48-token answers from `transformers serve`
-read 1.48 s to first token against 45 ms when the server was idle: the window's P99
-and the engine-busy seconds then described the agent's own wait, which no user met,
-and a healthy pod fired WarmupAgentFirstTokenSLOBreach (all 5 starts) and
-WarmupAgentCostRatioHigh (1 start).
+A server that answers one request at a time (`transformers serve`; llama.cpp with one
+slot) makes a probe sent during a user's answer wait for the whole answer: the window
+would then describe the agent's own wait, which no user met, and fire first-token alerts
+on a healthy pod (docs/benchmarks.md, "Probes beside a busy server").  So the watch loop
+skips a probe while another client's request line is recent.
 
-uvicorn's access line (`transformers serve`, vLLM, SGLang) carries each request's
-method and path, and so does llama.cpp's `request: POST /v1/...` line where it is
-logged: older builds log it by default, the vendored 0.3.36 tree only at its trace
-level. llama.cpp serves a probe in a slot of its own beside users anyway (H200 runs:
-no alert), so its probes go on.
-Each request the agent sends leaves a credit that its own line takes; a request line
-that finds no credit is another client's. A credit lapses `slack` seconds after its
-request ended (llama.cpp writes its line then), so a server that logs none of them
-does not hoard credits. Two lines that cross (a user's line taking the credit of a
-probe in flight) still count one line as another client's. The watch loop skips a
-probe while such a line is recent. A server the agent did not start has no log here:
-its probes go on as before.
+Each request the agent sends leaves a credit that its own log line takes; a request line
+that finds no credit is another client's.  A credit lapses `slack` seconds after its
+request ended, so a server that logs no request lines hoards none.  A server the agent
+did not start has no log here: its probes go on.
 """
 from __future__ import annotations
 
@@ -29,7 +18,9 @@ import threading
 import time
 from typing import Callable
 
-REQUEST_LINE = re.compile(r"POST /v1/(?:chat/)?completions\b")
+from warmup_agent.server.kinds import REQUEST_LOG
+
+REQUEST_LINE = re.compile(REQUEST_LOG)
 
 
 class ServerTraffic:

@@ -114,8 +114,7 @@ class AllocatorCollector:
     Where it comes from, per engine: `torch` on a GPU, the agent's own allocator
     (weights, KV cache, activations, CUDA graphs); `vllm`, the same allocator
     only when vLLM's engine core runs in the agent's process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0; not measured on a GPU: no vLLM on the
-    H200) -- with vLLM's default engine-core process the agent's allocator
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0; not measured on a GPU) -- with vLLM's default engine-core process the agent's allocator
     holds nothing and the figure is absent.  Absent with `openai` (the
     server is another process: the agent's allocator holds no GPU memory, so a
     figure would be a meaningless 0), on a CPU, and for any device on which the

@@ -3,11 +3,11 @@
 Why not just `signal.signal(...)` and `Event.wait()`: CPython runs a Python
 signal handler only on the main thread, and only once that thread gets back to
 the interpreter loop.  The kernel may deliver a process-directed signal to any
-thread that does not block it; on the H200 hosts (dozens of CUDA, NVML and
-HTTP threads) it landed on another thread, so CPython's C-level handler set its
+thread that does not block it; on a GPU host (dozens of CUDA, NVML and HTTP
+threads) it lands on another thread, so CPython's C-level handler sets its
 "tripped" flag but the main thread, asleep in an untimed `Event.wait()` (a
-`sem_wait` that only EINTR wakes), never looked at it: no drain, SIGKILL after
-the grace period.  The CPU hosts happened to deliver to the main thread.
+`sem_wait` that only EINTR wakes), never looks at it: no drain, SIGKILL after
+the grace period.
 
 Two independent paths, either of which is enough:
 1. the C handler also writes the signal number to a wakeup socket

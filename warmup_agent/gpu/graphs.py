@@ -11,9 +11,9 @@ smallest captured length >= n and its logits are taken at position n - 1.  This
 is exact: the static cache masks every key past a query's own position, so no
 real token sees the padding, and the padding's keys (positions n..) are
 overwritten by the decode steps before any query reaches them.  Why: an eager
-16-token prefill on the H200 is bound by the host launching ~400 kernels, and
-drifted 17-40 ms from one request to the next (bench/diag_first_probe.py); the
-readiness probes and the first user request are exactly such prefills.
+short prefill is bound by the host launching hundreds of kernels and drifts from
+one request to the next; the readiness probes and the first user request are
+exactly such prefills.
 Prompts longer than every captured length, and transformers' models, prefill
 eagerly.
 

@@ -34,8 +34,8 @@ def fragmentation_from_snapshot(snapshot: list[dict]) -> dict[int, float]:
     request that fits, releasable by empty_cache).
     Over *reserved* bytes, not free bytes: a warmed pod whose reservation was
     sized to its need holds little free memory, and a ratio over that little
-    (the old 1 - largest free block / free bytes) read 0.586 on a healthy H200
-    pod just because the allocator held several segments.  Devices with
+    (1 - largest free block / free bytes) reads high on a healthy pod just
+    because the allocator holds several segments.  Devices with
     nothing reserved report 0.0."""
     stranded: dict[int, int] = {}
     reserved: dict[int, int] = {}

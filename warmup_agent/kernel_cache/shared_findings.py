@@ -2,9 +2,7 @@
 
 The chart gives each pod an emptyDir data directory, so `<data_dir>/server-findings.json`
 (warmup/findings.py) is empty in every new pod: a freshly scaled pod, the case this
-agent is for, measured the whole per-length test again (0.43-0.49 s from the server's
-/health to /readyz on the H200's llama.cpp, where a start that remembered took
-0.19-0.26 s: bench/results/gpu_server_llamacpp_h200_issue40_run24.json, run25).  The
+agent is for, would measure the whole per-length test again (docs/benchmarks.md).  The
 answer is the server's, not the pod's, so where the kernel cache has a shared tier
 (kernel_cache.redis_url and its secret), the findings go there too: one Redis hash,
 `{kernel_cache.key_prefix}:findings`, a field per server key (findings.server_key), each

@@ -91,7 +91,7 @@ def scaled_mm_operands(weight: Any, weight_scale_inv: Any) -> Any:
     blockwise path (1x128 activations x 128x128 weights) accepts them.
 
     torch checks scale_b.t() for shape (N/128, K/128) and row stride exactly
-    K/128 in some releases (2.11, on the H200), and a row stride rounded up to 4
+    K/128 in some releases (2.11), and a row stride rounded up to 4
     floats in newer ones; cuBLASLt itself wants that leading dimension to be a
     multiple of 4 floats (16 bytes).  One layout satisfies all three: pad K with
     zero weight columns until K/128 is a multiple of 4 (K=8960 -> 9216).  Zero
@@ -105,7 +105,7 @@ def scaled_mm_operands(weight: Any, weight_scale_inv: Any) -> Any:
     if k4 == k:
         # detach(): a plain tensor on the same storage.  The Parameter itself, stored
         # as a module attribute, would register as a second parameter (and the
-        # structure check counts it as an unexpected tensor, seen on the H200).
+        # structure check counts it as an unexpected tensor).
         wp = weight.detach().contiguous()
     else:
         raw = torch.zeros(n, k4, dtype=torch.uint8, device=weight.device)
@@ -118,7 +118,7 @@ def scaled_mm_operands(weight: Any, weight_scale_inv: Any) -> Any:
 
 def _scaled_mm_ok(device: Any, n: int, k: int, block: Any) -> bool:
     """Blockwise-scaled FP8 GEMM (1x128 activations, 128x128 weights) through
-    torch._scaled_mm: measured working on an H200 with torch 2.11 (cuBLAS 13)."""
+    torch._scaled_mm, on compute capability 9.0 or later (docs/fp8.md)."""
     import torch
     if device.type != "cuda" or tuple(block or ()) != (128, 128) or n % 128 or k % 128:
         return False

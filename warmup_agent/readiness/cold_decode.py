@@ -1,14 +1,11 @@
 """The whole answer a first user meets on a server that pays per decode length (issue 30).
 
-Such a server (transformers serve with PyTorch's cuDNN attention, its default on
-an H200) pays extra on every decode step at a sequence length no earlier request
-reached.  The first readiness probe meets all such steps of its own answer, and
-answering warms them, so the user who comes after it meets fewer: only the steps
-that neither the warmup nor the probes reached.  On the H200 (bench run 3 with
-the server's defaults, start 0) the user's 243-token prompt decoded its first 20
-tokens at 58-72 ms each, the sequence lengths under the probe's 263, and the
-other 27 at 21-30 ms; the first probe's own whole-answer tax (2.32) overstated
-the user's (1.84) by 26 %, in all four starts.
+Such a server (transformers serve with PyTorch's cuDNN attention) pays extra on
+every decode step at a sequence length no earlier request reached.  The first
+readiness probe meets all such steps of its own answer, and answering warms them,
+so the user who comes after it meets fewer: only the steps that neither the warmup
+nor the probes reached.  The first probe's own whole-answer tax therefore overstates
+the user's (docs/benchmarks.md, "Figures behind the code").
 
 So where prewarm's per-length test found that decode pays per length, the
 whole-answer tax is predicted from what was measured and what was decoded:

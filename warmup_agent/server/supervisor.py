@@ -257,11 +257,9 @@ class Supervisor:
                 else:
                     self.log.error(err.message)
                 return False
-            # Every 20 ms for the first 30 s: a server up in 1.4 s (llama.cpp) is seen
-            # at once, not up to half a second later; then every 0.5 s.  A server log line
-            # wakes the check sooner: servers log "listening" as /health starts to answer
-            # (on the H200, llama.cpp's first answer is 0.13 s after it: 10 ms of polling
-            # on average was 8 % of it).
+            # Every 20 ms for the first 30 s, so a server up in a second or two is seen
+            # at once; then every 0.5 s.  A server log line wakes the check sooner:
+            # servers log "listening" as /health starts to answer.
             if self._log_moved.wait(0.02 if time.monotonic() - started < 30 else 0.5):
                 time.sleep(0.002)       # a burst of lines (a model loading): a check per 2 ms at most
             self._log_moved.clear()

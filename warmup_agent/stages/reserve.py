@@ -15,10 +15,9 @@ weights alone cannot fit.
 
 Every sub-step is timed (`steps`): the run record's reserve stage carries
 `steps_seconds`, the log a `[COLDSTART] phase1 reserve step` line per step, and
-/metrics `warmup_reserve_step_duration_seconds{step}`.  Issue 13 saw reserve take
-3.0-3.7 s on an H200 of which the CUDA context was only 0.15 s: the steps say
-where the rest goes (host_facts = NVML, pin_cpus, model_check, torch_import,
-cuda_init = driver init and device enumeration, cuda_context, memory_reserve).
+/metrics `warmup_reserve_step_duration_seconds{step}`, so a slow reserve says where
+its time goes (host_facts = NVML, pin_cpus, model_check, torch_import, cuda_init =
+driver init and device enumeration, cuda_context, memory_reserve).
 """
 from __future__ import annotations
 

@@ -2,12 +2,9 @@
 
 Prewarm's per-length test (stages/prewarm.py) sends a probe pair at a fresh prompt
 length; where the first probe was cold beyond its control, a second pair at another
-fresh length tells a one-time cost from one that every new prompt length pays.  On
-the H200's llama.cpp every new exact length pays 7-14 ms more prefill the first time,
-so the first pair is cold in nearly every start and the second pair follows: 0.09-0.11
-s of the 0.5 s between the server's /health and /readyz
-(bench/results/gpu_server_llamacpp_h200_issue40_run14.json).  The answer is the
-server's, not the start's: the same server, model, settings and GPU give it again.
+fresh length tells a one-time cost from one that every new prompt length pays.  The
+answer is the server's, not the start's: the same server, model, settings and GPU give
+it again, so measuring it at every start is time on the critical path for nothing.
 
 So the test's outcome is kept in `<data_dir>/server-findings.json`, one entry per
 server (`server_key`), and the next start of the same server reads it: where each new
@@ -24,9 +21,8 @@ What the second fresh length paid beyond its control (`new_length_excess`, fract
 of the control's times) is kept too: it is what a user's first request at a length no
 request reached pays, and a start that remembers it exports it as its
 first-request figures (readiness/probes.py).  Its own first pair cannot say it: that
-first probe also paid the start's one-time costs (H200 llama.cpp run 20: remembered
-starts exported 1.36-1.79 from it while users met 0.91-1.15; the measured start's
-second pair read 1.22).  An entry without it (an older agent's) is measured again.
+first probe also paid the start's one-time costs.  An entry without it (an older
+agent's) is measured again.
 
 The file is the agent's own (a few hundred bytes, written atomically); a file that
 cannot be read or parsed is logged once and ignored, never a failed start.

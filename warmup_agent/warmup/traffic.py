@@ -185,12 +185,8 @@ def decode_tiles(lengths: list[int], answer: int) -> list[int]:
     sequence length from min(lengths) to max(lengths) + answer: one answer apart,
     the last at max(lengths).  (16..128, 64) -> [16, 80, 128].
 
-    Prewarm's decode coverage, for a server that pays per sequence length.
-    Measured on the H200 (bench/results/diag_decode_shapes_h200.json): an eager
-    server (transformers serve, torch 2.11) paid 40-68 ms more per decode step at a
-    sequence length no earlier request reached (cuDNN attention builds a plan per
-    shape), about 3x a seen one.  Batching servers (vLLM, SGLang, TGI) use
-    paged/varlen kernels without per-length plans."""
+    Prewarm's decode coverage, for a server that pays per sequence length (an eager
+    server whose attention builds a plan per shape; docs/benchmarks.md)."""
     lo, hi = min(lengths), max(lengths)
     return sorted(set(range(lo, hi, max(1, answer))) | {hi})
 

@@ -165,8 +165,7 @@ class ServerHandle:
 
     def prestart(self) -> None:
         """Spawn the supervised server now, without waiting for it: its own start-up
-        (1.2-1.5 s for llama.cpp on an H200) then overlaps the agent's set-up and the
-        tokenizer load.  start() waits for it.  Nothing to do without a command
+        then overlaps the agent's set-up and the tokenizer load.  start() waits for it.  Nothing to do without a command
         or once started."""
         if not self.command or self.supervisor is not None or self._interrupted.is_set():
             return

@@ -256,9 +256,8 @@ class _EagerRun:
 
 def attention_without_cudnn() -> contextlib.AbstractContextManager:
     """Scaled-dot-product attention without cuDNN's backend, for users' batches: cuDNN
-    attention builds a plan for each sequence length it meets (an eager server on the
-    H200 paid 40-68 ms per decode step at a length no request had reached before;
-    config.py, prewarm.decode_coverage), and users' prompts and answers reach new
+    attention builds a plan for each sequence length it meets (prewarm.decode_coverage
+    in docs/config.md), and users' prompts and answers reach new
     lengths all the time.  torch's switch is process-wide, so it is held only while a
     batch runs, under the engine lock: nothing else runs the model meanwhile."""
     try:
@@ -507,8 +506,7 @@ def warm_user_paths(engine: ServedEngine, shapes: list[tuple[int, int]]) -> None
     (TorchEngine.solidify calls it, under the engine lock it already holds): the
     eager path with left padding and its attention mask, at each warmed batch size of
     two or more (its shortest warmed length), and the sampling kernels (warmup
-    decodes greedily).  On the H200 a first batch of three prompts of different lengths
-    took 0.5-1.9 s against a few ms once warm."""
+    decodes greedily): a cold first batch of mixed lengths takes seconds."""
     import torch
     model, tokenizer, device = engine.serving_model(), engine.tokenizer, engine.device
     if model is None or tokenizer is None:
@@ -518,8 +516,7 @@ def warm_user_paths(engine: ServedEngine, shapes: list[tuple[int, int]]) -> None
     generator = torch.Generator(device=device)
     generator.manual_seed(0)
     # One length per batch size: the masked path's first-use costs are per kernel, not per
-    # length (H200: warmed at lengths 15-16, a first batch at lengths 6, 11 and 16 ran in
-    # 43 ms, the later ones 41-49 ms); a long prompt would cost seconds on a CPU for nothing.
+    # length; a long prompt would cost seconds on a CPU for nothing.
     shortest: dict[int, int] = {}
     for length, batch in shapes:
         if batch >= 2 and length >= 2:

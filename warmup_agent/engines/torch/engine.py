@@ -260,11 +260,9 @@ class TorchEngine(Engine):
     def prestart(self) -> None:
         """Start importing torch and the model's modelling module (torch alone on
         the native path), and build the skeleton, in a background thread as soon
-        as the CLI has the engine (Engine.prestart).  The import is the largest part of a cold start (3.5-4.5 s
-        on a 2-core CPU, 10.7 s on the H200, torch excluded; bench/import_costs.py)
-        and needs nothing from the agent: it now runs beside the agent's own set-up,
-        reserve (CUDA context, memory reservation) and the weight read, instead of
-        starting after them."""
+        as the CLI has the engine (Engine.prestart).  The import is the largest part
+        of a cold start (bench/import_costs.py) and needs nothing from the agent, so it
+        runs beside the agent's set-up, reserve and the weight read."""
         try:
             with open(os.path.join(self.model_path, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
@@ -321,11 +319,7 @@ class TorchEngine(Engine):
         self._ensure_device()
         # Started by prestart() at process start in the CLI; here when the engine is
         # driven without it (tests, the benchmarks' in-process children).  Only work
-        # that releases the GIL (reads, copies, CUDA calls) truly runs beside the
-        # import: on the H200 (bench run3) starting the import beside the pinned
-        # loader cost the loader 0.4 -> 1.0-1.6 s and saved no wall time at 1.5B;
-        # prestart moves it earlier still, over reserve and the CLI's set-up too, and
-        # bench/bench_inproc_start.py measures whether that wins (issue 25).
+        # that releases the GIL (reads, copies, CUDA calls) truly runs beside the import.
         self._start_skeleton()
         slots = loader.checkpoint_slots(safetensors_files(self.model_path), read_safetensors_header)
         keep = quantization.keeps_stored_dtype
@@ -561,9 +555,8 @@ class TorchEngine(Engine):
             run_with_deadline(replay, self.options["kernel_compile_timeout"], "kernel_compile_timeout", "torch.compile")
         else:
             # With graphs too: each shape once through generate(), the path a request takes
-            # (static cache, padded prefill, graph replays).  Without it the first readiness
-            # probe was the first request on that path and took 5.0-5.7 ms on the H200
-            # against 4.8 ms for the next nine (1.5B): an exported tax of up to 1.20.
+            # (static cache, padded prefill, graph replays); else the first readiness
+            # probe is the first request on that path and pays for it.
             replay()
         # Users' batches (engines/torch/batcher.py) also run prompts of different lengths
         # together, left-padded, and sample: paid here rather than by the first such batch.

@@ -1,8 +1,8 @@
 """Which models the torch engine can run without transformers, read from config.json alone.
 
 The native implementation (engines/torch/native_lm.py) is a plain-torch Llama/Qwen2
-decoder: it saves the `import transformers` that costs ~9 s of a cold start on
-the H200 (bench/results/import_costs_h200.json; issue 25).  It covers what the
+decoder: it saves the `import transformers` that costs seconds of a cold start
+(docs/benchmarks.md).  It covers what the
 Llama and Qwen2 checkpoints that matter use, and nothing else: any key that
 would change the numbers and that it does not implement makes the model
 ineligible, with a reason, and the engine takes the transformers path.  This

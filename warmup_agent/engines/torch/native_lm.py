@@ -1,10 +1,9 @@
 """A plain-torch causal LM for Llama and Qwen2: the torch engine's forward without transformers.
 
-Why: on the H200 `import transformers` and a model's modelling module cost ~9 s
-of every cold start (it pulls torch.distributed.tensor, torch._dynamo, sympy
-whatever the entry point; bench/results/import_costs_h200.json), and the
-agent's weights, warmup and graph capture waited for it.  This module needs
-only torch, so they start ~3.5 s after the process does.
+Why: `import transformers` and a model's modelling module cost seconds of every
+cold start (it pulls torch.distributed.tensor, torch._dynamo, sympy whatever the
+entry point; docs/benchmarks.md), and the agent's weights, warmup and graph
+capture waited for it.  This module needs only torch.
 
 What it matches: transformers' LlamaForCausalLM / Qwen2ForCausalLM with the
 sdpa attention path, to float32 rounding (tests/test_native_lm.py) — parameter

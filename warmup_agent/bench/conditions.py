@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from warmup_agent.bench import report, summary
-from warmup_agent.bench.start import Setup, StartFailed, run_start
+from warmup_agent.bench.start import Setup, StartFailed, StartInterrupted, run_start
 from warmup_agent.bench.traffic import Traffic
 from warmup_agent.run.progress import Progress
 
@@ -71,9 +71,12 @@ def run(setup: Setup, traffic: Traffic, conditions: list[str], starts: int, out_
             summary.write(json_path, _result(head, done, conditions, "running", None))
         else:
             progress.step(len(plan), len(plan), "done")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if isinstance(e, StartInterrupted):
+            done.append({**e.record, "error": "interrupted"})
         status = "interrupted"
-        error = f"interrupted after {len(done)} of {len(plan)} starts; the server was stopped"
+        finished = sum(1 for r in done if "error" not in r)
+        error = f"interrupted after {finished} of {len(plan)} starts; the server was stopped"
     finally:
         signal.signal(signal.SIGTERM, previous)
         progress.stage_finished("bench", time.monotonic() - t0, ok=status == "complete")

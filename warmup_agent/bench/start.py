@@ -34,6 +34,14 @@ class StartFailed(Exception):
         self.record = record
 
 
+class StartInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM to the bench) during a start; `record` is what it measured."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__()
+        self.record = record
+
+
 @dataclass
 class Setup:
     """What every start needs; `command` may hold `{port}`, replaced per start."""
@@ -143,14 +151,17 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
         how = (f"the {_who(condition)} exited with code {code} mid-run" if code is not None
                else "the server stopped answering mid-run")
         raise StartFailed(f"{condition} start {index + 1}: {how} ({e})", rec) from None
-    except BaseException:      # a failed start, Ctrl-C: nothing it started stays behind
+    except KeyboardInterrupt:  # Ctrl-C: nothing it started stays behind, what it measured stays
+        process.kill_now(s)
+        raise StartInterrupted(rec) from None
+    except BaseException:
         process.kill_now(s)
         raise
     try:
         rec["sigterm"] = process.stop(s, setup.stop_timeout)
-    except BaseException:
+    except KeyboardInterrupt:
         process.kill_now(s)
-        raise
+        raise StartInterrupted(rec) from None
     return rec
 
 

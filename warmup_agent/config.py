@@ -87,7 +87,7 @@ KEYS: tuple[Key, ...] = (
     Key("model.device", "str", "auto", "Device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.",
         check=lambda v: v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()),
         expected="auto, cpu, cuda or cuda:N"),
-    Key("model.implementation", "str", "auto", "Torch engine forward: auto (native for Llama and Qwen2 models it can run exactly, else transformers), native (a plain-torch Llama/Qwen2 without importing transformers; fails with reason native_unsupported for any other model) or transformers (AutoModelForCausalLM, every architecture and FP8). The run record's engine_facts.extra names the one that ran and why.",
+    Key("model.implementation", "str", "auto", "Torch engine forward: auto (native for Llama and Qwen2 models it runs exactly, else transformers), native (plain torch, no transformers import; fails with native_unsupported for other models) or transformers (every architecture and FP8). engine_facts.extra names the one that ran.",
         choices=("auto", "native", "transformers")),
     Key("exporter.listen", "str", "127.0.0.1:9400", "HOST:PORT of the exporter (/metrics, /healthz, /readyz, /startupz). Use 0.0.0.0:9400 in a pod.",
         check=_listen, expected="HOST:PORT with a port in 0..65535 (0: any free port)"),
@@ -286,11 +286,11 @@ KEYS: tuple[Key, ...] = (
         choices=("auto", "chat", "completions")),
     Key("openai.concurrency", "int", 0, "Requests the server serves at once; the warmup sends that many of its paths' calls together (0: ask the server: llama-server's /props slots; 4 where /v1/models says vLLM or SGLang; else 1).",
         check=lambda v: v >= 0, expected="an integer >= 0"),
-    Key("openai.apply_server_remedy", "bool", False, "When the agent supervises a server whose per-length cost it knows a remedy for (transformers serve: TORCH_CUDNN_SDPA_DEPRIORITIZED=1), set that remedy in the server's environment at spawn, log it and export it (warmup_server_remedy_applied_info). Off: the remedy is only named in the per-length finding."),
-    Key("prewarm.requests_file", "str_or_null", None, "JSON Lines of OpenAI request bodies as a gateway logs them (one /v1/chat/completions or /v1/completions body per line). The openai engine learns the endpoint mix, prompt lengths (tokenized), max_tokens and sampling families from it and warms each family at each batch size. Checked line by line when the config is loaded (and by check-config), for every engine: each line an object with messages (a list of role and content objects) or prompt, and the known sampling fields of the right type and range; the in-process engines (torch, vllm) warm its prompt lengths (templated) in their shape grid, so that users' prompts pad up to a warmed, captured prefill length."),
-    Key("prewarm.requests_file_bad_lines", "str", "fail", "What a bad line of prewarm.requests_file does (not JSON, not UTF-8, truncated, a field of the wrong type or range: the file is checked line by line when the config is loaded, for every engine). fail: the config is invalid, one line naming the file, the line and the field, exit 2. skip: the line is left out of the warmup, counted in the run record (requests_file) and warmup_requests_file_bad_lines, and reported in one warning with the first line numbers; a file without one good line still fails.",
+    Key("openai.apply_server_remedy", "bool", False, "Where the agent supervises a server whose per-length cost has a known remedy (transformers serve: TORCH_CUDNN_SDPA_DEPRIORITIZED=1), set it in the server's environment at spawn, log it and export it (warmup_server_remedy_applied_info). Off: the per-length finding only names it."),
+    Key("prewarm.requests_file", "str_or_null", None, "JSON Lines of OpenAI request bodies as a gateway logs them (one chat or completions body per line). Warmup follows their endpoints, prompt lengths, max_tokens and sampling; checked line by line at load for every engine. Details: docs/config.md, \"prewarm.requests_file\"."),
+    Key("prewarm.requests_file_bad_lines", "str", "fail", "A bad line of prewarm.requests_file (not JSON or UTF-8, truncated, a field of the wrong type or range). fail: the config is invalid, naming the line and field (exit 2). skip: the line is left out, counted and warned about once; a file without a good line still fails.",
         choices=("fail", "skip")),
-    Key("prewarm.decode_coverage", "str", "auto", "openai engine: whether warmup decodes at every sequence length real answers reach (the profile's longest answers from prompts one answer apart, shortest to longest profile prompt). auto: only when prewarm measured that the server pays per sequence length (per_length_ratio); always; never. An eager server (transformers serve on an H200) paid 40-68 ms more per decode step at a length no request had reached, about 3x; with TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in its environment that cost was gone.",
+    Key("prewarm.decode_coverage", "str", "auto", "openai engine: warmup decodes at every sequence length real answers reach. auto: only where prewarm measured that the server pays per sequence length (per_length_ratio); always; never. Details: docs/config.md, \"prewarm.decode_coverage\".",
         choices=("auto", "always", "never")),
     # --- warmup by measured benefit (issue 30) ---
     Key("prewarm.budget_ratio", "float", 0.3, "openai engine: the warmup may take at most this x the server's own start-up (spawn to healthy). When the budget runs out, the paths not yet warmed are skipped (recorded with reason budget) and readiness probes decide as usual.",
@@ -309,13 +309,13 @@ KEYS: tuple[Key, ...] = (
         check=lambda v: v >= 1, expected="a number >= 1"),
     Key("prewarm.per_length_tokens", "int", 8, "openai engine: output tokens of the per-length test's probe pairs, the gate's first (enough to time decode at new sequence lengths against their controls).",
         check=lambda v: v >= 3, expected="an integer >= 3"),
-    Key("prewarm.remember_findings", "bool", True, "openai engine: keep the per-length test's outcome in <data_dir>/server-findings.json, one entry per server (its name, served model, requests at once and the host's GPUs), and read it on the next start of the same server: where each new prompt length paid in prefill (and decode did not pay per length), the gate's first probe goes alone: no control, no settle request re-sent before one, no second pair (0.15-0.2 s of an H200 llama.cpp start); the gate opens on that probe against the thresholds, the exported first-request figures are 1 + what that second fresh length paid beyond its control when the server was measured (kept with the finding; an entry without it is measured again), and the record says it was remembered. Where the kernel cache shares through Redis (kernel_cache.redis_url and its secret), the outcome is shared there too, signed, so a new pod (the chart's data directory is an emptyDir) remembers what another measured. Every start that runs the test writes its outcome again; a start that remembered runs none, so delete the file (and the Redis hash <key_prefix>:findings) to measure a changed server again. false: the first pair runs with its control, and a second wherever the first was cold."),
-    Key("prewarm.length_ladder", "bool", False, "openai engine: where the per-length test's first fresh length paid in prefill beyond its control, one request (one output token) at each rung of a length ladder (48 prompt tokens up, 1.5x apart, to the profile's longest prompt) before its second fresh length. On the H200's llama.cpp (bf16) a new prompt length paid 6-13 ms more of prefill where no request in its block of 16 tokens had run yet, and 0-4.5 ms after a ladder (bench/results/diag_llamacpp_length_h200_run2.json); a rung every 16 tokens left 3 of 40 new lengths paying, against 21 of 23 in blocks never run (diag_llamacpp_length_h200_run4_map.json), but the users' first length is not known and each rung costs a request. The second fresh length says whether the ladder paid. Off by default: in the server bench it cost 0.3-0.4 s before ready (1.55x the bare server's first answer, against 1.22 without) and the users' first request there came at 0.74x steady with it or without (gpu_server_llamacpp_h200_issue40_run9_seed_of_run7.json against run7)."),
-    Key("readiness.min_probes_server", "int", 2, "openai engine: probes before the gate may open (instead of min_probes). The first stands for the first user request: the profile's sampling, at a profile length no warmup request used (the profile's longest answer where decode pays per sequence length); the second is its control, and with the later ones, at the same length with fresh prompts, gives the steady level. 2: the first pair alone, which is also prewarm's per-length test.",
+    Key("prewarm.remember_findings", "bool", True, "openai engine: keep the per-length test's outcome in <data_dir>/server-findings.json (shared, signed, through the kernel cache's Redis) and reuse it on the same server's next start: the gate's first probe then goes alone. Details: docs/config.md, \"prewarm.remember_findings\"."),
+    Key("prewarm.length_ladder", "bool", False, "openai engine: where the per-length test's first fresh length paid in prefill, one 1-token request at each rung of a length ladder (48 tokens up, 1.5x apart) before its second fresh length. Off: it costs requests before ready. Details: docs/config.md, \"prewarm.length_ladder\"."),
+    Key("readiness.min_probes_server", "int", 2, "openai engine: probes before the gate may open (instead of min_probes). The first stands for the first user request, the second is its control, later ones give the steady level. 2: the first pair alone. Details: docs/config.md, \"readiness.min_probes_server\".",
         check=lambda v: v >= 2, expected="an integer >= 2"),
     Key("prewarm.max_output_tokens", "int", 64, "openai engine, without a requests file: the longest answer warmed; each sampling family is sent once per batch size with this many output tokens.",
         check=_positive, expected="an integer > 0"),
-    Key("readiness.probe_max_tokens", "int", 8, "openai engine: output tokens of the readiness probes before SERVING (the first asks for the profile's longest answer where decode pays per sequence length), so that probes also time decode (time per output token). Probes after SERVING ask for one token: the breaker judges time to first token, and decoding on every watch probe cost a slow server 12 % of its time.",
+    Key("readiness.probe_max_tokens", "int", 8, "openai engine: output tokens of the readiness probes before SERVING, so that they also time decode. Probes after SERVING ask for one token: the breaker judges time to first token. Details: docs/config.md, \"readiness.probe_max_tokens\".",
         check=_positive, expected="an integer > 0"),
     Key("readiness.require_decode", "bool", True, "openai engine: the gate also waits until decode has converged: the time-per-output-token window holds min_probes samples, its P90 is at most tpot_p90_threshold_seconds, and decode is no longer getting faster (tpot_convergence_ratio)."),
     Key("readiness.settle_before_serving", "bool", True, "openai engine: one short request just before SERVING, so that the users' first request follows a short request as the gate's first probe did (false: it follows the gate's last probe, a request of a profile length)."),
@@ -325,7 +325,7 @@ KEYS: tuple[Key, ...] = (
         check=lambda v: v >= 1, expected="a number >= 1"),
     # --- start-up traces over OTLP (issue 27; warmup_agent/run/tracing.py) -------------
     Key("tracing.enabled", "bool", False, "Export one OpenTelemetry span per stage and timed step of the start (root warmup.startup) over OTLP. Needs the [otel] extra. Off: OpenTelemetry is not even imported. A collector that is down never delays or fails the start. OTEL_SDK_DISABLED=true also turns it off."),
-    Key("tracing.endpoint", "str_or_null", None, "OTLP endpoint, e.g. http://otel-collector:4317 (grpc) or http://otel-collector:4318 (http/protobuf; /v1/traces is appended). Empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317 / localhost:4318. Headers, certificates and resource attributes come from the standard OTEL_EXPORTER_OTLP_* and OTEL_RESOURCE_ATTRIBUTES variables; the service name from OTEL_SERVICE_NAME (default warmup-agent)."),
+    Key("tracing.endpoint", "str_or_null", None, "OTLP endpoint, e.g. http://otel-collector:4317 (grpc) or :4318 (http/protobuf; /v1/traces is appended). Empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT, else localhost. Other settings: the standard OTEL_* variables (docs/tracing.md)."),
     Key("tracing.protocol", "str_or_null", None, "OTLP transport. Empty: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL, else grpc.",
         choices=("grpc", "http/protobuf")),
     Key("tracing.export_timeout_seconds", "float", 2.0, "Timeout of one export to the collector, and the longest the agent waits at exit to flush the spans it still holds.",
@@ -699,8 +699,24 @@ def reference_yaml() -> str:
     return "\n".join(lines).strip() + "\n"
 
 
+DETAILS_MARK = "<!-- Details of the keys, written by hand: `python -m warmup_agent.config` keeps everything below this line. -->"
+
+
+def _details(path: str | None = None) -> str:
+    """The hand-written part of docs/config.md, from DETAILS_MARK on ("" without one)."""
+    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config.md")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    i = text.find(DETAILS_MARK)
+    return text[i:] if i >= 0 else ""
+
+
 def reference_markdown() -> str:
-    """docs/config.md: the reference YAML plus a table of keys and environment variables."""
+    """docs/config.md: the reference YAML plus a table of keys and environment variables,
+    then the details written by hand (kept from the current file)."""
     rows = ["| Key | Environment variable | Default | Meaning |", "|---|---|---|---|"]
     for k in keys_by_section():
         default = "(see meaning)" if k.default is None and k.path == "data_dir" else repr(k.default) if k.default is not None else "null"
@@ -716,7 +732,7 @@ def reference_markdown() -> str:
         *rows, "",
         "## The whole file with defaults", "",
         "`warmup-agent config-reference` prints this:", "",
-        "```yaml", reference_yaml().rstrip(), "```", ""])
+        "```yaml", reference_yaml().rstrip(), "```", ""]) + ("\n" + _details() if _details() else "")
 
 
 if __name__ == "__main__":
@@ -724,8 +740,9 @@ if __name__ == "__main__":
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(here), "docs", "config.md")
+    text = reference_markdown()     # before the file is truncated: it keeps the file's details
     with open(out, "w", encoding="utf-8") as f:
-        f.write(reference_markdown())
+        f.write(text)
     out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(here, "config_sections.py")
     with open(out, "w", encoding="utf-8") as f:
         f.write(sections_source())

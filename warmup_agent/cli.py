@@ -221,9 +221,11 @@ def _make_agent(cfg: Config, engine: Engine, progress: Progress) -> Agent:
     return agent
 
 
-def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
-                     model_path: str | None) -> tuple[ExporterServer, RoutingProxy | ProxyProcess | None]:
-    """The exporter's server (started) and the proxy when proxy.listen asks for one."""
+def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine, model_path: str | None,
+                     main_url: str | None = None) -> tuple[ExporterServer, RoutingProxy | ProxyProcess | None]:
+    """The exporter's server (started) and the proxy when proxy.listen asks for one;
+    `main_url`: the proxy's main engine (preflight.main_url: proxy.upstream_url, or the
+    openai engine's server, supervised or not)."""
     import logging
 
     from exporter.server import ExporterServer
@@ -236,7 +238,7 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine,
     if cfg.proxy.listen and not cfg.proxy.upstream_url:
         engine.configure(batch_window_seconds=cfg.proxy.batch_window_seconds)
         local_backend = engine.openai_backend()
-    proxy = routing.from_config(agent, cfg.proxy, cfg.openai.url, local_backend)  # None unless proxy.listen is set
+    proxy = routing.from_config(agent, cfg.proxy, main_url, local_backend)  # None unless proxy.listen is set
     host, _, port = cfg.exporter.listen.rpartition(":")
     security = webconfig.resolve(cfg.exporter)   # TLS, basic auth, admin token: worked out here only
     try:
@@ -265,6 +267,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg, progress = _load(args)
     if server_command and cfg.engine != "openai":
         raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg.engine})", "engine")
+    from warmup_agent.server import preflight
+    preflight.check(cfg, server_command)   # before any server starts (early_spawn made the same checks)
     model_path = _model_path(cfg)
 
     from warmup_agent.engines import EngineError
@@ -278,7 +282,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # llama.cpp's server is up 1.2-1.5 s after its spawn.
     engine.prestart()
     agent = _make_agent(cfg, engine, progress)
-    server, proxy = _serve_endpoints(cfg, agent, engine, model_path)
+    server, proxy = _serve_endpoints(cfg, agent, engine, model_path, preflight.main_url(cfg, server_command))
 
     # A warmup runs Python-heavy model code in this process; with the default 5 ms
     # GIL switch interval the exporter thread waits behind it, so /readyz and

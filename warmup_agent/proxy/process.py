@@ -392,7 +392,8 @@ def from_config(agent: RoutedAgent, pc: ProxySection, openai_url: str | None = N
                 local_backend: Backend | None = None) -> RoutingProxy | ProxyProcess | None:
     """The proxy the `proxy.*` section asks for (None when proxy.listen is empty), not
     started.  The main engine: proxy.upstream_url, else `local_backend` (an engine in
-    this process, e.g. the torch engine's openai_backend()), else `openai_url` (openai.url).  An HTTP main engine
+    this process, e.g. the torch engine's openai_backend()), else `openai_url` (the openai
+    engine's server: openai.url or the supervised command's address, server/preflight.py).  An HTTP main engine
     gets a proxy process of its own (ProxyProcess); an engine in this process, a proxy
     in this process.  Raises ConfigError (one line) for a missing upstream or an
     address in use."""
@@ -401,8 +402,8 @@ def from_config(agent: RoutedAgent, pc: ProxySection, openai_url: str | None = N
         return None
     upstream: str | Backend | None = pc.upstream_url or local_backend or openai_url
     if not upstream:
-        raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL "
-                          "(proxy.upstream_url, or openai.url with --engine openai)", "proxy.upstream_url")
+        raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL (proxy.upstream_url; "
+                          "with --engine openai, openai.url or a server command after --)", "proxy.upstream_url")
     if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
         raise ConfigError(f"key 'proxy.upstream_url': got {upstream!r}; expected a URL starting with http:// or https://",
                           "proxy.upstream_url")

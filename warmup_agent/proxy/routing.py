@@ -16,7 +16,9 @@ For user requests routed to the main engine with `"stream": true`, the time to
 the first streamed byte is recorded into the readiness window (the same one the
 probes use), so real traffic feeds the breaker; every user request the main
 engine answers with 200 (streamed or not) is reported to the gate as
-`user_answer(ttft, total)`: the users' real first request.
+`user_answer(ttft, total, output_tokens)`: the users' real first request.  Its tokens
+are its usage's, or for a stream without usage the content chunks counted from a copy
+of the body as it passes (stream_tokens.py); the client's bytes are never changed.
 
 The stack is asynchronous (aiohttp's server, on uvloop where it is installed), on its
 own event loop in its own thread; where the main engine is an HTTP server that thread
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 
     from exporter.metrics import AgentMetrics
 
+from warmup_agent.proxy.stream_tokens import StreamTokens
 from warmup_agent.proxy.upstream import HOP as _HOP
 from warmup_agent.proxy.upstream import BackendUnavailable, UpstreamBackend, UpstreamConnection
 
@@ -89,8 +92,8 @@ class Gate(Protocol):
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         """A user request the main engine answered with 200: seconds to its first body
-        chunk and to the end of its body, and its completion tokens where its usage
-        said; the users' real first request."""
+        chunk and to the end of its body, and its output tokens where known (its usage,
+        or a stream's counted chunks); the users' real first request."""
 
 
 class RoutedAgent(Protocol):
@@ -398,20 +401,16 @@ class RoutingProxy:
                      t0: float, watch: _Watch, stream: bool, answered: bool) -> web.StreamResponse:
         """Pass status, headers and body through, each chunk as it comes.  The response
         head waits for the first chunk, so an upstream that stalls before it is a clean 504."""
-        from aiohttp import web
         body = answer.body
         headers = dict(answer.headers)
         length = None
         for k in list(headers):
             if k.lower() == "content-length":
                 length = headers.pop(k)
-        resp = web.StreamResponse(status=answer.status, headers=headers)
-        if length is not None:
-            resp.content_length = int(length)
-        else:
-            resp.enable_chunked_encoding()
+        resp = _response(answer.status, headers, int(length) if length is not None else None)
         first: float | None = None
         prev = last = b""
+        tokens = StreamTokens() if stream and answered else None
         nxt = body.__aiter__().__anext__
         try:
             while True:
@@ -434,12 +433,14 @@ class RoutingProxy:
                     await resp.write(chunk)
                 if answered:
                     prev, last = last, chunk
+                if tokens is not None:
+                    tokens.feed(chunk)
             end = time.perf_counter()
             if first is None:       # an empty body
                 self._count(route, answer.status, warmup)
                 await resp.prepare(request)
             elif answered:
-                self._user_answer(first - t0, end - t0, prev + last)
+                self._user_answer(first - t0, end - t0, prev + last, tokens)
             await resp.write_eof()
             return resp
         except _CANCELLED_OR_TIMEOUTS as e:
@@ -480,28 +481,26 @@ class RoutingProxy:
         waits for the first body byte (an upstream that stalls before it is a clean 504);
         then every byte goes from the upstream connection's callback to the client's
         transport, while this task waits for the end (or for the client to drain)."""
-        from aiohttp import web
         conn: UpstreamConnection | None = None
         resp: web.StreamResponse | None = None
         first: float | None = None
         sse = False
+        # A user's streamed request to the main engine: its tokens are counted as they pass.
+        streamed = _is_stream(body)
+        count = streamed and not warmup and route == "main" and method == "POST"
         try:
             watch.waiting = True
             try:
-                conn = await backend.open(method, request.path_qs, body, headers)
+                conn = await backend.open(method, request.path_qs, body, headers, count_tokens=count)
                 conn.watch = watch
                 await conn.wait_first()
             finally:
                 watch.waiting = False
             status = conn.status
             measured = not warmup and status == 200
-            stream = measured and _is_stream(body)
+            stream = measured and streamed
             answered = measured and route == "main" and method == "POST"
-            resp = web.StreamResponse(status=status, headers=conn.headers)
-            if conn.length is not None:
-                resp.content_length = conn.length
-            else:
-                resp.enable_chunked_encoding()
+            resp = _response(status, conn.headers, conn.length)
             sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in conn.headers.items())
             first = conn.first_at
             self._count(route, status, warmup)
@@ -514,7 +513,7 @@ class RoutingProxy:
             conn.attach(transport, request.protocol, reframe=conn.length is None and not conn.chunked)
             await _pump(conn, request, watch)
             if first is not None and answered:
-                self._user_answer(first - t0, time.perf_counter() - t0, conn.tail_prev + conn.tail_last)
+                self._user_answer(first - t0, time.perf_counter() - t0, conn.tail_prev + conn.tail_last, conn.tokens)
             conn.flush()                         # a sized answer's last bytes, once it is recorded
             await resp.write_eof()
             return resp
@@ -558,10 +557,15 @@ class RoutingProxy:
         if route == "main":
             self.gate.first_token(ttft)    # the window and the breaker; never the probe log
 
-    def _user_answer(self, ttft: float, total: float, tail: bytes) -> None:
-        """A user request the main engine answered with 200 (the users' real first request)."""
-        found = _COMPLETION_TOKENS.findall(tail)
-        tokens = int(found[-1]) if found else None
+    def _user_answer(self, ttft: float, total: float, tail: bytes, streamed: StreamTokens | None = None) -> None:
+        """A user request the main engine answered with 200 (the users' real first request).
+        Its output tokens: its usage's completion_tokens where it has one, else, for a
+        stream, the tokens counted as it passed (stream_tokens.py), else unknown."""
+        if streamed is not None:
+            tokens: int | None = streamed.tokens
+        else:
+            found = _COMPLETION_TOKENS.findall(tail)
+            tokens = int(found[-1]) if found else None
         try:
             self.gate.user_answer(ttft, total, output_tokens=tokens)
         except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
@@ -616,6 +620,17 @@ def _is_stream(body: bytes) -> bool:
         return bool(json.loads(body).get("stream"))
     except (ValueError, AttributeError):
         return False
+
+
+def _response(status: int, headers: Mapping[str, str], length: int | None) -> web.StreamResponse:
+    """The relayed answer's head: sized where the backend said its length, else chunked."""
+    from aiohttp import web
+    resp = web.StreamResponse(status=status, headers=headers)
+    if length is not None:
+        resp.content_length = length
+    else:
+        resp.enable_chunked_encoding()
+    return resp
 
 
 def _error_body(code: int, kind: str, message: str, param: str | None = None) -> bytes:

@@ -23,6 +23,8 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
+from warmup_agent.proxy.stream_tokens import StreamTokens
+
 # Hop-by-hop headers (RFC 9110 §7.6.1) are the proxy's own business on each leg.
 HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                  "transfer-encoding", "upgrade", "host", "content-length",
@@ -88,10 +90,13 @@ class UpstreamBackend:
         # As aiohttp's parser decoded them (UTF-8, undecodable bytes kept as surrogates): the bytes the client sent.
         return "".join(lines).encode("utf-8", "surrogateescape")
 
-    async def open(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamConnection:
+    async def open(self, method: str, path: str, body: bytes, headers: Mapping[str, str],
+                   count_tokens: bool = False) -> UpstreamConnection:
         """Send the request; return the connection once the answer's head has come (its
-        status, headers and framing parsed).  Raises BackendUnavailable, or TimeoutError
-        for a connect that timed out; cancelled, the connection is aborted."""
+        status, headers and framing parsed).  `count_tokens`: count the answer's streamed
+        tokens as they pass (the connection's `tokens`, stream_tokens.py).  Raises
+        BackendUnavailable, or TimeoutError for a connect that timed out; cancelled, the
+        connection is aborted."""
         data = self.head_bytes(method, path, body, headers) + body
         for attempt in (0, 1):
             conn = None
@@ -104,7 +109,7 @@ class UpstreamBackend:
             if conn is None:
                 conn = await self._connect()
             try:
-                await conn.send(data)
+                await conn.send(data, count_tokens)
                 return conn
             except _Reset:
                 conn.abort()
@@ -149,7 +154,9 @@ class UpstreamConnection(asyncio.Protocol):
     to the client's transport.  `wait()` then returns when the body has ended (True),
     or when the client's transport wants draining (False); it raises BackendUnavailable
     when the answer broke off.  `first_at` is when the first body byte came
-    (perf_counter), `tail` the last two pieces of the body (the usage object)."""
+    (perf_counter), `tail` the last two pieces of the body (the usage object);
+    `tokens` counts a streamed answer's tokens from a copy of its body where `send`
+    was asked to (else None)."""
 
     def __init__(self, backend: UpstreamBackend):
         self.backend = backend
@@ -181,6 +188,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.first_at: float | None = None
         self.tail_prev = self.tail_last = b""
         self.at_boundary = True
+        self.tokens: StreamTokens | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -220,9 +228,11 @@ class UpstreamConnection(asyncio.Protocol):
     def usable(self) -> bool:
         return not self.closed and self.transport is not None and not self.transport.is_closing()
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, data: bytes, count_tokens: bool = False) -> None:
         assert self.transport is not None
         self._reset()
+        if count_tokens:
+            self.tokens = StreamTokens()
         self._head_wait = asyncio.get_running_loop().create_future()
         self.transport.write(data)
         await self._head_wait
@@ -322,6 +332,8 @@ class UpstreamConnection(asyncio.Protocol):
                 out, done = data, False
         else:
             out, done = data, False
+        if self.tokens is not None and framing != _CHUNKED and out:
+            self.tokens.feed(out)
         if out:
             self.tail_prev, self.tail_last = self.tail_last, out
             client = self._client
@@ -356,6 +368,8 @@ class UpstreamConnection(asyncio.Protocol):
         while pos < n:
             if state == _DATA:
                 take = min(self._remaining, n - pos)
+                if self.tokens is not None and self._remaining > 2:   # the chunk's data, not its CRLF
+                    self.tokens.feed(data[pos:pos + min(take, self._remaining - 2)])
                 pos += take
                 self._remaining -= take
                 if self._remaining == 0:

@@ -33,11 +33,17 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+#: The port a server listens on when its command gives none (vLLM and transformers serve: 8000).
+SERVER_DEFAULT_PORTS = {"llama.cpp": 8080, "sglang": 30000, "tgi": 3000}
+
+
 def listen_address(command: list[str]) -> tuple[str, int]:
     """Where a server started with this command answers: its --host (a wildcard
-    address reached on loopback, reach_host) and --port."""
+    address reached on loopback, reach_host) and --port, or the port that server
+    takes by default (SERVER_DEFAULT_PORTS, else DEFAULT_PORT)."""
     host = option(command, "--host") or DEFAULT_HOST
-    return reach_host(host.strip("[]")), int(option(command, "--port") or DEFAULT_PORT)
+    port = option(command, "--port") or SERVER_DEFAULT_PORTS.get(server_name_of(command) or "", DEFAULT_PORT)
+    return reach_host(host.strip("[]")), int(port)
 
 
 def fix_vllm_command(command: list[str]) -> list[str]:

@@ -10,8 +10,10 @@ out from it the command and environment the openai engine would start
 (server/command.py), and spawns it.  The CLI then reuses that configuration
 (`loaded_config`).
 
-A bad configuration starts nothing: config.load raises, nothing is spawned, and the
-run reports the error as before (tests/test_requests_file.py).  The engine adopts the
+A bad configuration starts nothing: config.load or the checks that need no server
+(server/preflight.py: the proxy's main engine, the exporter's and the proxy's
+addresses) raise, nothing is spawned, and the run reports the error as before
+(tests/test_requests_file.py, tests/test_proxy_supervised.py).  The engine adopts the
 early server (`take`) only if its command and environment are exactly what it would
 start; otherwise it kills it and spawns its own, with one log line saying why.  A run
 that ends before (a missing extra, a port the exporter cannot take) kills it
@@ -30,6 +32,8 @@ import subprocess
 import time
 from typing import TYPE_CHECKING
 
+from warmup_agent.config import ConfigError
+from warmup_agent.server import preflight
 from warmup_agent.server import process as server_process
 from warmup_agent.server.command import is_vllm, listen_address, server_env, server_remedy
 
@@ -106,6 +110,10 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
         return None
     cfg = _validated(options, environ)
     if cfg is None or cfg.engine != "openai":
+        return None
+    try:
+        preflight.check(cfg, command)   # the checks that need no server: a failure starts none
+    except ConfigError:
         return None
     host, _ = listen_address(command)
     remedy = server_remedy(command) if cfg.openai.apply_server_remedy else {}

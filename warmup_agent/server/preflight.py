@@ -1,0 +1,114 @@
+"""The configuration checks that need no server, made before one is spawned (issue 61).
+
+A supervised server can take minutes to load on a GPU; a mistake in the agent's own
+settings must not wait for it.  config.load checks each key on its own; `check` adds
+what needs several keys and the server command together, or a socket: where the proxy
+sends users (`main_url`), whether the exporter's and the proxy's addresses can be
+listened on, and that neither is the server's own.  early_spawn runs it before its
+spawn (a failure spawns nothing), and the CLI runs it again before the engine starts
+a server, so that the one-line error comes first either way.
+
+Only the standard library, the configuration and server/command.py: this runs before
+the agent's heavy imports.
+"""
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING
+
+from warmup_agent.config import ConfigError
+from warmup_agent.server.command import fix_vllm_command, http_url, listen_address
+
+if TYPE_CHECKING:
+    from warmup_agent.config import Config
+
+#: Engines that answer users in the agent's own process (Engine.openai_backend).
+LOCAL_BACKEND_ENGINES = ("torch",)
+
+
+def server_url(cfg: Config, command: list[str] | None) -> str | None:
+    """Where the openai engine's server answers: openai.url, else the supervised
+    command's address (its --host and --port, or its server's default port), as the
+    engine itself derives it (engines/openai/server.py)."""
+    if cfg.engine != "openai":
+        return None
+    if cfg.openai.url:
+        return cfg.openai.url.rstrip("/")
+    if command:
+        return http_url(*listen_address(fix_vllm_command(command)))
+    return None
+
+
+def main_url(cfg: Config, command: list[str] | None) -> str | None:
+    """The proxy's main engine as a URL: proxy.upstream_url, else the openai engine's
+    server (server_url); None where it is the engine in this process (torch) or unknown."""
+    if cfg.proxy.upstream_url:
+        return cfg.proxy.upstream_url
+    if cfg.engine in LOCAL_BACKEND_ENGINES:
+        return None
+    return server_url(cfg, command)
+
+
+def _split(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _can_listen(key: str, listen: str) -> None:
+    """Bind HOST:PORT and let it go again; ConfigError naming `key` where it cannot be."""
+    host, port = _split(listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"key '{key}': cannot listen on {listen}: {e.strerror or e}", key) from None
+    except (OverflowError, ValueError) as e:
+        raise ConfigError(f"key '{key}': cannot listen on {listen}: {e}", key) from None
+    finally:
+        sock.close()
+
+
+def _check_proxy(cfg: Config, command: list[str] | None) -> None:
+    pc = cfg.proxy
+    if not pc.listen:
+        return
+    url = main_url(cfg, command)
+    if url is None and cfg.engine not in LOCAL_BACKEND_ENGINES:
+        raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL (proxy.upstream_url; "
+                          "with --engine openai, openai.url or a server command after --)", "proxy.upstream_url")
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ConfigError(f"key 'proxy.upstream_url': got {url!r}; expected a URL starting with http:// or https://",
+                          "proxy.upstream_url")
+
+
+def _check_addresses(cfg: Config, command: list[str] | None) -> None:
+    """The exporter's and the proxy's addresses: free, and not the supervised server's own."""
+    server = listen_address(fix_vllm_command(command)) if command and cfg.engine == "openai" else None
+    taken: list[tuple[str, int, str]] = []
+    if server is not None:
+        taken.append((server[0], server[1], f"the server's own address (its command listens on port {server[1]})"))
+    for key, listen in (("exporter.listen", cfg.exporter.listen), ("proxy.listen", cfg.proxy.listen)):
+        if not listen:
+            continue
+        host, port = _split(listen)
+        for other_host, other_port, what in taken:
+            if port and port == other_port and _overlap(host, other_host):
+                raise ConfigError(f"key '{key}': {listen} is {what}; give it a port of its own", key)
+        if port:
+            _can_listen(key, listen)
+        taken.append((host, port, f"already {key}'s"))
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether listeners on hosts `a` and `b` would want the same socket (a wildcard meets any)."""
+    wild = ("", "0.0.0.0", "::")
+    return a == b or a in wild or b in wild
+
+
+def check(cfg: Config, command: list[str] | None) -> None:
+    """Every check of `cfg` that needs no server (the module's docstring); raises
+    ConfigError, one line naming the key."""
+    _check_proxy(cfg, command)
+    _check_addresses(cfg, command)

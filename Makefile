@@ -47,7 +47,7 @@ lint:  ## ruff and mypy, as configured in pyproject.toml (CI runs this before th
 	$(VPY) -m ruff check .
 	$(VPY) -m mypy
 
-regenerate:  ## regenerate alert rules, dashboards, docs/metrics.md + exporter/metric_handles.py, docs/config.md + warmup_agent/config_sections.py, the chart's copies
+regenerate:  ## regenerate alert rules, dashboards, docs/metrics.md + exporter/metric_handles.py, docs/config.md + warmup_agent/config_sections.py, the chart's copies and server presets
 	$(VPY) -m alerts.generate
 	$(VPY) -m dashboards.generate
 	$(VPY) -m exporter.docs

@@ -704,7 +704,7 @@ def test_server_command_overrides_a_presets_executable(helm_env):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--set", "server.preset=tgi"], ["server.preset", "vllm", "llamacpp", "sglang", "transformers", "custom"]),
+    (["--set", "server.preset=nosuchserver"], ["server.preset", "vllm", "llamacpp", "sglang", "transformers", "custom"]),
     (["--set", "server.preset=custom"], ["server.command"]),
     (["--set", "server.preset=custom", "--set", "server.args={--port,8000}"], ["server.command"]),
     (["--set-json", "server.command=[]"], []),   # fine for a preset: its own executable

@@ -10,7 +10,6 @@ import ast
 import io
 import re
 import tokenize
-from pathlib import Path
 
 from tests.helpers.paths import ROOT_PATH as ROOT
 from warmup_agent import config

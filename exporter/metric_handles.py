@@ -60,6 +60,12 @@ class MetricHandles:
     warmup_water_level_requests_per_second: Gauge
     warmup_proxy_requests_total: Counter
     warmup_proxy_first_token_seconds: Histogram
+    warmup_server_restarts_total: Counter
+    warmup_server_sleeping: Gauge
+    warmup_server_asleep_seconds_total: Counter
+    warmup_server_wakes_total: Counter
+    warmup_wake_duration_seconds: Gauge
+    warmup_wake_first_user_request_seconds: Gauge
     warmup_gpu_utilization_ramp_slope: Gauge
     warmup_gpu_memory_reserved_bytes: Gauge
     warmup_weight_load_bytes_per_second: Gauge
@@ -119,6 +125,12 @@ NAMES: tuple[str, ...] = (
     "warmup_water_level_requests_per_second",
     "warmup_proxy_requests_total",
     "warmup_proxy_first_token_seconds",
+    "warmup_server_restarts_total",
+    "warmup_server_sleeping",
+    "warmup_server_asleep_seconds_total",
+    "warmup_server_wakes_total",
+    "warmup_wake_duration_seconds",
+    "warmup_wake_first_user_request_seconds",
     "warmup_gpu_utilization_ramp_slope",
     "warmup_gpu_memory_reserved_bytes",
     "warmup_weight_load_bytes_per_second",

@@ -69,6 +69,23 @@ class TaxStats:
     total_tax: float | None
 
 
+@dataclass(frozen=True)
+class LifeStats:
+    """The server's life after SERVING (readiness/life.py): a restart noticed (how),
+    its sleep state now, seconds asleep since the last record, a wake started
+    (`wake_cause`) or finished (`wake_seconds`), the users' first request after it."""
+    restart: str | None = None
+    sleeping: bool | None = None
+    asleep_seconds: float = 0.0
+    wake_cause: str | None = None
+    wake_seconds: float | None = None
+    wake_first_user_seconds: float | None = None
+
+
+RESTART_SIGNALS = ("start_time", "came_back", "supervisor")
+WAKE_CAUSES = ("request", "ahead", "other")
+
+
 # -- the stages -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GpuId:
@@ -170,6 +187,32 @@ class Recorder:
         (the alert then reads the predicted figure)."""
         self.metrics.warmup_first_user_request_tax_ratio.set(s.ttft_tax or 0.0)
         self.metrics.warmup_first_user_request_total_tax_ratio.set(s.total_tax or 0.0)
+
+    def life(self, s: LifeStats) -> None:
+        m = self.metrics
+        if s.restart is not None:
+            m.warmup_server_restarts_total.labels(detected_by=s.restart).inc()
+        if s.sleeping is not None:
+            m.warmup_server_sleeping.set(1 if s.sleeping else 0)
+        if s.asleep_seconds > 0:
+            m.warmup_server_asleep_seconds_total.inc(s.asleep_seconds)
+        if s.wake_cause is not None:
+            m.warmup_server_wakes_total.labels(cause=s.wake_cause).inc()
+        if s.wake_seconds is not None:
+            m.warmup_wake_duration_seconds.set(s.wake_seconds)
+        if s.wake_first_user_seconds is not None:
+            m.warmup_wake_first_user_request_seconds.set(s.wake_first_user_seconds)
+
+    def declare_life(self) -> None:
+        """The life series at 0 from the start, so increase() works from the first event."""
+        m = self.metrics
+        for signal in RESTART_SIGNALS:
+            m.warmup_server_restarts_total.labels(detected_by=signal)
+        for cause in WAKE_CAUSES:
+            m.warmup_server_wakes_total.labels(cause=cause)
+        m.warmup_server_sleeping.set(0)
+        m.warmup_wake_duration_seconds.set(0)
+        m.warmup_wake_first_user_request_seconds.set(0)
 
     # -- the stages ---------------------------------------------------------------------
     def reserve(self, s: ReserveStats) -> None:

@@ -2,11 +2,13 @@
 
   /metrics        Prometheus exposition (agent metrics + scrape-time collectors)
   /healthz        200 while the agent is alive and not FAILED (livenessProbe)
-  /readyz         200 only in SERVING (readinessProbe)
+  /readyz         200 in SERVING, and while the server sleeps if readiness.ready_while_asleep (readinessProbe)
   /startupz       JSON: state, current stage, elapsed, deadline, per-stage durations
   /               a landing page with links
   POST /admin/rewarm   warm the engine again (SERVING/DEGRADED -> PRELOAD -> ... -> SERVING)
   POST /admin/drain    move to DRAINING: /readyz answers 503 from now on (a preStop hook)
+  POST /admin/wake     wake a sleeping server and warm it ahead of traffic (SLEEPING -> PRELOAD
+                       -> ... -> SERVING); the answer says how long the latest wake took
 
 TLS and basic auth come from a web config file in the Prometheus exporter
 toolkit's format (`exporter.web_config_file`, see warmup_agent/webconfig.py), or
@@ -37,7 +39,7 @@ if TYPE_CHECKING:  # types only
 log = logging.getLogger("exporter.server")
 
 _OPEN_PATHS = {"/healthz", "/readyz", "/startupz"}
-_ADMIN_PATHS = {"/admin/rewarm", "/admin/drain"}
+_ADMIN_PATHS = {"/admin/rewarm", "/admin/drain", "/admin/wake"}
 
 LANDING = """<!doctype html><html><head><title>warmup-agent</title></head><body>
 <h1>warmup-agent</h1><p>State: <b>{state}</b></p>
@@ -135,6 +137,8 @@ class ServedAgent(Protocol):
 
     def request_drain(self) -> Literal["started", "already", "refused"]: ...
 
+    def request_wake(self) -> tuple[bool, float | None]: ...
+
     @property
     def state_name(self) -> str: ...
 
@@ -193,6 +197,17 @@ class ExporterServer:
             return 409, {"error": f"re-warm needs SERVING or DEGRADED; state is {state}", "state": state}
         return 202, {"state": self.agent.state_name}
 
+    def wake(self) -> tuple[int, dict]:
+        """SLEEPING -> a wake and its warm in a thread (202, with `warm_in_seconds`: the
+        latest wake's duration, null before one); SERVING: nothing to do (200); else 409."""
+        started, warm_in = self.agent.request_wake()
+        state = self.agent.state_name
+        if started:
+            return 202, {"state": state, "warm_in_seconds": warm_in}
+        if state == "SERVING":
+            return 200, {"state": state, "warm_in_seconds": 0}
+        return 409, {"error": f"wake needs a sleeping server; state is {state}", "state": state}
+
     def drain(self) -> tuple[int, dict]:
         outcome = self.agent.request_drain()
         state = self.agent.state_name
@@ -235,7 +250,7 @@ def _make_handler(server: ExporterServer) -> Any:
             if not server.admin_authorized(self.headers.get("Authorization")):
                 log.warning("admin: refused %s from %s (missing or wrong bearer token)", path, self.client_address[0])
                 return self._send(401, b"unauthorized\n", extra={"WWW-Authenticate": 'Bearer realm="warmup-agent"'})
-            code, body = server.rewarm() if path == "/admin/rewarm" else server.drain()
+            code, body = {"/admin/rewarm": server.rewarm, "/admin/wake": server.wake}.get(path, server.drain)()
             log.info("admin: %s from %s -> %d %s", path, self.client_address[0], code, body.get("state"))
             return self._json(code, body)
 
@@ -259,7 +274,7 @@ def _make_handler(server: ExporterServer) -> Any:
                 ok = state != "FAILED"
                 return self._send(200 if ok else 503, b"ok\n" if ok else b"failed\n")
             if path == "/readyz":
-                ok = state == "SERVING"
+                ok = bool(status.get("ready", state == "SERVING"))
                 return self._send(200 if ok else 503, f"{state}\n".encode())
             if path == "/startupz":
                 code = 503 if state == "FAILED" else 200

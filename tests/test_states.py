@@ -20,7 +20,8 @@ class FakeClock:
 def machine_in(state: State, metrics=None, deadlines=None, clock=None) -> StateMachine:
     sm = StateMachine(metrics, deadlines=deadlines, clock=clock or FakeClock())
     path = {State.INIT: [], State.PRELOAD: [State.PRELOAD], State.PRIME: [State.PRELOAD, State.PRIME],
-            State.SERVING: [State.PRELOAD, State.PRIME, State.SERVING]}[state]
+            State.SERVING: [State.PRELOAD, State.PRIME, State.SERVING],
+            State.SLEEPING: [State.PRELOAD, State.PRIME, State.SERVING, State.SLEEPING]}[state]
     for s in path:
         assert sm.transition(s)
     return sm

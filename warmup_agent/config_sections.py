@@ -113,7 +113,7 @@ class SolidifySection(_Section):
 
 class ReadinessSection(_Section):
     """`readiness.*` (docs/config.md)."""
-    __slots__ = ("p50_threshold_seconds", "p90_threshold_seconds", "min_probes", "window_size", "max_probes", "probe_prompt_length", "probe_interval_seconds", "watch_interval_seconds", "window_seconds", "adaptive", "adaptive_every_samples", "adaptive_margin", "adaptive_min_seconds", "water_level_alpha", "water_level_window_seconds", "water_level_period_seconds", "water_level_headroom", "watch_probe_timeout_seconds", "first_user_steady_requests", "min_probes_server", "probe_max_tokens", "require_decode", "settle_before_serving", "tpot_p90_threshold_seconds", "tpot_convergence_ratio")
+    __slots__ = ("p50_threshold_seconds", "p90_threshold_seconds", "min_probes", "window_size", "max_probes", "probe_prompt_length", "probe_interval_seconds", "watch_interval_seconds", "window_seconds", "adaptive", "adaptive_every_samples", "adaptive_margin", "adaptive_min_seconds", "water_level_alpha", "water_level_window_seconds", "water_level_period_seconds", "water_level_headroom", "ready_while_asleep", "watch_probe_timeout_seconds", "first_user_steady_requests", "min_probes_server", "probe_max_tokens", "require_decode", "settle_before_serving", "tpot_p90_threshold_seconds", "tpot_convergence_ratio")
     p50_threshold_seconds: float
     p90_threshold_seconds: float
     min_probes: int
@@ -131,6 +131,7 @@ class ReadinessSection(_Section):
     water_level_window_seconds: int
     water_level_period_seconds: float
     water_level_headroom: float
+    ready_while_asleep: bool
     watch_probe_timeout_seconds: float
     first_user_steady_requests: int
     min_probes_server: int
@@ -158,7 +159,7 @@ class LogSection(_Section):
 
 class OpenaiSection(_Section):
     """`openai.*` (docs/config.md)."""
-    __slots__ = ("url", "model", "ready_timeout_seconds", "request_timeout_seconds", "restart_backoff_initial_seconds", "restart_backoff_max_seconds", "drain_seconds", "health_path", "api", "concurrency", "apply_server_remedy")
+    __slots__ = ("url", "model", "ready_timeout_seconds", "request_timeout_seconds", "restart_backoff_initial_seconds", "restart_backoff_max_seconds", "drain_seconds", "health_path", "api", "concurrency", "apply_server_remedy", "server_sleeps")
     url: str | None
     model: str | None
     ready_timeout_seconds: float
@@ -170,6 +171,7 @@ class OpenaiSection(_Section):
     api: str
     concurrency: int
     apply_server_remedy: bool
+    server_sleeps: str
 
 
 class VllmSection(_Section):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Literal
 
 from exporter.metrics import AgentMetrics
-from exporter.recorder import Recorder
+from exporter.recorder import LifeStats, Recorder
 from warmup_agent import __version__
 from warmup_agent.config import Config
 from warmup_agent.driver import EngineDriver
@@ -26,6 +26,7 @@ from warmup_agent.errors import AgentFailure, EngineError
 from warmup_agent.host.memory import MemorySampler
 from warmup_agent.periodic import Periodic
 from warmup_agent.readiness.breaker import BreakerState
+from warmup_agent.readiness.life import ServerLife
 from warmup_agent.readiness.probes import ProbeLog
 from warmup_agent.readiness.runtime import Readiness, failure_cause
 from warmup_agent.readiness.window import SlidingWindow
@@ -92,6 +93,7 @@ class Agent:
         self._watch_skipping = False
         self._probe_thread: threading.Thread | None = None   # the watch loop's probe in flight
         self._engine_crashed = False
+        self.life: ServerLife | None = None   # watch() builds it for an engine with a server
         self._init_metrics()
 
     # -- the timeline (kept by the run record) and what tests and tools read ----------------
@@ -243,6 +245,7 @@ class Agent:
         (The supervisor also calls this at the first start, which run() handles.)"""
         if self._engine_crashed:
             self._engine_crashed = False
+            self.context.recorder.life(LifeStats(restart="supervisor"))
             self._start_rewarm()
 
     def request_rewarm(self) -> bool:
@@ -252,6 +255,23 @@ class Agent:
             return False
         self._start_rewarm()
         return True
+
+    def request_wake(self) -> tuple[bool, float | None]:
+        """Wake a sleeping server and warm it (POST /admin/wake): whether a wake started,
+        and the seconds the latest wake took to be warm (None before the first)."""
+        if self.life is None:
+            return False, None
+        return self.life.request_wake(), self.life.warm_in_seconds()
+
+    def ready_now(self) -> bool:
+        """What /readyz answers (Readiness.ready)."""
+        return self.readiness.ready()
+
+    def _rewarm_cold(self, why: str) -> None:
+        """The server is cold again (a restart, a wake): PRELOAD, then the stages again."""
+        if self.sm.transition(State.PRELOAD):
+            log.info("re-warm (%s)", why)
+            self._start_rewarm()
 
     def request_drain(self) -> Literal["started", "already", "refused"]:
         """Stop taking traffic (POST /admin/drain): "started" when the agent moved to
@@ -274,6 +294,8 @@ class Agent:
         self._boundary = self.clock()  # the re-warm's stages start now, not where the first run ended
         self.sm.start_watchdog()       # PRELOAD and PRIME deadlines hold for a re-warm too
         try:
+            if self.life is not None:
+                self.life.wake_server()    # a server woken ahead by its own wake call (vLLM)
             self.prewarm()
             self.solidify()
             self.ready()
@@ -288,6 +310,16 @@ class Agent:
         """Keep probing after SERVING so the window (and its gauges) stays current.
         The breaker runs here: while it is open the main engine is not probed
         (frozen); once the freeze is over, probes are its half-open probes."""
+        signals = self.engine.server_signals()
+        if signals is not None and self.life is None:
+            signals.timeout = self.readiness.probe_timeout   # a read waits as long as a probe would
+            sleeps = self.cfg.openai.server_sleeps
+            self.life = ServerLife(signals, self.sm, self.readiness, self.context.recorder,
+                                   sleeps_when_idle=sleeps == "yes" or (sleeps == "auto" and self.engine.sleeps_when_idle()),
+                                   ready_while_asleep=self.cfg.readiness.ready_while_asleep,
+                                   has_fallback=bool(self.cfg.proxy.fallback_url), clock=self.clock)
+            self.life.start_rewarm = self._rewarm_cold
+            self.readiness.life = self.life
         if interval > 0:
             self._watch_interval = interval
             self._watch = Periodic(interval, self._watch_probe, "readiness-watch")
@@ -295,6 +327,12 @@ class Agent:
 
     def _watch_probe(self) -> None:
         rd = self.readiness
+        if self.life is not None:
+            action = self.life.watch()    # reads that give the server no task
+            if action == "rewarm":
+                self._rewarm_cold("the server is cold")
+            if action != "probe":
+                return
         late = self._probe_thread
         if late is not None and late.is_alive():
             return     # a probe that timed out still waits for its answer: never two at once
@@ -336,10 +374,11 @@ class Agent:
         (Readiness.probe_failed), which logs one line per change, never a traceback."""
         done = threading.Event()
         failed: list[BaseException] = []
+        timed_out = threading.Event()
 
         def send() -> None:
             try:
-                self.probe(decode=False)
+                self.context.probe(decode=False, still_wanted=lambda: not timed_out.is_set())
             except Exception as e:  # noqa: BLE001 - a failed probe must not end the agent
                 failed.append(e)
             finally:
@@ -348,6 +387,7 @@ class Agent:
         thread.start()
         timeout = self.readiness.probe_timeout
         if not done.wait(timeout):
+            timed_out.set()
             return f"no answer to a probe within {timeout:g} s"
         return failed[0] if failed else None
 
@@ -413,8 +453,12 @@ class Agent:
         return self.driver.engine_seconds() / up if up > 0 else 0.0
 
     def status(self) -> dict:
-        """What /startupz shows (run/record.py)."""
-        return self.run_record.status()
+        """What /startupz shows (run/record.py), with what /readyz answers."""
+        status = {**self.run_record.status(), "ready": self.readiness.ready()}
+        if self.life is not None:
+            status["server"] = {"sleeps_when_idle": self.life.sleeps_when_idle,
+                                "last_wake_seconds": self.life.last_wake_seconds}
+        return status
 
     def record(self) -> dict:
         """The run as JSON (`--record`; run/record.py)."""

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # types only: none of these is imported at run time from here
     from warmup_agent.gpu.loader import LoadReport
     from warmup_agent.proxy import Backend
     from warmup_agent.quantization import QuantizationInfo
+    from warmup_agent.server.signals import ServerSignals
     from warmup_agent.warmup.traffic import WarmRequest
 
 __all__ = ["Engine", "EngineError", "EngineFacts", "RequestResult", "SolidifyReport"]
@@ -228,6 +229,16 @@ class Engine(abc.ABC):
         is at most `seconds` ago, else None (engines/openai/server_traffic.py). Default None:
         the engine cannot tell."""
         return None
+
+    def server_signals(self) -> ServerSignals | None:
+        """What the engine's server says of its own life without a task (restarts,
+        sleep, wake; server/signals.py), and whether its command makes it sleep when
+        idle.  Default None: an engine in this process has no such life."""
+        return None
+
+    def sleeps_when_idle(self) -> bool:
+        """Whether its server was told to sleep on its own when idle.  Default False."""
+        return False
 
     def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
         """One batch of traffic-profile requests (traffic.WarmRequest), sent at once;

@@ -110,6 +110,15 @@ class Breaker:
                 self._trip(cause, freeze)
             return self.state
 
+    def half_open_now(self) -> bool:
+        """Open -> half-open before the freeze ends (the owner saw the engine answer
+        again).  Returns whether it moved."""
+        with self._lock:
+            if self.state != BreakerState.OPEN:
+                return False
+            self._move(BreakerState.HALF_OPEN)
+            return True
+
     def reset(self) -> bool:
         """Closed at once, without a transition (a re-warm judges the engine afresh).
         Returns whether it was not closed."""

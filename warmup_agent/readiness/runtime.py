@@ -21,7 +21,7 @@ A probe that fails (the server unreachable, a timeout, HTTP 5xx, an answer
 without a token) goes through `probe_failed()`: counted by reason in
 warmup_watch_probe_failures_total, and breaker.fail_after of them in a row trip
 the breaker with that reason (warmup_breaker_trips_total{reason}).  An
-unreachable server is probed again at the next watch interval
+unreachable or hung (timeout) server is probed again at the next watch interval
 (breaker.unreachable_open_seconds), every other cause waits breaker.open_seconds.
 One log line per breaker change, never one per failed probe.
 
@@ -49,6 +49,7 @@ from warmup_agent.states import State, StateMachine
 if TYPE_CHECKING:
     from exporter.metrics import AgentMetrics
     from warmup_agent.config_sections import BreakerSection, ReadinessSection
+    from warmup_agent.readiness.life import ServerLife
 
 log = logging.getLogger("warmup_agent.readiness")
 
@@ -110,6 +111,8 @@ class Readiness:
         # machine's listener resets it while a stage thread may hold the machine.
         self._user_lock = threading.Lock()
         self._first_user = FirstUserRequest(rc.first_user_steady_requests)
+        #: The server's restarts, sleep and wake (life.py); the agent sets it for a server engine.
+        self.life: ServerLife | None = None
         sm.on_change(self._state_moved)
         self._publish_breaker()
         self._publish_thresholds()
@@ -190,8 +193,15 @@ class Readiness:
             return state == BreakerState.CLOSED and self.sm.state == State.SERVING
 
     def main_open(self) -> bool:
-        """Whether user traffic may go to the main engine: SERVING and breaker closed."""
-        return self.sm.state == State.SERVING and self.breaker.state == BreakerState.CLOSED
+        """Whether user traffic may go to the main engine: SERVING and breaker closed,
+        or asleep (and warming after a wake) where users' requests wake the server."""
+        if self.sm.state == State.SERVING and self.breaker.state == BreakerState.CLOSED:
+            return True
+        return self.life is not None and self.life.main_open()
+
+    def ready(self) -> bool:
+        """What /readyz answers: SERVING, or asleep where readiness.ready_while_asleep keeps the pod in."""
+        return self.sm.state == State.SERVING or (self.life is not None and self.life.ready())
 
     def retry_after(self, default: float) -> float:
         remaining = self.breaker.frozen_remaining()
@@ -203,8 +213,11 @@ class Readiness:
         return self.sm.state.name
 
     def user_request(self) -> None:
-        """A user request arrived (the proxy): counted in the water level's QPS."""
+        """A user request arrived (the proxy): counted in the water level's QPS; while
+        the server sleeps, it starts a wake."""
         self.water.request()
+        if self.life is not None:
+            self.life.user_request()
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         """A user request answered by the main engine with status 200 (the proxy):
@@ -213,6 +226,8 @@ class Readiness:
         knows them (the whole-answer figure needs them).  The first one after the gate
         opened is the users' real first request; once readiness.first_user_steady_requests
         answers after it are in, its figures are exported (first_user.py)."""
+        if self.life is not None:
+            self.life.user_answer(ttft)
         with self._user_lock:
             figures = self._first_user.add(UserAnswer(ttft, total, output_tokens))
             if figures is None:
@@ -262,12 +277,32 @@ class Readiness:
             if not self.breaker_enabled or self.sm.state.terminal:
                 log.debug("probe failed (%s): %s", cause, message)
                 return cause
-            if self.breaker.state == BreakerState.CLOSED and self.sm.state != State.SERVING:
+            if self.breaker.state == BreakerState.CLOSED and self.sm.state not in (State.SERVING, State.SLEEPING):
                 return cause     # a re-warm is under way: its own stages judge the engine
             self._failure_message = message
-            freeze = self.unreachable_open_seconds if cause == "unreachable" else self.breaker.open_seconds
+            # A server that is gone or hung is looked at again every watch interval, so
+            # the pod is back within one interval of it answering; a slow or erring one
+            # waits the breaker's freeze.
+            freeze = (self.unreachable_open_seconds if cause in ("unreachable", "timeout")
+                      else self.breaker.open_seconds)
             self.breaker.failure(cause, freeze)
         return cause
+
+    def health_answered(self) -> None:
+        """The server's health endpoint answered again: a breaker opened because the
+        server was gone or hung goes half-open now, not at the end of its freeze."""
+        with self._lock:
+            if self.breaker.cause in ("unreachable", "timeout"):
+                self.breaker.half_open_now()
+
+    def server_answered(self) -> None:
+        """The server's health endpoint answered (a server watched by reads alone, one
+        that sleeps when idle): half-open, that counts as the good probes."""
+        with self._lock:
+            self.health_answered()
+            if self.breaker.tick() == BreakerState.HALF_OPEN:
+                for _ in range(self.breaker.half_open_probes):
+                    self.breaker.half_open_probe(False)
 
     # -- breaker -> state machine ---------------------------------------------------------
     def _breaker_moved(self, frm: BreakerState, to: BreakerState) -> None:
@@ -277,13 +312,13 @@ class Readiness:
         cause = b.cause or "slow"
         # A dead server is probed again every watch interval: open -> half-open -> open
         # with the same cause is one condition going on, logged once (at the trip).
-        quiet = cause == "unreachable"
+        quiet = cause in ("unreachable", "timeout")
         if to == BreakerState.OPEN and frm == BreakerState.CLOSED:
             self.metrics.warmup_breaker_trips_total.labels(reason=cause).inc()
             self._tripped_at = self._clock()
             self._last_cause = cause
             log.warning("breaker tripped (%s): %s; %s", cause, self._why(cause), self._next_probe_words())
-            if sm.state == State.SERVING:   # not if the pod started draining meanwhile
+            if sm.state in (State.SERVING, State.SLEEPING):   # not if the pod started draining meanwhile
                 sm.transition(State.DEGRADED)
         elif to == BreakerState.OPEN:
             if cause != self._last_cause or not quiet:

@@ -12,7 +12,8 @@ says what comes from the kind's entry in server/kinds.py.
   sleeping()   whether it sleeps now (None: the kind cannot say).
   wake()       the kind's wake call (vLLM's POST /wake_up); False where the next
                request wakes it instead.
-  healthy()    its health endpoint answers 200.
+  health()     None when its health endpoint answers 200, else why not
+               ("unreachable", "timeout", "server_error").
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import json
 import logging
 import os
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -51,8 +53,21 @@ class ServerSignals:
         except (OSError, urllib.error.URLError, ValueError):
             return None
 
-    def healthy(self) -> bool:
-        return self._get(self.health_path) is not None
+    def health(self) -> str | None:
+        """None when the health endpoint answers 200; else the cause: "unreachable"
+        (refused, reset), "timeout" (no answer within the read timeout) or
+        "server_error" (any other status: a server still loading answers 503)."""
+        try:
+            with urllib.request.urlopen(self.url + self.health_path, timeout=self.timeout) as r:
+                return None if r.status == 200 else "server_error"
+        except urllib.error.HTTPError:
+            return "server_error"
+        except (TimeoutError, socket.timeout):
+            return "timeout"
+        except urllib.error.URLError as e:
+            return "timeout" if isinstance(e.reason, (TimeoutError, socket.timeout)) else "unreachable"
+        except (OSError, ValueError):
+            return "unreachable"
 
     def sleeping(self) -> bool | None:
         """True/False as the server says; None when it cannot say or did not answer."""

@@ -177,7 +177,8 @@ class StageContext:
             self.checkpoint()
             raise AgentFailure("illegal_transition", f"{self.sm.state.name} -> {to.name} is not allowed")
 
-    def probe(self, decode: bool = True, max_tokens: int | None = None) -> float:
+    def probe(self, decode: bool = True, max_tokens: int | None = None,
+              still_wanted: Callable[[], bool] | None = None) -> float:
         """One readiness probe, recorded; returns its time to first token.  With an
         engine that speaks the traffic profile the probe is a request as a user
         sends it: the profile's endpoint and sampling, a prompt of `probe_length`
@@ -185,11 +186,14 @@ class StageContext:
         (default readiness.probe_max_tokens); else a prompt of token ids.
         decode=False (the probes after SERVING): one output token.  The breaker
         judges time to first token only, and 16 decoded tokens every 5 s took 12.5 %
-        of a transformers-serve H200 pod's engine time, which kept
-        warmup_cost_ratio over its alert threshold on a healthy pod."""
+        of a server pod's engine time, which kept warmup_cost_ratio over its alert
+        threshold on a healthy pod.  `still_wanted`: asked when the answer comes; False
+        drops it (a watch probe that timed out was judged already)."""
         rc = self.cfg.readiness
         tokens = (max_tokens or rc.probe_max_tokens) if decode else 1
         r = self.driver.send_probe(self.profile, self.probe_length or rc.probe_prompt_length, tokens)
+        if still_wanted is not None and not still_wanted():
+            return r.first_token_seconds    # answered after its watch timeout: already judged a failure
         probe = Probe(r.first_token_seconds, r.total_seconds, r.output_tokens, r.prompt_tokens, r.server_prefill_seconds)
         self.record_probe(r.first_token_seconds, probe=probe)
         if self.probe_log.add_decode(probe):

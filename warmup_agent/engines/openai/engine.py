@@ -53,6 +53,8 @@ from warmup_agent.server.command import (
     option,
     parse_adapters,
 )
+from warmup_agent.server.kinds import BY_OWNER, kind_of_command, sleeps_when_idle
+from warmup_agent.server.signals import ServerSignals
 from warmup_agent.warmup.traffic import _SEED_TEXT, WarmRequest
 
 if TYPE_CHECKING:
@@ -103,6 +105,7 @@ class OpenAIEngine(Engine):
         self.text: TextPrompts | None = None   # exact-length text prompts (local tokenizer)
         self._variant = 0
         self._lock = threading.Lock()
+        self._signals: ServerSignals | None = None
 
     # -- what the parts know, as the Engine and its callers name it ---------------------------
 
@@ -195,6 +198,17 @@ class OpenAIEngine(Engine):
 
     def others_served_within(self, seconds: float) -> float | None:
         return self.traffic.others_within(seconds)
+
+    def server_signals(self) -> ServerSignals:
+        """Reads of the server's life (server/signals.py), for the kind its command
+        names, else the kind /v1/models names as the model's owner."""
+        if self._signals is None:
+            kind = kind_of_command(self.command) or BY_OWNER.get(str(self.discovery.models_info.get("owned_by", "")))
+            self._signals = ServerSignals(self.url, kind, self.health_path)
+        return self._signals
+
+    def sleeps_when_idle(self) -> bool:
+        return sleeps_when_idle(self.server_signals().kind, self.command)
 
     def has_compile_artifacts(self) -> bool:
         return self.server.has_compile_artifacts()

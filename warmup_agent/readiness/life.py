@@ -1,0 +1,232 @@
+"""The server's life after SERVING: restarts, hangs, sleep and wake (DESIGN.md,
+"The pod's whole life").
+
+Every watch interval the agent asks `ServerLife.watch()` what to do before it
+probes.  The answer comes from reads that give the server no task
+(server/signals.py): its health endpoint, its sleep state and which process
+listens.  A probe is a task: it resets a sleeping server's idle timer.
+
+  PROBE    awake, same process: probe as usual.
+  WAIT     send nothing now: the server sleeps, or it sleeps when idle and is
+           watched by reads alone, or it is unreachable and not back yet.
+  REWARM   cold: a new process (its start time changed, or it was unreachable
+           and answers again), or it woke.  The agent warms it before SERVING.
+
+Sleep is a state of the pod (SLEEPING), not an outage: while asleep nothing is
+probed, `/readyz` answers as readiness.ready_while_asleep says, and a wake (a
+user's request, `POST /admin/wake`, or a client the agent does not see) is
+warmed before the pod is SERVING again.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from exporter.recorder import LifeStats, Recorder
+from warmup_agent.readiness.breaker import Breaker, BreakerState
+from warmup_agent.states import State, StateMachine
+
+if TYPE_CHECKING:
+    from warmup_agent.server.signals import ServerSignals
+
+log = logging.getLogger("warmup_agent.readiness.life")
+
+Action = Literal["probe", "wait", "rewarm"]
+_WORDS = {"unreachable": "connection refused or reset", "timeout": "no answer in time",
+          "server_error": "not 200"}
+
+
+class Judge(Protocol):
+    """What the life watch asks of readiness (runtime.Readiness is one)."""
+    breaker: Breaker
+
+    def probe_failure(self, cause: str, message: str) -> str: ...
+
+    def server_answered(self) -> None: ...
+
+    def health_answered(self) -> None: ...
+
+
+@dataclass
+class Wake:
+    """A wake under way: when it started (clock seconds) and why."""
+    cause: str
+    started: float
+
+
+class ServerLife:
+    """`sleeps_when_idle`: the server sleeps after an idle time (llama-server
+    --sleep-idle-seconds): no probes at all, reads only.  `has_fallback`: users go
+    to proxy.fallback_url while the server wakes; without one, users' requests
+    reach the sleeping server (which wakes on them, where its kind does)."""
+
+    def __init__(self, signals: ServerSignals, sm: StateMachine, readiness: Judge, recorder: Recorder,
+                 sleeps_when_idle: bool, ready_while_asleep: bool, has_fallback: bool,
+                 clock: Callable[[], float] = time.monotonic):
+        self.signals = signals
+        self.sm = sm
+        self.readiness = readiness
+        self.recorder = recorder
+        self.sleeps_when_idle = sleeps_when_idle
+        self.ready_while_asleep = ready_while_asleep
+        self.has_fallback = has_fallback
+        self.clock = clock
+        self.identity: float | None = None     # the serving process's start time, once read
+        self.wake: Wake | None = None          # under way until SERVING again
+        self._awaiting_user = False            # the users' first request after the latest wake
+        self.last_wake_seconds: float | None = None
+        self._asleep_at: float | None = None
+        self._lock = threading.Lock()
+        #: Set by the agent: start a re-warm now (a wake that must not wait for the next tick).
+        self.start_rewarm: Callable[[str], None] = lambda why: None
+        recorder.declare_life()
+        sm.on_change(self._state_moved)
+
+    # -- what the proxy and /readyz ask ---------------------------------------------------
+    @property
+    def users_wake_it(self) -> bool:
+        """Users' requests go to the sleeping server, which wakes on them."""
+        kind = self.signals.kind
+        return self.ready_while_asleep and not self.has_fallback and kind is not None and kind.wakes_on_request
+
+    def main_open(self) -> bool:
+        """While SLEEPING, or warming after a wake: may users reach the main server?"""
+        state = self.sm.state
+        if state == State.SLEEPING:
+            return self.users_wake_it
+        return self.wake is not None and state in (State.PRELOAD, State.PRIME) and self.users_wake_it
+
+    def ready(self) -> bool:
+        """/readyz beyond SERVING: asleep (or warming after a wake) where the operator keeps the pod ready."""
+        state = self.sm.state
+        if state == State.SLEEPING:
+            return self.ready_while_asleep
+        return self.wake is not None and state in (State.PRELOAD, State.PRIME) and self.ready_while_asleep
+
+    # -- the watch loop --------------------------------------------------------------------
+    def watch(self) -> Action:
+        state = self.sm.state
+        if state not in (State.SERVING, State.DEGRADED, State.SLEEPING):
+            return "wait"
+        self._count_asleep()
+        cause = self.signals.health()
+        breaker = self.readiness.breaker
+        if cause is not None:
+            # The health read is the watch's first look: its failure is the probe's.
+            self.readiness.probe_failure(cause, f"GET {self.signals.url}{self.signals.health_path}: {_WORDS[cause]}")
+            return "wait"
+        restart = self._restarted()
+        if restart is None:
+            self.readiness.health_answered()
+        if restart is not None:
+            log.warning("the model server restarted (%s): it is cold, warming it again before SERVING",
+                        restart.replace("_", " "))
+            self.recorder.life(LifeStats(restart=restart))
+            return "rewarm"
+        if self.signals.kind is not None and self.signals.kind.can_sleep:
+            sleeping = self.signals.sleeping()
+            if state == State.SLEEPING:
+                if sleeping is False:
+                    self._woke("other")
+                    return "rewarm"
+                return "wait"
+            if sleeping and state == State.SERVING:
+                self._fell_asleep()
+                return "wait"
+        if self.sleeps_when_idle:
+            self.readiness.server_answered()
+            return "wait"
+        return "probe"
+
+    def _restarted(self) -> str | None:
+        """How a restart shows, or None: a changed start time, else a server that was
+        unreachable and answers again (a process that stopped listening is gone)."""
+        now = self.signals.identity()
+        before = self.identity
+        if self.identity is None:
+            self.identity = now
+        breaker = self.readiness.breaker
+        came_back = breaker.state != BreakerState.CLOSED and breaker.cause == "unreachable"
+        if now is not None and before is not None and now != before:
+            return "start_time"
+        if came_back and (now is None or before is None):
+            return "came_back"
+        return None
+
+    # -- sleep and wake --------------------------------------------------------------------
+    def _fell_asleep(self) -> None:
+        with self._lock:
+            self._asleep_at = self.clock()
+        log.info("the model server sleeps (its operator asked it to when idle): SLEEPING, no probes until it wakes")
+        self.sm.transition(State.SLEEPING)
+        self.recorder.life(LifeStats(sleeping=True))
+
+    def _count_asleep(self) -> None:
+        with self._lock:
+            if self._asleep_at is None:
+                return
+            now = self.clock()
+            seconds, self._asleep_at = now - self._asleep_at, (now if self.sm.state == State.SLEEPING else None)
+        self.recorder.life(LifeStats(asleep_seconds=seconds, sleeping=self._asleep_at is not None))
+
+    def _woke(self, cause: str) -> bool:
+        """A wake starts now (or was seen now); False when one is already under way."""
+        with self._lock:
+            if self.wake is not None:
+                return False
+            self.wake = Wake(cause, self.clock())
+            self._awaiting_user = True
+        self._count_asleep()
+        log.info("the model server wakes (%s): warming it before SERVING", cause)
+        self.recorder.life(LifeStats(wake_cause=cause, sleeping=False))
+        return True
+
+    def request_wake(self) -> bool:
+        """POST /admin/wake: wake a sleeping server and warm it.  False unless SLEEPING."""
+        if self.sm.state != State.SLEEPING or not self._woke("ahead"):
+            return False
+        self.start_rewarm("wake")
+        return True
+
+    def wake_server(self) -> None:
+        """Before the wake's warm: the kind's wake call where it has one (vLLM's
+        /wake_up); a server that wakes on a request is woken by the warm's first one."""
+        if self.wake is not None:
+            self.signals.wake()
+
+    def user_request(self) -> None:
+        """A user request arrived at the proxy: while asleep it starts a wake."""
+        if self.sm.state == State.SLEEPING and self._woke("request"):
+            self.start_rewarm("wake")
+
+    def user_answer(self, ttft: float) -> None:
+        """A user request answered by the main server: the first since the wake started
+        is the users' first request after it."""
+        with self._lock:
+            if not self._awaiting_user:
+                return
+            self._awaiting_user = False
+        self.recorder.life(LifeStats(wake_first_user_seconds=ttft))
+        log.info("the users' first request after the wake: time to first token %.1f ms", ttft * 1000)
+
+    def warm_in_seconds(self) -> float | None:
+        """What /admin/wake promises: the latest wake's duration, None before one."""
+        return self.last_wake_seconds
+
+    def _state_moved(self, frm: State, to: State) -> None:
+        if to == State.SERVING:
+            self.identity = None        # the warmed process: read again at the next tick
+            with self._lock:
+                wake = self.wake
+                if wake is None or frm != State.PRIME:
+                    return
+                self.last_wake_seconds = self.clock() - wake.started
+                self.wake = None
+            self.recorder.life(LifeStats(wake_seconds=self.last_wake_seconds))
+            log.info("warm again %.2f s after the wake began (%s)", self.last_wake_seconds, wake.cause)
+        elif to.terminal or to == State.SLEEPING:
+            self.wake = None

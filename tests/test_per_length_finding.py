@@ -28,7 +28,7 @@ from warmup_agent.warmup.benefit import Call
 
 
 def test_the_line_names_the_first_tokens_only_when_given():
-    remedy = remedy_for("transformers serve")
+    remedy = remedy_for("transformers")
     line = per_length_line([5.347, 3.186], [2.433, 3.145], remedy)
     assert line == ("the server pays per sequence length: decode at new lengths ran 5.3x, 3.2x its steady time "
                     "per token, and their first tokens came 2.4x, 3.1x its steady first token; remedy: " + remedy)
@@ -54,7 +54,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
         pair = benefit.Controlled(first, control)
         return pair, {**pair.as_dict(), "cold": pair.cold(0.2), "replayed_requests": 0}
     w.ctx = SimpleNamespace(metrics=metrics, recorder=Recorder(metrics), probe_length=probe_pairs[0][0].prompt_tokens,
-                            engine=SimpleNamespace(server_name="transformers serve", capabilities={"model": model}),
+                            engine=SimpleNamespace(server_name="transformers", capabilities={"model": model}),
                             cfg=SimpleNamespace(data_dir=data_dir, kernel_cache=kernel_cache(redis_url)),
                             host_facts={"gpus": [{"name": "NVIDIA H200"}]},
                             probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b)),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from exporter.recorder import LoadStats, WarmupStats
 from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
+from warmup_agent.server.kinds import BY_NAME
 from warmup_agent.stages.context import StageContext
 from warmup_agent.states import State
 from warmup_agent.warmup import benefit, findings, memory_budget, traffic
@@ -215,9 +216,9 @@ def length_skip_reason(per_length: dict) -> str | None:
 
 def remedy_for(server: str | None) -> str:
     """What removes a per-sequence-length decode cost, in the user's words."""
-    if server == "transformers serve":
-        return ("set TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in the server's environment "
-                "(PyTorch's cuDNN attention builds a plan per sequence length)")
+    kind = BY_NAME.get(server or "")
+    if kind is not None and kind.remedy:
+        return kind.remedy
     return ("the server's attention builds a plan per sequence length; for a PyTorch server set "
             "TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in its environment, or keep prewarm.decode_coverage auto")
 

@@ -1,7 +1,7 @@
 """The bench's outside client: plain HTTP, as a user's client meets the server.
 
-Times a streamed chat request from sending it to the first streamed chunk and
-to the end of the stream.  A chunk counts whether or not it has text: a random
+Times a streamed chat request from sending it to the first streamed token (or
+the end of an answer that has none) and to the end of the stream.  A chunk counts whether or not it has text: a random
 model's tokens past its tokenizer's vocabulary stream as empty text.
 """
 from __future__ import annotations
@@ -75,6 +75,8 @@ def stream_chat(base_url: str, model: str | None, body: dict[str, Any]) -> Answe
                 if _is_token_chunk(msg):
                     chunks += 1
                     first = first or time.perf_counter()
+                elif first is None and any(c.get("finish_reason") for c in msg.get("choices") or ()):
+                    first = time.perf_counter()    # an answer that ended before any token (EOS first)
                 tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
     except urllib.error.HTTPError as e:
         detail = e.read()[:200].decode("utf-8", "replace").strip()
@@ -83,6 +85,4 @@ def stream_chat(base_url: str, model: str | None, body: dict[str, Any]) -> Answe
         reason = getattr(e, "reason", None) or e
         raise RequestFailed(f"no answer from {base_url}/v1/chat/completions: {reason}") from None
     end = time.perf_counter()
-    if first is None:
-        raise RequestFailed(f"{base_url}/v1/chat/completions streamed no token")
-    return Answer(first - t0, end - t0, chunks, tokens)
+    return Answer((first or end) - t0, end - t0, chunks, tokens)

@@ -22,7 +22,7 @@ from warmup_agent.bench import client, process
 from warmup_agent.bench.traffic import Shape, Traffic
 
 CONDITIONS = ("alone", "oneshot", "agent")
-POLL = 0.02        # seconds between health polls
+POLL = 0.01        # seconds between health polls
 
 
 class StartFailed(Exception):

@@ -53,7 +53,7 @@ DS = dashboard_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'namespace=~"$namespace", pod=~"$pod", model=~"$model"'
 RATE = "$__rate_interval"
 STATES = STATE_NAMES    # warmup_agent/states.py; one colour each, below, in the same order
-STATE_COLOURS = ("blue", "purple", "orange", "green", "yellow", "dark-blue", "red")
+STATE_COLOURS = ("blue", "purple", "orange", "green", "yellow", "super-light-green", "dark-blue", "red")
 
 # The panel builders of the SDK that the dashboards use.
 Panel = Union[timeseries_b.Panel, stat_b.Panel, statetimeline_b.Panel, heatmap_b.Panel]
@@ -267,7 +267,8 @@ def cold_start_overview(th: Thresholds) -> dashboard_b.Dashboard:
         state_timeline(
             "State per pod",
             "The agent's state machine per pod (warmup_state): INIT -> PRELOAD -> PRIME -> SERVING, "
-            "DEGRADED while the fallback serves, DRAINING, FAILED (terminal). A pod is in the Service only while SERVING.",
+            "DEGRADED while the fallback serves, SLEEPING while the server sleeps as its operator asked, DRAINING, "
+            "FAILED (terminal). A pod is in the Service while SERVING (and SLEEPING with readiness.ready_while_asleep).",
             [target(f"sum by (namespace, pod) ({state_code})", "{{namespace}}/{{pod}}")],
             _value_mappings(zip(STATES, STATE_COLOURS, strict=True)), w=24, h=7),
         timeseries(
@@ -356,6 +357,30 @@ def cold_start_overview(th: Thresholds) -> dashboard_b.Dashboard:
             "short", [
                 target(f"sum by (namespace, pod) (increase({m('warmup_breaker_trips_total')}[1h]))", "trips {{pod}}"),
                 target(f"max by (namespace, pod) ({m('warmup_fallback_active')})", "fallback {{pod}}"),
+            ]))
+    if has("warmup_server_asleep_seconds_total", "warmup_server_wakes_total", "warmup_server_restarts_total"):
+        panels.append(timeseries(
+            "Server sleep, wakes and restarts",
+            "Share of time the model server slept as its operator asked (rate of warmup_server_asleep_seconds_total), "
+            "wakes in the last hour by cause (warmup_server_wakes_total) and restarts noticed after SERVING, each "
+            "warmed again (warmup_server_restarts_total). Sleep is not an outage.",
+            "short", [
+                target(f"max by (namespace, pod) (rate({m('warmup_server_asleep_seconds_total')}[$__rate_interval]))",
+                       "asleep share {{pod}}"),
+                target(f"sum by (cause) (increase({m('warmup_server_wakes_total')}[1h]))", "wakes {{cause}}"),
+                target(f"sum by (detected_by) (increase({m('warmup_server_restarts_total')}[1h]))",
+                       "restarts {{detected_by}}"),
+            ]))
+    if has("warmup_wake_duration_seconds", "warmup_wake_first_user_request_seconds"):
+        panels.append(timeseries(
+            "Wake: time to warm and the users' first request",
+            "Seconds from the latest wake's start to SERVING again (warmup_wake_duration_seconds) and the time to "
+            "first token of the users' first request after it, through the proxy "
+            "(warmup_wake_first_user_request_seconds); 0 before the first wake.",
+            "s", [
+                target(f"max by (namespace, pod) ({m('warmup_wake_duration_seconds')})", "wake {{pod}}"),
+                target(f"max by (namespace, pod) ({m('warmup_wake_first_user_request_seconds')})",
+                       "first request {{pod}}"),
             ]))
     if has("warmup_validation_checks_total"):
         panels.append(timeseries(

@@ -445,6 +445,7 @@ class Agent:
             self.metrics.model_loading_failures_total.labels(reason=reason)
         for frm, to in illegal_pairs():
             self.metrics.warmup_illegal_transitions_total.labels(**{"from": frm.name, "to": to.name})
+        self.context.recorder.declare_life()
         self.metrics.warmup_memory_jitter_ratio.set_function(self.memory.ratio)
         self.metrics.warmup_cost_ratio.set_function(self.cost_ratio)
 

@@ -126,7 +126,6 @@ def test_a_dead_or_hung_sidecar_server_takes_the_pod_out_and_back(tmp_path, embe
         # --- hung: the probe times out; back within one interval of answering again -----------
         time.sleep(2 * INTERVAL)
         os.kill(server.pid, signal.SIGSTOP)
-        stopped = time.monotonic()
         out = poll(lambda: readyz(url) == 503, INTERVAL + PROBE_TIMEOUT + SLACK)
         print(f"hung: /readyz 503 after {out:.2f} s (interval {INTERVAL} s + probe timeout {PROBE_TIMEOUT} s)")
         assert metric(url, "warmup_breaker_trips_total", reason="timeout") == 1

@@ -114,7 +114,6 @@ class ServerLife:
             return "wait"
         self._count_asleep()
         cause = self.signals.health()
-        breaker = self.readiness.breaker
         if cause is not None:
             # The health read is the watch's first look: its failure is the probe's.
             self.readiness.probe_failure(cause, f"GET {self.signals.url}{self.signals.health_path}: {_WORDS[cause]}")

@@ -96,3 +96,21 @@ def test_supervised_cpu_vllm_serves_users_through_the_proxy_and_measures_their_w
     row = bench.one_start("vllm", data_dir, 0, str(tmp_path))
     print(row)
     _check_start(row)
+
+
+def test_the_proxy_finds_the_supervised_server_where_its_command_listens():
+    from warmup_agent.config_sections import ProxySection
+    from warmup_agent.server import preflight
+    from warmup_agent.server.command import listen_address
+    bare = ProxySection(listen="127.0.0.1:0", upstream_url=None, fallback_url=None, retry_after_seconds=5,
+                        timeout_seconds=300.0, max_body_bytes=1, batch_window_seconds=0.0)
+    given = ProxySection(**{**{k: getattr(bare, k) for k in ProxySection.__slots__}, "upstream_url": "http://up:1"})
+    llama = ["llama-server", "-m", "m.gguf", "--host", "0.0.0.0", "--port", "8081"]
+    assert preflight.main_url("openai", None, bare, llama) == "http://127.0.0.1:8081"
+    assert preflight.main_url("openai", "http://there:9/", bare, llama) == "http://there:9"   # openai.url before the command
+    assert preflight.main_url("openai", None, given, llama) == "http://up:1"                  # proxy.upstream_url before both
+    assert preflight.main_url("torch", None, bare, None) is None                              # the engine in process
+    # a command without --port: the port its server listens on by default
+    assert listen_address(["llama-server", "-m", "m.gguf"]) == ("127.0.0.1", 8080)
+    assert listen_address(["python3", "-m", "sglang.launch_server", "--model-path", "m"]) == ("127.0.0.1", 30000)
+    assert listen_address(["vllm", "serve", "m"]) == ("127.0.0.1", 8000)

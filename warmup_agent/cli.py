@@ -268,7 +268,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if server_command and cfg.engine != "openai":
         raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg.engine})", "engine")
     from warmup_agent.server import preflight
-    preflight.check(cfg, server_command)   # before any server starts (early_spawn made the same checks)
+    # Before any server starts (early_spawn made the same checks before its spawn).
+    preflight.check(cfg.engine, cfg.openai.url, cfg.exporter, cfg.proxy, server_command)
     model_path = _model_path(cfg)
 
     from warmup_agent.engines import EngineError
@@ -282,7 +283,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # llama.cpp's server is up 1.2-1.5 s after its spawn.
     engine.prestart()
     agent = _make_agent(cfg, engine, progress)
-    server, proxy = _serve_endpoints(cfg, agent, engine, model_path, preflight.main_url(cfg, server_command))
+    main_url = preflight.main_url(cfg.engine, cfg.openai.url, cfg.proxy, server_command)
+    server, proxy = _serve_endpoints(cfg, agent, engine, model_path, main_url)
 
     # A warmup runs Python-heavy model code in this process; with the default 5 ms
     # GIL switch interval the exporter thread waits behind it, so /readyz and

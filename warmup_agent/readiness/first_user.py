@@ -16,9 +16,10 @@ traffic, through the same proxy, so the figure is what an outside client
 measures as "first request over steady", and a user whose prompts are longer
 than the probes' does not read as a cold start.  The whole answer is compared
 at the first answer's own length (answers differ in length), from the later
-answers' decode rate: (whole - TTFT) / (tokens - 1).  Without token counts the
-whole-answer figure is not computed (None; the gauge stays 0), rather than
-dividing answers of different lengths.
+answers' decode rate: (whole - TTFT) / (tokens - 1).  The proxy knows the tokens
+from an answer's usage, or for a stream without usage from its content chunks
+(proxy/stream_tokens.py).  Without token counts the whole-answer figure is not
+computed (None; the gauge stays 0), rather than dividing answers of different lengths.
 """
 from __future__ import annotations
 

@@ -33,8 +33,9 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-#: The port a server listens on when its command gives none (vLLM and transformers serve: 8000).
-SERVER_DEFAULT_PORTS = {"llama.cpp": 8080, "sglang": 30000, "tgi": 3000}
+#: The port a server listens on when its command gives none, by server/kinds.py name (vLLM and
+#: transformers serve: 8000).
+SERVER_DEFAULT_PORTS = {"llamacpp": 8080, "sglang": 30000, "tgi": 3000}
 
 
 def listen_address(command: list[str]) -> tuple[str, int]:

@@ -112,7 +112,8 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
     if cfg is None or cfg.engine != "openai":
         return None
     try:
-        preflight.check(cfg, command)   # the checks that need no server: a failure starts none
+        # The checks that need no server: a failure starts none.
+        preflight.check(cfg.engine, cfg.openai.url, cfg.exporter, cfg.proxy, command)
     except ConfigError:
         return None
     host, _ = listen_address(command)

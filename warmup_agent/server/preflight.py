@@ -20,33 +20,33 @@ from warmup_agent.config import ConfigError
 from warmup_agent.server.command import fix_vllm_command, http_url, listen_address
 
 if TYPE_CHECKING:
-    from warmup_agent.config import Config
+    from warmup_agent.config_sections import ExporterSection, ProxySection
 
 #: Engines that answer users in the agent's own process (Engine.openai_backend).
 LOCAL_BACKEND_ENGINES = ("torch",)
 
 
-def server_url(cfg: Config, command: list[str] | None) -> str | None:
+def server_url(engine: str, openai_url: str | None, command: list[str] | None) -> str | None:
     """Where the openai engine's server answers: openai.url, else the supervised
     command's address (its --host and --port, or its server's default port), as the
     engine itself derives it (engines/openai/server.py)."""
-    if cfg.engine != "openai":
+    if engine != "openai":
         return None
-    if cfg.openai.url:
-        return cfg.openai.url.rstrip("/")
+    if openai_url:
+        return openai_url.rstrip("/")
     if command:
         return http_url(*listen_address(fix_vllm_command(command)))
     return None
 
 
-def main_url(cfg: Config, command: list[str] | None) -> str | None:
+def main_url(engine: str, openai_url: str | None, proxy: ProxySection, command: list[str] | None) -> str | None:
     """The proxy's main engine as a URL: proxy.upstream_url, else the openai engine's
     server (server_url); None where it is the engine in this process (torch) or unknown."""
-    if cfg.proxy.upstream_url:
-        return cfg.proxy.upstream_url
-    if cfg.engine in LOCAL_BACKEND_ENGINES:
+    if proxy.upstream_url:
+        return proxy.upstream_url
+    if engine in LOCAL_BACKEND_ENGINES:
         return None
-    return server_url(cfg, command)
+    return server_url(engine, openai_url, command)
 
 
 def _split(listen: str) -> tuple[str, int]:
@@ -70,12 +70,11 @@ def _can_listen(key: str, listen: str) -> None:
         sock.close()
 
 
-def _check_proxy(cfg: Config, command: list[str] | None) -> None:
-    pc = cfg.proxy
+def _check_proxy(engine: str, openai_url: str | None, pc: ProxySection, command: list[str] | None) -> None:
     if not pc.listen:
         return
-    url = main_url(cfg, command)
-    if url is None and cfg.engine not in LOCAL_BACKEND_ENGINES:
+    url = main_url(engine, openai_url, pc, command)
+    if url is None and engine not in LOCAL_BACKEND_ENGINES:
         raise ConfigError("key 'proxy.upstream_url': the proxy needs the main engine's URL (proxy.upstream_url; "
                           "with --engine openai, openai.url or a server command after --)", "proxy.upstream_url")
     if url is not None and not url.startswith(("http://", "https://")):
@@ -83,13 +82,13 @@ def _check_proxy(cfg: Config, command: list[str] | None) -> None:
                           "proxy.upstream_url")
 
 
-def _check_addresses(cfg: Config, command: list[str] | None) -> None:
+def _check_addresses(exporter: ExporterSection, proxy: ProxySection, server_command: list[str] | None) -> None:
     """The exporter's and the proxy's addresses: free, and not the supervised server's own."""
-    server = listen_address(fix_vllm_command(command)) if command and cfg.engine == "openai" else None
+    server = listen_address(fix_vllm_command(server_command)) if server_command else None
     taken: list[tuple[str, int, str]] = []
     if server is not None:
         taken.append((server[0], server[1], f"the server's own address (its command listens on port {server[1]})"))
-    for key, listen in (("exporter.listen", cfg.exporter.listen), ("proxy.listen", cfg.proxy.listen)):
+    for key, listen in (("exporter.listen", exporter.listen), ("proxy.listen", proxy.listen)):
         if not listen:
             continue
         host, port = _split(listen)
@@ -107,8 +106,10 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a in wild or b in wild
 
 
-def check(cfg: Config, command: list[str] | None) -> None:
-    """Every check of `cfg` that needs no server (the module's docstring); raises
-    ConfigError, one line naming the key."""
-    _check_proxy(cfg, command)
-    _check_addresses(cfg, command)
+def check(engine: str, openai_url: str | None, exporter: ExporterSection, proxy: ProxySection,
+          command: list[str] | None) -> None:
+    """Every check that needs no server (the module's docstring), of the engine, openai.url,
+    the exporter's and the proxy's sections and the server command; raises ConfigError,
+    one line naming the key."""
+    _check_proxy(engine, openai_url, proxy, command)
+    _check_addresses(exporter, proxy, command if engine == "openai" else None)

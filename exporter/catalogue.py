@@ -136,8 +136,8 @@ CORE: tuple[MetricSpec, ...] = (
                "Whole-answer time of the users' real first request after SERVING over the steady whole answer of the same length from the users' answers after it; 0 until measured.",
                unit="short",
                doc="Steady whole answer: the later answers' median time to first token + (the first answer's tokens - 1) x "
-                   "their median time per output token. Needs the answers' token counts from the proxy; without them it "
-                   "stays 0. The real counterpart of warmup_first_request_total_tax_ratio."),
+                   "their median time per output token. Tokens: the answer's usage, else for a stream without usage its "
+                   "content chunks counted by the proxy (proxy/stream_tokens.py); 0 while unknown. The real counterpart of warmup_first_request_total_tax_ratio."),
     MetricSpec("warmup_per_length_decode_ratio", "gauge",
                "Time per output token at sequence lengths no earlier request reached, over that of their controls at the same lengths (prewarm's per-length test); above prewarm.per_length_ratio the server pays per sequence length.",
                unit="short",

@@ -6,15 +6,17 @@ import argparse
 import os
 import random
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from warmup_agent.bench import conditions as loop
-from warmup_agent.bench.report import table
-from warmup_agent.bench.start import CONDITIONS, Setup
-from warmup_agent.bench.traffic import Traffic, TrafficError, load_requests_file
+from warmup_agent.bench.traffic import CONDITIONS, Traffic, TrafficError, load_requests_file
 from warmup_agent.run.progress import Progress
 from warmup_agent.server.command import fix_vllm_command, option, reach_host
 from warmup_agent.server.kinds import kind_of_command
+
+# The measuring modules (urllib.request, matplotlib) load in main(): `warmup-agent run`
+# builds this parser too, before it spawns a supervised server.
+if TYPE_CHECKING:
+    from warmup_agent.bench.start import Setup
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 130
 
@@ -114,6 +116,7 @@ def parse_conditions(text: str) -> list[str]:
 
 
 def _setup(args: Any, command: list[str]) -> Setup:
+    from warmup_agent.bench.start import Setup
     host = reach_host((option(command, "--host") or "127.0.0.1").strip("[]"))
     port_text = option(command, "--port")
     if port_text is None and not any("{port}" in w for w in command):
@@ -142,6 +145,8 @@ def _check(args: Any) -> tuple[list[str], list[str]]:
 
 
 def main(args: Any) -> int:
+    from warmup_agent.bench import conditions as loop
+    from warmup_agent.bench.report import table
     """Entry point of `warmup-agent bench`; returns the exit code."""
     try:
         command, conds = _check(args)

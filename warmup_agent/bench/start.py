@@ -21,7 +21,6 @@ from typing import Any
 from warmup_agent.bench import client, process
 from warmup_agent.bench.traffic import Shape, Traffic
 
-CONDITIONS = ("alone", "oneshot", "agent")
 POLL = 0.01        # seconds between health polls
 
 

@@ -16,6 +16,9 @@ from typing import Any
 
 from warmup_agent.warmup.requests_file import check_file, read_error
 
+#: The bench's conditions, in the order a start cycles through them.
+CONDITIONS = ("alone", "oneshot", "agent")
+
 # Plain words: any tokenizer splits them into few tokens, so a prompt of N words
 # stays within a small context.
 WORDS = tuple("""the a order delivery address office week customer account payment card refund

@@ -54,11 +54,11 @@ from warmup_agent.server.command import (
     parse_adapters,
 )
 from warmup_agent.server.kinds import BY_OWNER, kind_of_command, sleeps_when_idle
-from warmup_agent.server.signals import ServerSignals
 from warmup_agent.warmup.traffic import _SEED_TEXT, WarmRequest
 
 if TYPE_CHECKING:
     from warmup_agent.config_sections import LoraSection, OpenaiSection, VllmSection
+    from warmup_agent.server.signals import ServerSignals
     from warmup_agent.server.supervisor import Supervisor
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Discovery", "OpenAIEngine", "ServerHandle", "StreamingClient",
@@ -203,6 +203,8 @@ class OpenAIEngine(Engine):
         """Reads of the server's life (server/signals.py), for the kind its command
         names, else the kind /v1/models names as the model's owner."""
         if self._signals is None:
+            # here, not at the top: urllib.request must not load before a server's early spawn
+            from warmup_agent.server.signals import ServerSignals
             kind = kind_of_command(self.command) or BY_OWNER.get(str(self.discovery.models_info.get("owned_by", "")))
             self._signals = ServerSignals(self.url, kind, self.health_path)
         return self._signals

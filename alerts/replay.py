@@ -24,6 +24,9 @@ How the series evolve from the recorded values (t = minutes after the scrape):
     grow at their recorded average rate (value / u0);
   - every other counter (failures, transitions, warmup requests, cache
     requests) stays flat: nothing fails or re-warms on a healthy pod;
+  - a pod recorded SLEEPING (warmup_server_sleeping 1: its server sleeps when idle,
+    as its operator asked) stays asleep: no probes at all (the agent only reads),
+    no engine requests, warmup_server_asleep_seconds_total grows 60 s a minute;
   - every other gauge keeps its recorded value (states, stage durations,
     thresholds, fragmentation, memory);
   - `up` is 1 throughout.
@@ -95,7 +98,8 @@ def evolve(samples, minutes: int, probe_interval: float = 5.0, uptime: float | N
                               "absent or 0): pass --uptime-seconds")
         uptime = busy0 / cost0
     probes = _value(samples, "warmup_requests_total", kind="probe") or 0.0
-    per_second = 1.0 / probe_interval if probes and probe_interval > 0 else 0.0
+    asleep = (_value(samples, "warmup_server_sleeping") or 0.0) >= 1
+    per_second = 1.0 / probe_interval if probes and probe_interval > 0 and not asleep else 0.0
     # A probe after SERVING asks for one token (StageContext.probe): it keeps the
     # engine busy for about its time to first token, not for the decoded probes of
     # the gate that the recorded engine seconds also hold.
@@ -114,6 +118,8 @@ def evolve(samples, minutes: int, probe_interval: float = 5.0, uptime: float | N
             vals = [v + probe_busy * 60 * t for t in range(minutes + 1)]    # one-token probes, as above
         elif _cumulative(ftype, name) and labels.get("kind") == "probe" and probes:
             vals = [v + v / probes * per_second * 60 * t for t in range(minutes + 1)]
+        elif name == "warmup_server_asleep_seconds_total" and asleep:
+            vals = [v + 60 * t for t in range(minutes + 1)]
         elif name == "warmup_engine_requests_finished_total":
             vals = [v + per_second * 60 * t for t in range(minutes + 1)]
         elif _cumulative(ftype, name) and not _ours(name):

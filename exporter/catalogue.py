@@ -37,7 +37,7 @@ CORE: tuple[MetricSpec, ...] = (
     MetricSpec("warmup_state", "gauge",
                "1 for the state the agent is in now, 0 for every other state.",
                labels=("state",), unit="short",
-               doc="States: INIT, PRELOAD, PRIME, SERVING, DEGRADED, DRAINING, FAILED."),
+               doc="States: INIT, PRELOAD, PRIME, SERVING, DEGRADED, SLEEPING, DRAINING, FAILED."),
     MetricSpec("warmup_state_transitions_total", "counter",
                "State transitions applied, by source and target state.",
                labels=("from", "to"), unit="short"),

@@ -38,7 +38,10 @@ def test_recordings_are_there():
             "h200_transformers_serve_per_length_healthy.prom",
             # H200 tfserve + switch run 5 (01aec2d): a model that streams token by token, and
             # watch probes paused while the bench's client was served (run 4 fired here)
-            "h200_transformers_serve_streaming_healthy.prom"} <= names, names
+            "h200_transformers_serve_streaming_healthy.prom",
+            # issue 58: llama-server --sleep-idle-seconds 3 beside the agent, scraped while
+            # SLEEPING (tests/test_server_sleep.py replays its own scrape the same way)
+            "cpu_llamacpp_sleeping_healthy.prom"} <= names, names
 
 
 def test_the_fp8_recording_is_a_pod_serving_fp8():
@@ -107,6 +110,33 @@ def test_the_replay_evolves_like_a_serving_pod():
     assert one("warmup_first_token_latency_seconds_count", kind="probe")[-1] > one("warmup_first_token_latency_seconds_count", kind="probe")[0]
     assert set(one("up")) == {1.0}
     assert set(one("warmup_state", state="SERVING")) == {1.0}
+
+
+SLEEPING = os.path.join(ROOT, "alerts", "tests", "recorded", "cpu_llamacpp_sleeping_healthy.prom")
+
+
+def test_a_sleeping_pod_replays_asleep():
+    """A pod recorded SLEEPING stays asleep in the replay: no probe (the agent only reads
+    a sleeping server), and its asleep seconds grow with the clock."""
+    samples = replay.parse(SLEEPING)
+    assert replay._value(samples, "warmup_server_sleeping") == 1
+    assert replay._value(samples, "warmup_state", state="SLEEPING") == 1
+    series = replay.evolve(samples, minutes=40)
+    probes = [v for s, v in series.items() if s.startswith("warmup_requests_total{") and 'kind="probe"' in s]
+    assert probes and all(v[-1] == v[0] for v in probes)
+    asleep = [v for s, v in series.items() if s.startswith("warmup_server_asleep_seconds_total{")]
+    assert len(asleep) == 1 and asleep[0][-1] - asleep[0][0] == pytest.approx(2400)
+
+
+def test_a_sleeping_pod_whose_server_is_down_still_alerts(tmp_path):
+    """The other side: the same sleeping pod with its breaker open (the server stopped
+    answering its health reads) fires the breaker alert, and only that one."""
+    text = open(SLEEPING).read()
+    text = text.replace('warmup_breaker_state{state="closed"} 1.0', 'warmup_breaker_state{state="closed"} 0.0')
+    text = text.replace('warmup_breaker_state{state="open"} 0.0', 'warmup_breaker_state{state="open"} 1.0')
+    path = tmp_path / "sleeping_down.prom"
+    path.write_text(text)
+    assert {a for a, _, _ in replay.replay(str(path), minutes=40)} == {"WarmupAgentBreakerOpen"}
 
 
 def test_engine_counters_grow_in_the_vllm_recording():

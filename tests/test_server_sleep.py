@@ -13,6 +13,7 @@ in front.  Measured here with an outside client:
   on demand  asleep again, a user's request through the proxy wakes it (no fallback,
              readiness.ready_while_asleep): /readyz stays 200 throughout, and the
              exported time to first token of that request agrees with the client's.
+The sleeping pod's scrape, replayed through the alert rules, fires no alert.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import urllib.request
 
 import pytest
 
+from alerts import replay
 from tests.conftest import ROOT, agent_cmd
 from tests.helpers import llamacpp_server as ls
 from tests.helpers.servers import free_port, http_get, stop_process, wait_until
@@ -115,6 +117,11 @@ def test_a_sleeping_server_sleeps_under_the_agent_and_wakes_warm(tmp_path, embed
         time.sleep(4 * INTERVAL)                      # idle: the agent only reads
         assert sleeping(server_url) and wakes_in(server_log) == wakes, "the agent woke the server"
         assert metric(url, "warmup_server_asleep_seconds_total") >= 2 * INTERVAL
+        # a healthy sleeping pod, replayed 40 minutes through the shipped alert rules
+        # (real promtool): sleep is not an outage, no alert fires
+        scrape = tmp_path / "sleeping.prom"
+        scrape.write_text(http_get(url + "/metrics")[1])
+        assert replay.replay(str(scrape), minutes=40) == [], scrape.read_text()[-2000:]
 
         # --- wake ahead: POST /admin/wake, then warm ----------------------------------------------
         req = urllib.request.Request(url + "/admin/wake", data=b"", method="POST",

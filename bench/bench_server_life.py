@@ -1,0 +1,477 @@
+"""The pod's whole life after SERVING, measured from outside (issue 58).
+
+    python bench/bench_server_life.py --server llamacpp --runs 3 [--seed N] [--out JSON]
+    python bench/bench_server_life.py --server vllm --parts restart,hang --runs 3
+    python bench/bench_server_life.py --server llamacpp --llama-server BIN --gguf M.gguf \
+        --model DIR --gpu-layers 99 --parts restart,hang,sleep,idle --idle-seconds 120   # a GPU
+
+A real server beside a real `warmup-agent run` (sidecar: the agent watches a server
+it did not start), and an outside client that sends the users' requests: streamed
+chats of one shape per run, drawn by a seeded generator (warmup_agent/bench/traffic.py),
+each with a fresh prefix so no prompt cache answers it.  The agent's profile is that
+traffic as a gateway log gives it (prewarm.requests_file, one line per shape).  A request's time to first
+token over the median of the 5 that follow it is its tax.
+
+  restart  the server is killed (SIGKILL) and started again on its port.  Out: seconds
+           from the kill to /readyz 503.  Back: the agent must pass PRIME (a re-warm)
+           before /readyz is 200; then the users' first request.  A warm control in the
+           same run: the same server left idle as long, then its first request.
+  hang     SIGSTOP for --hang-seconds, then SIGCONT; the client polls the server's
+           /health every 10 ms and the agent's /readyz: SERVING again how long after
+           the server answered again.
+  sleep    llama-server --sleep-idle-seconds N, alone and under the agent, one after
+           the other (alternating which goes first): the share of an idle period it
+           sleeps, the wakes the server logs during it (the agent's probes must wake it
+           0 times), then a wake ahead (POST /admin/wake) and a wake on demand (a
+           user's request through the agent's proxy), each with its tax; the exported
+           wake duration and first request after the wake beside the client's.
+  idle     no sleep: the same server alone and under the agent, each left idle
+           --idle-seconds, then its first request (low traffic, issue 58's H200 check).
+
+Writes the figures issue 58 names (restart_first_ttft_tax_median, restart_rewarmed,
+hang_back_after_server_s_max, sleep_share_agent_over_alone, probe_wakes,
+wake_ahead_first_ttft_tax_median, wake_on_demand_first_ttft_tax_over_alone,
+draw_seed) and more, to bench/results/server_life_<server>_<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.provenance import provenance, write_result  # noqa: E402
+from warmup_agent.bench.client import get_json, get_status, stream_chat  # noqa: E402
+from warmup_agent.bench.process import Started, free_port, kill_now, spawn, stop  # noqa: E402
+from warmup_agent.bench.traffic import Shape, Traffic  # noqa: E402
+
+STEADY = 5
+TOKEN = "a-bench-admin-token-0123456789"
+
+
+class Setup:
+    """How to start the server and the agent for this run."""
+
+    def __init__(self, args: argparse.Namespace, scratch: str, traffic: Traffic):
+        self.args = args
+        self.scratch = scratch
+        # The agent's profile is the users' traffic, as an operator gives it from a
+        # gateway log (prewarm.requests_file): one line per run's shape.  The client's
+        # requests have other words and prefixes, so no prompt cache answers them.
+        self.requests_file = os.path.join(scratch, "requests.jsonl")
+        with open(self.requests_file, "w") as f:
+            for i in range(max(args.runs, args.idle_runs or 0)):
+                f.write(json.dumps(traffic.request(traffic.shape(i))) + "\n")
+        self.client_model: str | None = None
+        if args.server == "vllm":
+            from tests.helpers import vllm_server as vs
+            self.model = args.model or vs.tiny_model(os.path.join(scratch, "data"))
+            self.client_model = vs.SERVED_NAME
+        else:
+            from warmup_agent.model.embedded import ensure_embedded_model
+            self.model = args.model or ensure_embedded_model(args.data_dir)
+        if args.server == "llamacpp":
+            from tests.helpers import llamacpp_server as ls
+            self.binary = args.llama_server or ls.ensure_binary()
+            self.gguf = args.gguf or ls.ensure_gguf(self.model)
+        self.token = os.path.join(scratch, "token")
+        with open(self.token, "w") as f:
+            f.write(TOKEN + "\n")
+
+    def server(self, port: int, name: str, sleep_idle: int | None = None) -> Started:
+        extra: tuple[str, ...] = ("--sleep-idle-seconds", str(sleep_idle)) if sleep_idle else ()
+        home = tempfile.mkdtemp(prefix="home-", dir=self.scratch)
+        if self.args.server == "llamacpp":
+            from tests.helpers import llamacpp_server as ls
+            cmd = ls.server_command(self.binary, self.gguf, port, ctx=self.args.max_context,
+                                    gpu_layers=self.args.gpu_layers, extra=extra)
+            env = ls.server_env(home)
+        else:
+            from tests.helpers import vllm_server as vs
+            cmd, env = vs.server_command(self.model, port), vs.server_env(home)
+        return spawn(cmd, os.path.join(self.args.logs, f"{name}.log"), env=env)
+
+    def agent(self, server_url: str, name: str, sleeps: bool = False) -> tuple[Started, str, str]:
+        listen, proxy = free_port(), free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WARMUP_AGENT_")}
+        env.update(WARMUP_AGENT_OPENAI_URL=server_url, WARMUP_AGENT_EXPORTER_ADMIN_TOKEN_FILE=self.token,
+                   WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS=str(self.args.watch_interval),
+                   WARMUP_AGENT_OPENAI_SERVER_SLEEPS="yes" if sleeps else "auto",
+                   WARMUP_AGENT_PREWARM_REQUESTS_FILE=self.requests_file)
+        if self.client_model:
+            env["WARMUP_AGENT_OPENAI_MODEL"] = self.client_model
+        cmd = [sys.executable, "-m", "warmup_agent", "run", "--no-progress", "--engine", "openai", "--model", self.model,
+               "--data-dir", os.path.join(self.scratch, "agent-data"), "--listen", f"127.0.0.1:{listen}",
+               "--proxy-listen", f"127.0.0.1:{proxy}"]
+        return (spawn(cmd, os.path.join(self.args.logs, f"{name}.log"), env=env, cwd=ROOT),
+                f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{proxy}")
+
+
+# -- reading the pieces ------------------------------------------------------------------
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.01,
+             alive: Started | None = None) -> float:
+    """Poll until cond(); the monotonic time it held.  Raises with `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        if alive is not None and alive.exited() is not None:
+            raise RuntimeError(f"{what}: the process exited ({alive.last_line()})")
+        time.sleep(interval)
+    raise RuntimeError(f"{what}: not within {timeout:g} s")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample's value from the agent's /metrics (0 when absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+|NaN)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()) and m.group(2) != "NaN":
+            total += float(m.group(2))
+    return total
+
+
+def state(url: str) -> str:
+    try:
+        return str(get_json(url + "/startupz", timeout=2)["state"])
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+def sleeping(server_url: str) -> bool:
+    try:
+        return bool(get_json(server_url + "/props", timeout=2).get("is_sleeping"))
+    except (OSError, ValueError):
+        return False
+
+
+def server_wakes(log_path: str) -> int:
+    """Wakes llama-server logged (its own words)."""
+    with open(log_path, errors="replace") as f:
+        return f.read().count("exiting sleeping state")
+
+
+def first_and_steady(base: str, model: str | None, traffic: Traffic, shape: Shape) -> dict[str, Any]:
+    """The first request of `shape`, then STEADY more: the first's TTFT over their median."""
+    first = stream_chat(base, model, traffic.request(shape))
+    later = [stream_chat(base, model, traffic.request(shape)).ttft for _ in range(STEADY)]
+    steady = statistics.median(later)
+    return {"first_ttft_s": first.ttft, "steady_ttft_s": steady, "tax": first.ttft / steady}
+
+
+def wake_the_agent(url: str) -> dict[str, Any]:
+    req = urllib.request.Request(url + "/admin/wake", data=b"", method="POST",
+                                 headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+# -- the parts ---------------------------------------------------------------------------
+def restart_and_hang(setup: Setup, traffic: Traffic, runs: int, parts: set[str]) -> dict[str, list]:
+    """One server under one agent; each run: a warm control and a restart (alternating
+    which goes first), then a hang."""
+    a = setup.args
+    port = free_port()
+    url_s = f"http://127.0.0.1:{port}"
+    out: dict[str, list] = {"restart": [], "control": [], "hang": []}
+    server = setup.server(port, "restart-server-0")
+    agent = None
+    try:
+        wait_for(lambda: get_status(url_s + "/health") == 200, a.start_timeout, "server /health", alive=server)
+        agent, url, _ = setup.agent(url_s, "restart-agent")
+        wait_for(lambda: state(url) == "SERVING", a.start_timeout, "agent SERVING", interval=0.05, alive=agent)
+        for i in range(runs):
+            shape = traffic.shape(i)
+            order = ("control", "restart") if i % 2 == 0 else ("restart", "control")
+            for what in order:
+                if what == "control" and "restart" in parts:
+                    time.sleep(a.control_idle)
+                    out["control"].append({"run": i, **first_and_steady(url_s, setup.client_model, traffic, shape)})
+                    print(f"run {i} control: first {out['control'][-1]['tax']:.2f}x steady", flush=True)
+                elif what == "restart" and "restart" in parts:
+                    server, rec = one_restart(setup, server, port, url, traffic, shape, i)
+                    out["restart"].append(rec)
+            if "hang" in parts:
+                out["hang"].append(one_hang(setup, server, url_s, url, i))
+    finally:
+        if agent is not None:
+            stop(agent)
+        stop(server)
+    return out
+
+
+def one_restart(setup: Setup, server: Started, port: int, url: str, traffic: Traffic, shape: Shape,
+                i: int) -> tuple[Started, dict[str, Any]]:
+    a = setup.args
+    url_s = f"http://127.0.0.1:{port}"
+    primes = metric(url, "warmup_state_transitions_total", **{"from": "PRELOAD", "to": "PRIME"})
+    t_kill = time.monotonic()
+    kill_now(server)
+    t_out = wait_for(lambda: get_status(url + "/readyz") != 200, 60, "/readyz out after the kill")
+    server = setup.server(port, f"restart-server-{i + 1}")
+    t_health = wait_for(lambda: get_status(url_s + "/health", timeout=1) == 200, a.start_timeout,
+                        "restarted server /health", alive=server)
+    t_ready = wait_for(lambda: get_status(url + "/readyz") == 200, a.start_timeout, "/readyz back", interval=0.01)
+    rewarmed = metric(url, "warmup_state_transitions_total", **{"from": "PRELOAD", "to": "PRIME"}) > primes
+    rec = {"run": i, "out_after_kill_s": t_out - t_kill, "ready_after_health_s": t_ready - t_health,
+           "rewarmed": rewarmed, **first_and_steady(url_s, setup.client_model, traffic, shape)}
+    print(f"run {i} restart: out {rec['out_after_kill_s']:.2f} s after the kill, ready "
+          f"{rec['ready_after_health_s']:.2f} s after /health, re-warmed {rewarmed}, first {rec['tax']:.2f}x steady",
+          flush=True)
+    return server, rec
+
+
+def one_hang(setup: Setup, server: Started, url_s: str, url: str, i: int) -> dict[str, Any]:
+    a = setup.args
+    os.kill(server.pid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        t_out = wait_for(lambda: get_status(url + "/readyz") != 200, a.hang_seconds + 30, "/readyz out in the hang")
+        time.sleep(max(0.0, a.hang_seconds - (time.monotonic() - t_stop)))
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    t_answer = wait_for(lambda: get_status(url_s + "/health", timeout=0.5) == 200, 60, "server answers after SIGCONT")
+    t_ready = wait_for(lambda: get_status(url + "/readyz") == 200, 120, "/readyz back after the hang")
+    rec = {"run": i, "out_after_stop_s": t_out - t_stop, "back_after_server_s": t_ready - t_answer}
+    print(f"run {i} hang: out {rec['out_after_stop_s']:.2f} s after SIGSTOP, SERVING "
+          f"{rec['back_after_server_s']:.2f} s after the server answered again", flush=True)
+    return rec
+
+
+def sleep_alone(setup: Setup, traffic: Traffic, shape: Shape, i: int) -> dict[str, Any]:
+    a = setup.args
+    port = free_port()
+    url_s = f"http://127.0.0.1:{port}"
+    server = setup.server(port, f"sleep-alone-{i}", sleep_idle=a.sleep_idle)
+    try:
+        wait_for(lambda: get_status(url_s + "/health") == 200, a.start_timeout, "server /health", alive=server)
+        for _ in range(STEADY):                         # warm, as the agent would
+            stream_chat(url_s, None, traffic.request(shape))
+        share = asleep_share(url_s, a.idle_period)
+        first = first_and_steady(url_s, None, traffic, shape)
+        rec = {"run": i, "asleep_share": share, "on_demand": first}
+        print(f"run {i} sleep alone: asleep {share:.0%} of {a.idle_period:g} s idle; on demand "
+              f"{first['tax']:.2f}x steady", flush=True)
+        return rec
+    finally:
+        stop(server)
+
+
+def asleep_share(url_s: str, period: float, interval: float = 0.05) -> float:
+    """The share of the next `period` seconds the server reports itself asleep."""
+    t0 = last = time.monotonic()
+    asleep = 0.0
+    while (now := time.monotonic()) < t0 + period:
+        if sleeping(url_s):
+            asleep += now - last
+        last = now
+        time.sleep(interval)
+    return asleep / period
+
+
+def sleep_agent(setup: Setup, traffic: Traffic, shape: Shape, i: int) -> dict[str, Any]:
+    a = setup.args
+    port = free_port()
+    url_s = f"http://127.0.0.1:{port}"
+    server = setup.server(port, f"sleep-agent-server-{i}", sleep_idle=a.sleep_idle)
+    agent = None
+    try:
+        wait_for(lambda: get_status(url_s + "/health") == 200, a.start_timeout, "server /health", alive=server)
+        agent, url, users = setup.agent(url_s, f"sleep-agent-{i}", sleeps=True)
+        wait_for(lambda: state(url) == "SERVING", a.start_timeout, "agent SERVING", interval=0.05, alive=agent)
+        for _ in range(STEADY):                          # the same warm requests as alone
+            stream_chat(users, None, traffic.request(shape))
+        wakes = server_wakes(server.log_path)
+        share = asleep_share(url_s, a.idle_period)
+        probe_wakes = server_wakes(server.log_path) - wakes
+        if not sleeping(url_s):
+            wait_for(lambda: sleeping(url_s), a.sleep_idle + 3 * a.watch_interval + 5, "asleep under the agent")
+        wait_for(lambda: state(url) == "SLEEPING", 3 * a.watch_interval + 2, "SLEEPING", interval=0.02)
+        # wake ahead
+        t0 = time.monotonic()
+        promised = wake_the_agent(url).get("warm_in_seconds")
+        t_serving = wait_for(lambda: state(url) == "SERVING", a.start_timeout, "SERVING after the wake", interval=0.01)
+        exported_wake = metric(url, "warmup_wake_duration_seconds")
+        ahead = first_and_steady(users, None, traffic, shape)
+        # asleep again, then a user's request wakes it
+        wait_for(lambda: state(url) == "SLEEPING", a.sleep_idle + 3 * a.watch_interval + 5, "SLEEPING again",
+                 interval=0.02)
+        before = metric(url, "warmup_wake_first_user_request_seconds")
+        on_demand = first_and_steady(users, None, traffic, shape)
+        wait_for(lambda: metric(url, "warmup_wake_first_user_request_seconds") != before, 10, "exported first request",
+                 interval=0.05)
+        exported_first = metric(url, "warmup_wake_first_user_request_seconds")
+        rec = {"run": i, "asleep_share": share, "probe_wakes": probe_wakes,
+               "wake_ahead": {**ahead, "wake_seconds_outside": t_serving - t0, "wake_seconds_exported": exported_wake,
+                              "warm_in_seconds_promised": promised},
+               "on_demand": {**on_demand, "first_ttft_exported_s": exported_first},
+               "wakes_by_cause": {c: metric(url, "warmup_server_wakes_total", cause=c)
+                                  for c in ("ahead", "request", "other")}}
+        print(f"run {i} sleep agent: asleep {share:.0%} of {a.idle_period:g} s idle, {probe_wakes} wakes by probes; "
+              f"wake ahead {t_serving - t0:.2f} s (exported {exported_wake:.2f} s), first {ahead['tax']:.2f}x steady; "
+              f"on demand {on_demand['tax']:.2f}x steady, first {on_demand['first_ttft_s'] * 1000:.1f} ms "
+              f"(exported {exported_first * 1000:.1f} ms)", flush=True)
+        return rec
+    finally:
+        if agent is not None:
+            stop(agent)
+        stop(server)
+
+
+def idle_run(setup: Setup, traffic: Traffic, shape: Shape, i: int, under_agent: bool) -> dict[str, Any]:
+    a = setup.args
+    port = free_port()
+    url_s = f"http://127.0.0.1:{port}"
+    name = "agent" if under_agent else "alone"
+    server = setup.server(port, f"idle-{name}-server-{i}")
+    agent = None
+    try:
+        wait_for(lambda: get_status(url_s + "/health") == 200, a.start_timeout, "server /health", alive=server)
+        if under_agent:
+            agent, url, _ = setup.agent(url_s, f"idle-agent-{i}")
+            wait_for(lambda: state(url) == "SERVING", a.start_timeout, "agent SERVING", interval=0.05, alive=agent)
+        for _ in range(STEADY):
+            stream_chat(url_s, setup.client_model, traffic.request(shape))
+        time.sleep(a.idle_seconds)
+        rec = {"run": i, **first_and_steady(url_s, setup.client_model, traffic, shape)}
+        print(f"run {i} idle {a.idle_seconds:g} s {name}: first {rec['first_ttft_s'] * 1000:.1f} ms, "
+              f"{rec['tax']:.2f}x steady", flush=True)
+        return rec
+    finally:
+        if agent is not None:
+            stop(agent)
+        stop(server)
+
+
+# -- the figures ---------------------------------------------------------------------------
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def figures(raw: dict[str, list]) -> dict[str, Any]:
+    f: dict[str, Any] = {}
+    r, c, h = raw.get("restart", []), raw.get("control", []), raw.get("hang", [])
+    if r:
+        f["restart_first_ttft_tax_median"] = med([x["tax"] for x in r])
+        f["restart_control_first_ttft_tax_median"] = med([x["tax"] for x in c])
+        f["restart_over_control"] = ratio(f["restart_first_ttft_tax_median"], f["restart_control_first_ttft_tax_median"])
+        f["restart_rewarmed"] = all(x["rewarmed"] for x in r)
+        f["restart_out_after_kill_s_max"] = max(x["out_after_kill_s"] for x in r)
+        f["restart_ready_after_health_s_median"] = med([x["ready_after_health_s"] for x in r])
+    if h:
+        f["hang_back_after_server_s_max"] = max(x["back_after_server_s"] for x in h)
+        f["hang_out_after_stop_s_max"] = max(x["out_after_stop_s"] for x in h)
+    alone, agent = raw.get("sleep_alone", []), raw.get("sleep_agent", [])
+    if alone and agent:
+        f["sleep_share_alone_median"] = med([x["asleep_share"] for x in alone])
+        f["sleep_share_agent_median"] = med([x["asleep_share"] for x in agent])
+        f["sleep_share_agent_over_alone"] = ratio(f["sleep_share_agent_median"], f["sleep_share_alone_median"])
+        f["probe_wakes"] = sum(x["probe_wakes"] for x in agent)
+        f["wake_ahead_first_ttft_tax_median"] = med([x["wake_ahead"]["tax"] for x in agent])
+        f["wake_on_demand_first_ttft_tax_median"] = med([x["on_demand"]["tax"] for x in agent])
+        f["wake_on_demand_alone_first_ttft_tax_median"] = med([x["on_demand"]["tax"] for x in alone])
+        f["wake_on_demand_first_ttft_tax_over_alone"] = ratio(f["wake_on_demand_first_ttft_tax_median"],
+                                                              f["wake_on_demand_alone_first_ttft_tax_median"])
+        f["wake_duration_exported_over_outside_median"] = med(
+            [x["wake_ahead"]["wake_seconds_exported"] / x["wake_ahead"]["wake_seconds_outside"] for x in agent])
+        f["wake_first_user_exported_over_outside_median"] = med(
+            [x["on_demand"]["first_ttft_exported_s"] / x["on_demand"]["first_ttft_s"] for x in agent])
+    ia, ig = raw.get("idle_alone", []), raw.get("idle_agent", [])
+    if ia and ig:
+        f["idle_first_ttft_alone_s_median"] = med([x["first_ttft_s"] for x in ia])
+        f["idle_first_ttft_agent_s_median"] = med([x["first_ttft_s"] for x in ig])
+        f["idle_first_ttft_tax_alone_median"] = med([x["tax"] for x in ia])
+        f["idle_first_ttft_tax_agent_median"] = med([x["tax"] for x in ig])
+        f["idle_first_ttft_agent_over_alone"] = ratio(f["idle_first_ttft_agent_s_median"],
+                                                      f["idle_first_ttft_alone_s_median"])
+    return f
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--server", choices=("llamacpp", "vllm"), default="llamacpp")
+    ap.add_argument("--parts", default="restart,hang,sleep", help="of restart, hang, sleep, idle (default %(default)s)")
+    ap.add_argument("--runs", type=int, default=3, help="runs of each part, alternating (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=None, help="traffic draw seed (default: a fresh one, written out)")
+    ap.add_argument("--watch-interval", type=float, default=1.0, help="readiness.watch_interval_seconds")
+    ap.add_argument("--sleep-idle", type=int, default=3, help="llama-server --sleep-idle-seconds")
+    ap.add_argument("--idle-period", type=float, default=12.0, help="seconds of the idle period whose sleep share counts")
+    ap.add_argument("--hang-seconds", type=float, default=8.0)
+    ap.add_argument("--control-idle", type=float, default=5.0, help="seconds the warm control waits before its request")
+    ap.add_argument("--idle-seconds", type=float, default=20.0, help="the idle part's idle time (120 on the GPU)")
+    ap.add_argument("--idle-runs", type=int, default=None, help="runs of the idle part (default --runs)")
+    ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=16, help="answer length of the drawn traffic")
+    ap.add_argument("--model", default=None, help="the model directory (default: the embedded model)")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: the test build)")
+    ap.add_argument("--gguf", default=None, help="the model's GGUF (default: converted from --model)")
+    ap.add_argument("--gpu-layers", type=int, default=None, help="llama-server -ngl (a GPU run)")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--data-dir", default=os.path.expanduser("~/.cache/warmup-agent"))
+    ap.add_argument("--logs", default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    unknown = parts - {"restart", "hang", "sleep", "idle"}
+    if unknown:
+        ap.error(f"--parts: unknown {sorted(unknown)}; expected restart, hang, sleep, idle")
+    if "sleep" in parts and a.server != "llamacpp":
+        ap.error("--parts sleep needs --server llamacpp (its --sleep-idle-seconds)")
+    seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
+    scratch = tempfile.mkdtemp(prefix="server-life-")
+    a.logs = a.logs or os.path.join(scratch, "logs")
+    os.makedirs(a.logs, exist_ok=True)
+    traffic = Traffic(seed, max_context=a.max_context if a.server == "llamacpp" else 240, max_tokens=a.max_tokens)
+    setup = Setup(a, scratch, traffic)
+    print(f"draw seed {seed}; logs in {a.logs}", flush=True)
+    raw: dict[str, list] = {}
+    if parts & {"restart", "hang"}:
+        raw.update(restart_and_hang(setup, traffic, a.runs, parts))
+    if "sleep" in parts:
+        raw["sleep_alone"], raw["sleep_agent"] = [], []
+        for i in range(a.runs):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            for under in order:
+                if under:
+                    raw["sleep_agent"].append(sleep_agent(setup, traffic, traffic.shape(i), i))
+                else:
+                    raw["sleep_alone"].append(sleep_alone(setup, traffic, traffic.shape(i), i))
+    if "idle" in parts:
+        raw["idle_alone"], raw["idle_agent"] = [], []
+        for i in range(a.idle_runs or a.runs):
+            for under in ((False, True) if i % 2 == 0 else (True, False)):
+                raw["idle_agent" if under else "idle_alone"].append(
+                    idle_run(setup, traffic, traffic.shape(i), i, under))
+    result = {**provenance(), "bench": "server_life", "server": a.server, "draw_seed": seed, "runs": a.runs,
+              "parts": sorted(parts), "watch_interval_s": a.watch_interval, "sleep_idle_s": a.sleep_idle,
+              "idle_period_s": a.idle_period, "hang_s": a.hang_seconds, "idle_s": a.idle_seconds,
+              "gpu_layers": a.gpu_layers, **figures(raw),
+              "shapes": [traffic.shape(i).describe() for i in range(a.runs)], "raw": raw}
+    out = a.out or os.path.join(ROOT, "bench", "results", f"server_life_{a.server}_{time.strftime('%Y-%m-%d')}.json")
+    write_result(out, result)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("raw", "shapes")}, indent=1, default=str))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call of issue 58's GPU figures: llama.cpp's server (CUDA) beside the agent.
+#
+#   PARTS=restart,hang bench/gpu_life.sh OUT_DIR        # then sleep, then idle
+#
+# The CUDA llama-server comes from .gpu-carry/llama-server-cuda.xz.* when carried, else
+# it is built from .gpu-carry/llama-cpp-src.tar.gz (about 4.5 min) and written to
+# OUT_DIR for the next call.  The model is the bench's random Qwen2-1.5B shape
+# (bench/bench_gpu_server.py make_model), converted to GGUF by tools/gguf_convert.py.
+set -u
+OUT_DIR=${1:?usage: $0 OUT_DIR}
+mkdir -p "$OUT_DIR/logs"
+export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
+T0=$(date +%s)
+nvidia-smi -L
+M=/tmp/qwen2-1.5b
+( python3 -c "import sys; sys.path.insert(0, '.'); from bench.bench_gpu_server import make_model; make_model('$M', 'cuda')" \
+    > "$OUT_DIR/logs/model.log" 2>&1 \
+  && python3 tools/gguf_convert.py "$M" --render-pad-tokens --from-tarball .gpu-carry/llama-cpp-src.tar.gz \
+       --data-dir /tmp/llama-data > "$OUT_DIR/logs/gguf.log" 2>&1 ) &
+MODEL_PID=$!
+if ls .gpu-carry/llama-server-cuda.xz.* > /dev/null 2>&1; then
+    cat .gpu-carry/llama-server-cuda.xz.* | xz -d > /tmp/llama-server && chmod +x /tmp/llama-server
+    BIN=/tmp/llama-server
+else
+    python3 tools/build_llama_server.py --cuda on --from-tarball .gpu-carry/llama-cpp-src.tar.gz --data-dir /tmp/wa-data \
+        --nice 0 > "$OUT_DIR/logs/llama_build.log" 2>&1 || { tail -n 30 "$OUT_DIR/logs/llama_build.log"; exit 1; }
+    BIN=$(tail -n 1 "$OUT_DIR/logs/llama_build.log")
+    strip -o /tmp/llama-server.stripped "$BIN" && xz -T0 -6 -c /tmp/llama-server.stripped | split -b 15M - "$OUT_DIR/llama-server-cuda.xz."
+    echo "built in $(( $(date +%s) - T0 )) s"
+fi
+wait $MODEL_PID || { tail -n 20 "$OUT_DIR"/logs/model.log "$OUT_DIR"/logs/gguf.log; exit 1; }
+GGUF=$(tail -n 1 "$OUT_DIR/logs/gguf.log")
+echo "model and GGUF ready at $(( $(date +%s) - T0 )) s: $GGUF"
+"$BIN" --version 2>&1 | tail -n 2
+timeout ${LIFE_SECONDS:-420} python3 bench/bench_server_life.py --server llamacpp --llama-server "$BIN" --gguf "$GGUF" \
+    --model "$M" --gpu-layers 99 --max-context 4096 --parts "${PARTS:-restart,hang}" --runs ${RUNS:-3} \
+    --out "$OUT_DIR/server_life_llamacpp_gpu_${NAME:-$(echo ${PARTS:-restart,hang} | tr , _)}.json" \
+    --logs "$OUT_DIR/logs/life" ${LIFE_ARGS:-} 2>&1 | tee "$OUT_DIR/logs/life.out" | grep -v "^ "
+echo "life rc=${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
+tar czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs && rm -rf "$OUT_DIR/logs"

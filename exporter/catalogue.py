@@ -142,7 +142,7 @@ CORE: tuple[MetricSpec, ...] = (
                "Time per output token at sequence lengths no earlier request reached, over that of their controls at the same lengths (prewarm's per-length test); above prewarm.per_length_ratio the server pays per sequence length.",
                unit="short",
                doc="0 until measured (the in-process engines never measure it). The better of two requests at new prompt lengths over their controls (the same lengths again). An eager "
-                   "server whose attention builds a plan per shape (transformers serve on an H200) measured "
+                   "server whose attention builds a plan per shape (transformers serve on a GPU) measured "
                    "about 3; llama.cpp and vLLM about 1."),
     MetricSpec("warmup_per_length_remedy_info", "gauge",
                "1, with the remedy as a label, when prewarm measured that the server pays per sequence length; absent when it does not.",
@@ -186,7 +186,7 @@ CORE: tuple[MetricSpec, ...] = (
                    "live block (the allocator can neither release that segment nor reuse the hole for a larger request); a wholly "
                    "free segment does not.  gpu is the physical NVML index, uuid the GPU UUID.  Present with the torch engine on a GPU "
                    "(and with vllm only when its engine core runs in the agent's process); absent with the openai engine, whose server is another process (the agent's allocator "
-                   "holds no GPU memory there), and for a GPU on which the allocator reserves nothing.  Measured on an H200 "
+                   "holds no GPU memory there), and for a GPU on which the allocator reserves nothing.  Measured on a GPU "
                    "(Qwen2-1.5B shape, default config): 0.0145 freshly warmed (the old 1 - largest free block / free bytes read "
                    "0.586 on the same pod).  Seed 003 alerts above 0.3 (seen rising 12 % -> 43 % in 30 days)."),
 )

@@ -279,7 +279,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"warmup-agent: {e.message}", file=sys.stderr)
         return EXIT_FAILED
     # A supervised server's start-up overlaps the rest of the agent's set-up (the
-    # exporter's and the pipeline's imports, reserve) from here on: on an H200,
+    # exporter's and the pipeline's imports, reserve) from here on: on a GPU host,
     # llama.cpp's server is up 1.2-1.5 s after its spawn.
     engine.prestart()
     agent = _make_agent(cfg, engine, progress)

@@ -355,7 +355,7 @@ class Agent:
             return True
         cause = failure_cause(error)[0] if isinstance(error, BaseException) else "timeout"
         if cause not in ("timeout", "unreachable"):
-            self.metrics.warmup_watch_probe_failures_total.labels(reason=cause).inc()
+            self.readiness.count_probe_failure(cause)
             log.debug("probe after SERVING failed (%s): %s; probing again at once", cause, error)
             error = self._send_watch_probe()
             if error is None:

@@ -270,9 +270,13 @@ class Readiness:
         cause, message = failure_cause(error)
         return self.probe_failure(cause, message)
 
+    def count_probe_failure(self, cause: str) -> None:
+        """A failed probe, counted by its cause; the one place that counts them."""
+        self.metrics.warmup_watch_probe_failures_total.labels(reason=cause).inc()
+
     def probe_failure(self, cause: str, message: str) -> str:
         """A failed probe with its named cause (FAILURE_CAUSES) and one-line message."""
-        self.metrics.warmup_watch_probe_failures_total.labels(reason=cause).inc()
+        self.count_probe_failure(cause)
         with self._lock:
             if not self.breaker_enabled or self.sm.state.terminal:
                 log.debug("probe failed (%s): %s", cause, message)

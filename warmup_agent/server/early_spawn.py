@@ -2,7 +2,7 @@
 
 `warmup-agent run ... -- llama-server ...`: everything the agent does before the
 server's spawn is on the critical path of every start, and the server's own start-up
-(1.2-1.9 s for llama.cpp on an H200) overlaps everything after it.  The CLI's imports
+(over a second for llama.cpp on a GPU; docs/benchmarks.md) overlaps everything after it.  The CLI's imports
 (engines, supervisor, exporter, logging) used to come first.  Now `cli.main` calls
 `start(argv)` first thing: it loads and checks the configuration exactly as the run
 will (config.load: the file, the environment, the flags, the requests file), works

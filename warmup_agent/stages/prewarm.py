@@ -133,7 +133,7 @@ def traffic_lengths(ctx: StageContext) -> list[int]:
     model's chat template and tokenizer, warmed in the shape grid like the configured
     lengths.  Solidify then captures a prefill per warmed length (native model), and a
     user's prompt is padded up to the shortest captured length that holds it
-    (gpu/graphs.py) instead of prefilling eagerly at a length nothing ran: on the H200 a
+    (gpu/graphs.py) instead of prefilling eagerly at a length nothing ran: on a GPU a
     warm in-process engine served a request 11 tokens longer than any before at 1.4-1.9x
     steady (bench/results/gpu_inproc_proxy_h200_issue41_run1.json)."""
     from warmup_agent.engines.text_prompts import TextPrompts
@@ -170,7 +170,7 @@ def settle_prompt_tokens(text: TextPrompts | None) -> int:
     settle request shared 0.156 (the 4-5 opening tokens) with every slot, so it went
     to the slot of the last long request and waited 19-23 ms while the server saved
     that slot's prompt to its prompt cache; a request given the least recently used
-    slot waited 2-3.6 ms (H200, the server's own slot log in run 9's agent log; in run
+    slot waited 2-3.6 ms (GPU, the server's own slot log in run 9's agent log; in run
     11 every agent request took the LRU slot, docs/benchmarks.md; 64 tokens took it on
     the CPU build too)."""
     opening = text.opening_tokens() if text is not None else 0
@@ -204,7 +204,7 @@ def length_skip_reason(per_length: dict) -> str | None:
     """Why the profile's prompt lengths are not worth a call each, from the per-length
     test; None: warm them (the test did not run).  In every outcome of the test the
     calls would buy nothing: no fresh length paid; or one paid and the next did not (a
-    one-time cost, paid); or each new length pays (H200 llama.cpp and transformers
+    one-time cost, paid); or each new length pays (llama.cpp and transformers
     serve: 20-40 ms at every length not seen before, so a user's first request at a
     length the warmup did not send pays it anyway)."""
     if not per_length.get("tested"):
@@ -268,7 +268,7 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     discovery's (engines/openai/discovery.py), which pays its one-time cost, and the
     probe pair measures what a first request at a fresh length pays beyond its
     control, and a second pair tells a one-time cost from one each new length pays.
-    On the H200's llama.cpp the anchor's pair found nothing (46 ms against its
+    On llama.cpp on a GPU the anchor's pair found nothing (46 ms against its
     control's 48 ms, then the probe pair 36 against 35;
     bench/results/gpu_server_llamacpp_h200_issue40_run4.json), and its
     two long requests and their settle cost 0.18-0.25 s of the 0.44-0.51 s between
@@ -392,7 +392,7 @@ class _ProfileWarmup:
     def replay_before_probe_control(self, length: int, batch: int) -> Callable[[], None] | None:
         """What re-sends the last requests (the settle request) before a probe's control,
         unless they were the probe's own shape.  Not only where they were harder
-        (replay_for): on the H200's llama.cpp a control right after its first probe (285
+        (replay_for): on llama.cpp on a GPU a control right after its first probe (285
         prompt tokens) paid as much as the first did after the short settle request (39 ms
         against 37, 7 ms less prefill), because the next request pays for saving its
         predecessor's slot, so the pair said "not cold" where users met 1.3-1.6x steady
@@ -406,14 +406,14 @@ class _ProfileWarmup:
     def settle(self) -> None:
         """The settle request: one short request (settle_prompt_tokens, one output token),
         alone.  The warmup leaves long prompts in the server's slots; on llama.cpp the next
-        request after much longer ones pays 60-100 ms in its slot, warm or not (H200: the
+        request after much longer ones pays 60-100 ms in its slot, warm or not (GPU: the
         first user request after the warmup's 854-928-token prompts came at 1.57x steady,
         after a plain start's one short request at 1.12x).  This request pays that
         instead, and the probes and the users' first request then follow the same short
         request (the ready stage sends it again just before SERVING).  One, not one per
         slot at once: a request right after concurrent ones pays for them too (issue 40),
         and the wave's two sends before the probes' control and at the end cost 0.06-0.08 s
-        of the H200 llama.cpp start where one request costs 0.01-0.02 s."""
+        of a GPU llama.cpp start where one request costs 0.01-0.02 s."""
         self.send_requests([self.settle_request()], "settle: 1 short request")
         self.settled += 1
 
@@ -425,7 +425,7 @@ class _ProfileWarmup:
         last request was discovery's (engines/openai/discovery.py: a few prompt tokens,
         one output token, alone), which leaves the server as the settle request does.
         It becomes the predecessor a probe's control follows (a settle request is sent
-        before the control instead of a replay).  On the H200's llama.cpp the settle
+        before the control instead of a replay).  On llama.cpp on a GPU the settle
         request right after discovery's took 35-40 ms of the time to ready."""
         if self.sent:
             self.settle()
@@ -544,7 +544,7 @@ class _ProfileWarmup:
         first request will.  No control and no second pair: they would measure again what
         the finding says, and the first pair's control and the settle request re-sent
         before it cost 0.07-0.08 s of the 0.23-0.30 s between the server's /health and
-        /readyz (H200 llama.cpp, runs 21-23, where that first pair was cold in every start
+        /readyz (llama.cpp on a GPU, docs/benchmarks.md, where that first pair was cold in every start
         that remembered).  The exported figures are 1 + the remembered excess; the gate
         opens on this probe's own time to first token and per output token, against the
         thresholds (ready: StageContext.first_probe_alone)."""
@@ -612,7 +612,7 @@ class _ProfileWarmup:
         """One request (one output token) at each rung of the length ladder, one at a
         time (requests sent together are prefilled as one batch of their summed length),
         then the settle request.  A new prompt length pays most where no request of a
-        similar length has run yet: on the H200's llama.cpp 6-13 ms more than the same
+        similar length has run yet: on llama.cpp on a GPU 6-13 ms more than the same
         length again without a ladder, 0-4.5 ms after one, and the first prompt over the
         short ones paid 40 ms (bench/results/diag_llamacpp_length_h200_run2.json).  Rungs
         no larger than the profile's longest prompt, each skipped where a request of

@@ -177,7 +177,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
     each_length_pays = bool(((ctx.warmup_summary or {}).get("per_length") or {}).get("prefill_pays_each_new_length"))
     # Where each new prompt length pays (prewarm's two fresh lengths both paid in prefill),
     # prewarm's last pair was cold because its length was new: a pair at that length again
-    # would find it warm and say nothing a user meets (two probes, 0.1 s on the H200's
+    # would find it warm and say nothing a user meets (two probes, 0.1 s on a GPU's
     # llama.cpp, bench/results/gpu_server_llamacpp_h200_issue40_run5.json), and a pair at
     # another fresh length would pay again.  No more pairs then.
     while (not pairs or (pairs[-1]["cold"] and not each_length_pays)) and len(pairs) < cfg.prewarm.max_calls_per_path \

@@ -95,7 +95,8 @@ class Setup:
         home = tempfile.mkdtemp(prefix="home-", dir=self.scratch)
         if self.args.server == "llamacpp":
             from tests.helpers import llamacpp_server as ls
-            cmd = ls.server_command(self.binary, self.gguf, port, ctx=self.args.max_context,
+            # -c is shared by its slots (4 by default): each slot holds the traffic's context
+            cmd = ls.server_command(self.binary, self.gguf, port, ctx=4 * self.args.max_context,
                                     gpu_layers=self.args.gpu_layers, extra=extra)
             env = ls.server_env(home)
         else:

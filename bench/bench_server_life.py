@@ -358,6 +358,17 @@ def idle_run(setup: Setup, traffic: Traffic, shape: Shape, i: int, under_agent: 
         stop(server)
 
 
+def gpu_name() -> str | None:
+    """The GPU's name as nvidia-smi gives it, None on a machine without one."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.splitlines()[0] if out else None
+
+
 # -- the figures ---------------------------------------------------------------------------
 def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
@@ -465,7 +476,7 @@ def main() -> int:
     result = {**provenance(), "bench": "server_life", "server": a.server, "draw_seed": seed, "runs": a.runs,
               "parts": sorted(parts), "watch_interval_s": a.watch_interval, "sleep_idle_s": a.sleep_idle,
               "idle_period_s": a.idle_period, "hang_s": a.hang_seconds, "idle_s": a.idle_seconds,
-              "gpu_layers": a.gpu_layers, **figures(raw),
+              "gpu": gpu_name(), "gpu_layers": a.gpu_layers, **figures(raw),
               "shapes": [traffic.shape(i).describe() for i in range(a.runs)], "raw": raw}
     out = a.out or os.path.join(ROOT, "bench", "results", f"server_life_{a.server}_{time.strftime('%Y-%m-%d')}.json")
     write_result(out, result)

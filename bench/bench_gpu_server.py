@@ -70,7 +70,7 @@ sys.path.insert(0, ROOT)
 T_START = time.time()
 ARGS: argparse.Namespace   # set by main(): the options the helpers read
 
-from bench.provenance import provenance, write_result  # noqa: E402
+from bench.provenance import gpu_name, provenance, write_result  # noqa: E402
 
 PROMPT_TOKENS = 243         # templated length of the first request with --seed fixed (diagnostics)
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}   # the draws replace it (draw_traffic); kept for the diagnostics
@@ -564,7 +564,7 @@ def summarize_inproc(args, runs: dict, model_dir: str, out: str, stopped_early: 
         "steady": args.steady, "device": args.device, "server": "transformers serve " + _version("transformers"),
         "model": {"dir": model_dir, "shape": "Qwen2-1.5B" if args.device != "cpu" else "embedded tiny Llama",
                   "dtype": "bfloat16", "weights": "random"},
-        **provenance(), "gpu": _gpu_name(),
+        **provenance(), "gpu": gpu_name(),
     }
     write_result(out, result)
     return figures
@@ -749,7 +749,7 @@ def summarize(args, runs: dict, model_dir: str, out: str, stopped_early: bool) -
                   "tokenizer": ("embedded" if args.device == "cpu" else "trained, <s> chat" if args.server == "llamacpp"
                                 else "trained, Qwen2 chat tokens and template, covers the vocabulary")},
         **provenance(),
-        "gpu": _gpu_name(),
+        "gpu": gpu_name(),
     }
     write_result(out, result)
     return figures
@@ -879,15 +879,6 @@ def _version(name: str) -> str:
         return version(name)
     except Exception:  # noqa: BLE001
         return "unknown"
-
-
-def _gpu_name() -> str | None:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-    except Exception:  # noqa: BLE001
-        return None
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ draw_seed) and more, to bench/results/server_life_<server>_<date>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -46,13 +47,14 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.provenance import provenance, write_result  # noqa: E402
+from bench.provenance import gpu_name, provenance, write_result  # noqa: E402
 from warmup_agent.bench.client import get_json, get_status, stream_chat  # noqa: E402
 from warmup_agent.bench.process import Started, free_port, kill_now, spawn, stop  # noqa: E402
 from warmup_agent.bench.traffic import Shape, Traffic  # noqa: E402
@@ -120,6 +122,41 @@ class Setup:
                 f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{proxy}")
 
 
+@dataclass
+class Pod:
+    """A server on its port and, under the agent, the agent beside it."""
+    port: int
+    server: Started                 # the latest process: a restart replaces it
+    agent: Started | None = None
+    url: str = ""                   # the agent's /readyz, /metrics, /admin
+    users: str = ""                 # the agent's proxy
+
+    @property
+    def server_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def pod(setup: Setup, name: str, under_agent: bool, sleep_idle: int | None = None,
+        sleeps: bool = False) -> Iterator[Pod]:
+    """Start the server (answering /health) and, under_agent, the agent (SERVING); stop both after."""
+    a = setup.args
+    port = free_port()
+    p = Pod(port, setup.server(port, f"{name}-server", sleep_idle=sleep_idle))
+    try:
+        wait_for(lambda: get_status(p.server_url + "/health") == 200, a.start_timeout, "server /health",
+                 alive=p.server)
+        if under_agent:
+            p.agent, p.url, p.users = setup.agent(p.server_url, f"{name}-agent", sleeps=sleeps)
+            wait_for(lambda: state(p.url) == "SERVING", a.start_timeout, "agent SERVING", interval=0.05,
+                     alive=p.agent)
+        yield p
+    finally:
+        if p.agent is not None:
+            stop(p.agent)
+        stop(p.server)
+
+
 # -- reading the pieces ------------------------------------------------------------------
 def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.01,
              alive: Started | None = None) -> float:
@@ -166,6 +203,12 @@ def server_wakes(log_path: str) -> int:
         return f.read().count("exiting sleeping state")
 
 
+def warm(base: str, model: str | None, traffic: Traffic, shape: Shape) -> None:
+    """STEADY requests of `shape`: what a server has seen before it goes idle."""
+    for _ in range(STEADY):
+        stream_chat(base, model, traffic.request(shape))
+
+
 def first_and_steady(base: str, model: str | None, traffic: Traffic, shape: Shape) -> dict[str, Any]:
     """The first request of `shape`, then STEADY more: the first's TTFT over their median."""
     first = stream_chat(base, model, traffic.request(shape))
@@ -186,46 +229,34 @@ def restart_and_hang(setup: Setup, traffic: Traffic, runs: int, parts: set[str])
     """One server under one agent; each run: a warm control and a restart (alternating
     which goes first), then a hang."""
     a = setup.args
-    port = free_port()
-    url_s = f"http://127.0.0.1:{port}"
     out: dict[str, list] = {"restart": [], "control": [], "hang": []}
-    server = setup.server(port, "restart-server-0")
-    agent = None
-    try:
-        wait_for(lambda: get_status(url_s + "/health") == 200, a.start_timeout, "server /health", alive=server)
-        agent, url, _ = setup.agent(url_s, "restart-agent")
-        wait_for(lambda: state(url) == "SERVING", a.start_timeout, "agent SERVING", interval=0.05, alive=agent)
+    with pod(setup, "restart", under_agent=True) as p:
         for i in range(runs):
             shape = traffic.shape(i)
             order = ("control", "restart") if i % 2 == 0 else ("restart", "control")
             for what in order:
                 if what == "control" and "restart" in parts:
                     time.sleep(a.control_idle)
-                    out["control"].append({"run": i, **first_and_steady(url_s, setup.client_model, traffic, shape)})
+                    out["control"].append({"run": i, **first_and_steady(p.server_url, setup.client_model, traffic,
+                                                                         shape)})
                     print(f"run {i} control: first {out['control'][-1]['tax']:.2f}x steady", flush=True)
                 elif what == "restart" and "restart" in parts:
-                    server, rec = one_restart(setup, server, port, url, traffic, shape, i)
-                    out["restart"].append(rec)
+                    out["restart"].append(one_restart(setup, p, traffic, shape, i))
             if "hang" in parts:
-                out["hang"].append(one_hang(setup, server, url_s, url, i))
-    finally:
-        if agent is not None:
-            stop(agent)
-        stop(server)
+                out["hang"].append(one_hang(setup, p, i))
     return out
 
 
-def one_restart(setup: Setup, server: Started, port: int, url: str, traffic: Traffic, shape: Shape,
-                i: int) -> tuple[Started, dict[str, Any]]:
+def one_restart(setup: Setup, p: Pod, traffic: Traffic, shape: Shape, i: int) -> dict[str, Any]:
     a = setup.args
-    url_s = f"http://127.0.0.1:{port}"
+    url, url_s = p.url, p.server_url
     primes = metric(url, "warmup_state_transitions_total", **{"from": "PRELOAD", "to": "PRIME"})
     t_kill = time.monotonic()
-    kill_now(server)
+    kill_now(p.server)
     t_out = wait_for(lambda: get_status(url + "/readyz") != 200, 60, "/readyz out after the kill")
-    server = setup.server(port, f"restart-server-{i + 1}")
+    p.server = setup.server(p.port, f"restart-server-{i + 1}")
     t_health = wait_for(lambda: get_status(url_s + "/health", timeout=1) == 200, a.start_timeout,
-                        "restarted server /health", alive=server)
+                        "restarted server /health", alive=p.server)
     t_ready = wait_for(lambda: get_status(url + "/readyz") == 200, a.start_timeout, "/readyz back", interval=0.01)
     rewarmed = metric(url, "warmup_state_transitions_total", **{"from": "PRELOAD", "to": "PRIME"}) > primes
     rec = {"run": i, "out_after_kill_s": t_out - t_kill, "ready_after_health_s": t_ready - t_health,
@@ -233,11 +264,12 @@ def one_restart(setup: Setup, server: Started, port: int, url: str, traffic: Tra
     print(f"run {i} restart: out {rec['out_after_kill_s']:.2f} s after the kill, ready "
           f"{rec['ready_after_health_s']:.2f} s after /health, re-warmed {rewarmed}, first {rec['tax']:.2f}x steady",
           flush=True)
-    return server, rec
+    return rec
 
 
-def one_hang(setup: Setup, server: Started, url_s: str, url: str, i: int) -> dict[str, Any]:
+def one_hang(setup: Setup, p: Pod, i: int) -> dict[str, Any]:
     a = setup.args
+    server, url_s, url = p.server, p.server_url, p.url
     os.kill(server.pid, signal.SIGSTOP)
     t_stop = time.monotonic()
     try:
@@ -255,21 +287,14 @@ def one_hang(setup: Setup, server: Started, url_s: str, url: str, i: int) -> dic
 
 def sleep_alone(setup: Setup, traffic: Traffic, shape: Shape, i: int) -> dict[str, Any]:
     a = setup.args
-    port = free_port()
-    url_s = f"http://127.0.0.1:{port}"
-    server = setup.server(port, f"sleep-alone-{i}", sleep_idle=a.sleep_idle)
-    try:
-        wait_for(lambda: get_status(url_s + "/health") == 200, a.start_timeout, "server /health", alive=server)
-        for _ in range(STEADY):                         # warm, as the agent would
-            stream_chat(url_s, None, traffic.request(shape))
-        share = asleep_share(url_s, a.idle_period)
-        first = first_and_steady(url_s, None, traffic, shape)
-        rec = {"run": i, "asleep_share": share, "on_demand": first}
-        print(f"run {i} sleep alone: asleep {share:.0%} of {a.idle_period:g} s idle; on demand "
-              f"{first['tax']:.2f}x steady", flush=True)
-        return rec
-    finally:
-        stop(server)
+    with pod(setup, f"sleep-alone-{i}", under_agent=False, sleep_idle=a.sleep_idle) as p:
+        warm(p.server_url, None, traffic, shape)          # as the agent's run does through its proxy
+        share = asleep_share(p.server_url, a.idle_period)
+        first = first_and_steady(p.server_url, None, traffic, shape)
+    rec = {"run": i, "asleep_share": share, "on_demand": first}
+    print(f"run {i} sleep alone: asleep {share:.0%} of {a.idle_period:g} s idle; on demand "
+          f"{first['tax']:.2f}x steady", flush=True)
+    return rec
 
 
 def asleep_share(url_s: str, period: float, interval: float = 0.05) -> float:
@@ -286,16 +311,9 @@ def asleep_share(url_s: str, period: float, interval: float = 0.05) -> float:
 
 def sleep_agent(setup: Setup, traffic: Traffic, shape: Shape, i: int) -> dict[str, Any]:
     a = setup.args
-    port = free_port()
-    url_s = f"http://127.0.0.1:{port}"
-    server = setup.server(port, f"sleep-agent-server-{i}", sleep_idle=a.sleep_idle)
-    agent = None
-    try:
-        wait_for(lambda: get_status(url_s + "/health") == 200, a.start_timeout, "server /health", alive=server)
-        agent, url, users = setup.agent(url_s, f"sleep-agent-{i}", sleeps=True)
-        wait_for(lambda: state(url) == "SERVING", a.start_timeout, "agent SERVING", interval=0.05, alive=agent)
-        for _ in range(STEADY):                          # the same warm requests as alone
-            stream_chat(users, None, traffic.request(shape))
+    with pod(setup, f"sleep-agent-{i}", under_agent=True, sleep_idle=a.sleep_idle, sleeps=True) as p:
+        server, url_s, url, users = p.server, p.server_url, p.url, p.users
+        warm(users, None, traffic, shape)                 # the same warm requests as alone
         wakes = server_wakes(server.log_path)
         share = asleep_share(url_s, a.idle_period)
         probe_wakes = server_wakes(server.log_path) - wakes
@@ -327,46 +345,18 @@ def sleep_agent(setup: Setup, traffic: Traffic, shape: Shape, i: int) -> dict[st
               f"on demand {on_demand['tax']:.2f}x steady, first {on_demand['first_ttft_s'] * 1000:.1f} ms "
               f"(exported {exported_first * 1000:.1f} ms)", flush=True)
         return rec
-    finally:
-        if agent is not None:
-            stop(agent)
-        stop(server)
 
 
 def idle_run(setup: Setup, traffic: Traffic, shape: Shape, i: int, under_agent: bool) -> dict[str, Any]:
     a = setup.args
-    port = free_port()
-    url_s = f"http://127.0.0.1:{port}"
     name = "agent" if under_agent else "alone"
-    server = setup.server(port, f"idle-{name}-server-{i}")
-    agent = None
-    try:
-        wait_for(lambda: get_status(url_s + "/health") == 200, a.start_timeout, "server /health", alive=server)
-        if under_agent:
-            agent, url, _ = setup.agent(url_s, f"idle-agent-{i}")
-            wait_for(lambda: state(url) == "SERVING", a.start_timeout, "agent SERVING", interval=0.05, alive=agent)
-        for _ in range(STEADY):
-            stream_chat(url_s, setup.client_model, traffic.request(shape))
+    with pod(setup, f"idle-{name}-{i}", under_agent=under_agent) as p:
+        warm(p.server_url, setup.client_model, traffic, shape)
         time.sleep(a.idle_seconds)
-        rec = {"run": i, **first_and_steady(url_s, setup.client_model, traffic, shape)}
-        print(f"run {i} idle {a.idle_seconds:g} s {name}: first {rec['first_ttft_s'] * 1000:.1f} ms, "
-              f"{rec['tax']:.2f}x steady", flush=True)
-        return rec
-    finally:
-        if agent is not None:
-            stop(agent)
-        stop(server)
-
-
-def gpu_name() -> str | None:
-    """The GPU's name as nvidia-smi gives it, None on a machine without one."""
-    import subprocess
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.splitlines()[0] if out else None
+        rec = {"run": i, **first_and_steady(p.server_url, setup.client_model, traffic, shape)}
+    print(f"run {i} idle {a.idle_seconds:g} s {name}: first {rec['first_ttft_s'] * 1000:.1f} ms, "
+          f"{rec['tax']:.2f}x steady", flush=True)
+    return rec
 
 
 # -- the figures ---------------------------------------------------------------------------

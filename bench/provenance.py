@@ -23,6 +23,16 @@ def provenance() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit()}
 
 
+def gpu_name() -> str | None:
+    """The first GPU's name as NVML gives it; None on a machine without one."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    except Exception:  # noqa: BLE001 - no NVML, no driver or no GPU: all mean "none"
+        return None
+
+
 def dumps_result(result: dict) -> str:
     """A benchmark's JSON as committed: one top-level key per line (the figures stay
     readable and diff line by line), each value on its line without indentation.  The

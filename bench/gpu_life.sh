@@ -2,6 +2,7 @@
 # One device call of issue 58's GPU figures: llama.cpp's server (CUDA) beside the agent.
 #
 #   PARTS=restart,hang bench/gpu_life.sh OUT_DIR        # then sleep, then idle
+#   PARTS=none BENCH_STARTS=5 bench/gpu_life.sh OUT_DIR   # only `warmup-agent bench` (issue 60)
 #
 # The CUDA llama-server comes from .gpu-carry/llama-server-cuda.xz.* when carried, else
 # it is built from .gpu-carry/llama-cpp-src.tar.gz (about 4.5 min) and written to
@@ -33,9 +34,20 @@ wait $MODEL_PID || { tail -n 20 "$OUT_DIR"/logs/model.log "$OUT_DIR"/logs/gguf.l
 GGUF=$(tail -n 1 "$OUT_DIR/logs/gguf.log")
 echo "model and GGUF ready at $(( $(date +%s) - T0 )) s: $GGUF"
 "$BIN" --version 2>&1 | tail -n 2
+if [ "${PARTS:-restart,hang}" != none ]; then
 timeout ${LIFE_SECONDS:-420} python3 bench/bench_server_life.py --server llamacpp --llama-server "$BIN" --gguf "$GGUF" \
     --model "$M" --gpu-layers 99 --max-context 4096 --parts "${PARTS:-restart,hang}" --runs ${RUNS:-3} \
     --out "$OUT_DIR/server_life_llamacpp_gpu_${NAME:-$(echo ${PARTS:-restart,hang} | tr , _)}.json" \
     --logs "$OUT_DIR/logs/life" ${LIFE_ARGS:-} 2>&1 | tee "$OUT_DIR/logs/life.out" | grep -v "^ "
 echo "life rc=${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
+fi
+# BENCH_STARTS=N: then issue 60's `warmup-agent bench` on the same llama-server, N starts
+# per condition (BENCH_SECONDS caps it; SIGINT first, so the partial JSON is written).
+if [ -n "${BENCH_STARTS:-}" ]; then
+    timeout -s INT -k 20 ${BENCH_SECONDS:-300} python3 -m warmup_agent bench --starts "$BENCH_STARTS" --seed ${BENCH_SEED:-4200} \
+        --no-progress --out "$OUT_DIR/bench_llamacpp" --agent-model "$M" \
+        -- "$BIN" -m "$GGUF" -ngl 99 -c 4096 --host 127.0.0.1 --port {port} > "$OUT_DIR/logs/bench.out" 2>&1
+    echo "bench rc=$? at $(( $(date +%s) - T0 )) s"; tail -n 25 "$OUT_DIR/logs/bench.out"
+    mv "$OUT_DIR/bench_llamacpp/logs" "$OUT_DIR/logs/bench_logs" 2>/dev/null
+fi
 tar czf "$OUT_DIR/logs.tar.gz" -C "$OUT_DIR" logs && rm -rf "$OUT_DIR/logs"

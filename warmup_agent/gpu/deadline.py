@@ -1,7 +1,6 @@
-"""Run one step under a deadline (seed 000 §2.5: CUDA context creation and kernel
-compilation hang rather than fail).  The step runs in a daemon thread; past the
-deadline the caller gets an EngineError with the named reason and the thread is
-abandoned (it cannot be killed; the process is expected to fail and restart)."""
+"""Run one step under a deadline, because CUDA context creation and kernel compilation hang rather than fail.
+
+Past the deadline the thread is abandoned (it cannot be killed) and the process is expected to restart."""
 from __future__ import annotations
 
 import threading

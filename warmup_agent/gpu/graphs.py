@@ -1,27 +1,10 @@
-"""CUDA graphs for the warmed decode shapes (stage 3).
+"""CUDA graphs for the warmed decode shapes (stage 3): one graph launch per token instead of many kernels.
 
-One decode step (one token per sequence against a static KV cache) is captured
-per warmed batch size; a request of that batch then pays one graph launch per
-generated token instead of hundreds of kernel launches.
-
-With the native model (engines/torch/native_lm.py), which brings its own static cache
-and the same call signature, the prefill is captured too: one graph per warmed
-(prompt length, batch size).  A prompt of n tokens is right-padded to the
-smallest captured length >= n and its logits are taken at position n - 1.  This
-is exact: the static cache masks every key past a query's own position, so no
-real token sees the padding, and the padding's keys (positions n..) are
-overwritten by the decode steps before any query reaches them.  Why: an eager
-short prefill is bound by the host launching hundreds of kernels and drifts from
-one request to the next; the readiness probes and the first user request are
-exactly such prefills.
-Prompts longer than every captured length, and transformers' models, prefill
-eagerly.
-
-The static-cache decode also runs without graphs (`capture=False`), which is
-how the CPU tests check it against the dynamic-cache path token for token.
-When capture is impossible (no CUDA device, a model whose step synchronises
-with the host, an API the installed transformers lacks) the caller gets a named
-reason and keeps the eager path: never a crash.
+With the native model the prefill is captured too, per warmed (length, batch): a prompt is
+right-padded to the shortest captured length, which is exact because the static cache masks
+keys past each query's position and decode overwrites the padding's keys.  Short eager
+prefills are launch-bound and jittery, and the readiness probes are exactly such prefills.
+When capture is impossible the caller gets a named reason and stays eager.
 """
 from __future__ import annotations
 
@@ -44,9 +27,8 @@ class StaticDecoder:
         self.pos = torch.zeros((1,), dtype=torch.long, device=device)
         self.graph = None
         self.logits = None
-        #: Padded prefills by length (native model only; see the module docstring).
         self.prefills: dict[int, PaddedPrefill] = {}
-        # Prefill once so the cache's tensors exist (lazily allocated), then warm the step.
+        # Prefill once so the lazily allocated cache tensors exist.
         self.prefill(torch.zeros((batch, 4), dtype=torch.long, device=device))
         if capture:
             self._capture(pool)
@@ -62,13 +44,12 @@ class StaticDecoder:
         self.graph, self.logits = _capture_graph(self._step, self.device, pool, warmups=2)
 
     def prefill_for(self, n: int) -> PaddedPrefill | None:
-        """The padded prefill that serves an n-token prompt: the shortest captured length >= n."""
+        """The padded prefill of the shortest captured length >= n, or None."""
         fits = [length for length in self.prefills if length >= n]
         return self.prefills[min(fits)] if fits else None
 
     def prefill(self, ids: Any) -> Any:
-        """Prefill of equal-length prompts into the static cache; logits of the last
-        position.  Through a padded prefill where one fits, else eager."""
+        """Prefill equal-length prompts into the static cache; return the last position's logits."""
         import torch
         padded = self.prefill_for(ids.shape[1])
         if padded is not None:
@@ -96,9 +77,7 @@ class StaticDecoder:
 
 
 class PaddedPrefill:
-    """The prefill of prompts of up to `length` tokens for one StaticDecoder,
-    right-padded to `length` (native model only): static input buffers, the
-    logits of one position, and (capture=True) a CUDA graph of it all."""
+    """A prefill of prompts right-padded to `length` (native model only), optionally as a CUDA graph."""
 
     def __init__(self, decoder: StaticDecoder, length: int, capture: bool, pool: Any) -> None:
         import torch
@@ -109,7 +88,7 @@ class PaddedPrefill:
         self.last = torch.zeros((1,), dtype=torch.long, device=device)
         self.graph: Any = None
         self.logits: Any = None
-        self.served = 0           # prefills it served, graph or eager (tests check the path taken)
+        self.served = 0           # prefills served, for the tests
         if capture:
             self._capture(pool)
 
@@ -121,7 +100,7 @@ class PaddedPrefill:
     def _capture(self, pool: Any) -> None:
         import torch
         graph, self.logits = _capture_graph(self._run, self.decoder.device, pool, warmups=1)
-        # The first launch of a graph also uploads it: pay that here, not in the first request.
+        # A graph's first launch also uploads it: pay that here, not in the first request.
         graph.replay()
         torch.cuda.synchronize(self.decoder.device)
         self.graph = graph
@@ -142,9 +121,7 @@ class PaddedPrefill:
 
 
 def _capture_graph(run: Callable[[], Any], device: Any, pool: Any, warmups: int) -> tuple[Any, Any]:
-    """(graph, its output): `run` warmed `warmups` times on a side stream (cuBLAS
-    handles, workspaces, plans: nothing lazy may happen inside a capture), then
-    captured into `pool`."""
+    """(graph, output) of `run`, warmed first on a side stream since nothing lazy may happen in a capture."""
     import torch
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -160,14 +137,12 @@ def _capture_graph(run: Callable[[], Any], device: Any, pool: Any, warmups: int)
 
 
 def _is_native(model: Any) -> bool:
-    """A model that brings its own static cache (engines/native_lm.NativeCausalLM);
-    asked by capability, not by class: gpu/ sits below engines/ and imports none of it."""
+    """Whether the model brings its own static cache (by capability: gpu/ does not import engines/)."""
     return callable(getattr(model, "make_static_cache", None))
 
 
 def _static_cache(model: Any, batch: int, max_len: int) -> Any:
-    """The native model's own preallocated cache, else transformers' StaticCache
-    (allocated lazily at the first prefill)."""
+    """The native model's own cache, else transformers' StaticCache."""
     if _is_native(model):
         return model.make_static_cache(batch, max_len)
     from transformers import StaticCache
@@ -176,9 +151,7 @@ def _static_cache(model: Any, batch: int, max_len: int) -> Any:
 
 def build(model: Any, batches: list[int], max_len: int, device: Any, capture: bool,
           prefill_lengths: dict[int, list[int]] | None = None) -> tuple[dict, str | None]:
-    """StaticDecoders by batch size, each with padded prefills for its
-    `prefill_lengths[batch]` (native model only); (decoders, None) or ({}, reason)
-    where it failed."""
+    """(StaticDecoders by batch size, None), or ({}, reason) where it failed."""
     import torch
     if capture and device.type != "cuda":
         return {}, "no_cuda_device"

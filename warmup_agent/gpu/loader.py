@@ -1,19 +1,9 @@
-"""Progressive weight loading (stage 2): safetensors shards read in the order the
-forward pass needs them (embeddings, then layer by layer, then the final norm
-and the head), into pinned staging buffers, copied to the device on a side
-stream while the next chunk is being read (double-buffered, overlapped).
+"""Progressive weight loading (stage 2): safetensors shards read in forward-pass order into pinned
+buffers, copied to the device on a side stream while the next chunk is read.
 
-The model skeleton is built on the meta device (no memory, no random init),
-and the tensors read from the checkpoint become its parameters without a copy
-(`bind`: `load_state_dict(assign=True)`).  Non-persistent buffers
-(rotary inverse frequencies) are not in a checkpoint: their modules are rebuilt
-from the config.  On a CPU, or when a tensor's stored dtype differs from the
-target dtype, the plain path reads each tensor and copies it with a cast.
-
-Integrity before use: each shard's header against its file size (engine
-check), tensor names and shapes against the config's skeleton, stored dtypes
-against config.json's torch_dtype, and an optional SHA-256 manifest
-(`sha256sum` format: "<hex>  <file name>").
+The skeleton is built on the meta device and the loaded tensors become its parameters
+without a copy.  On a CPU, or where the stored dtype differs, a plain path copies with a
+cast.  Shards are checked against the config (names, shapes, dtypes) and an optional manifest.
 """
 from __future__ import annotations
 
@@ -36,8 +26,7 @@ _HEAD = re.compile(r"^(lm_head|embed_out|output)\.")
 
 
 def forward_rank(name: str) -> tuple:
-    """Sort key: embeddings, layers in numeric order (10 after 9, not after 1), the
-    rest (final norm), the LM head last."""
+    """Sort key: embeddings, layers in numeric order, the rest, the LM head last."""
     if _EMBED.search(name):
         return (0, 0, name)
     m = _LAYER.search(name)
@@ -133,9 +122,7 @@ def check_manifest(path: str, manifest: str) -> int:
 
 
 def build_meta_skeleton(config_path: str, dtype: Any) -> Any:
-    """The model on the meta device (no memory).  Returns (model, expected shapes,
-    tied names).  Needs transformers and the model's modeling module: this is the
-    part a background thread can do while the weights are being read."""
+    """(model on the meta device, expected shapes, tied names); a thread can build it while weights are read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(config_path)
@@ -147,10 +134,7 @@ def build_meta_skeleton(config_path: str, dtype: Any) -> Any:
 
 
 def allocate(slots: list[TensorSlot], dtype: Any, device: Any, keep: Any = lambda name: False) -> dict:
-    """Uninitialised destination tensors for the checkpoint, by name: floating
-    tensors in the target dtype, others as stored (and FP8 tensors, and the names
-    `keep` selects: quantization scales).  Needs no model, so weights can be read
-    while transformers is still being imported."""
+    """Empty destination tensors by name, floats in `dtype` unless FP8 or `keep`; needs no model or transformers."""
     import torch
     out = {}
     for s in slots:
@@ -163,9 +147,7 @@ def allocate(slots: list[TensorSlot], dtype: Any, device: Any, keep: Any = lambd
 
 
 def bind(model: Any, tensors: dict, device: Any) -> Any:
-    """Make the loaded tensors the parameters of a meta-device skeleton (no copy):
-    non-persistent buffers rebuilt from the config first (they are in no
-    checkpoint), then the tensors assigned, then the weights tied."""
+    """Make the tensors the parameters of a meta-device skeleton, rebuilding non-persistent buffers first."""
     want = model.state_dict()
     # A module the model keeps in another dtype (say float32 norms) gets a cast copy.
     tensors = {k: v if k not in want or v.dtype == want[k].dtype else v.to(want[k].dtype) for k, v in tensors.items()}
@@ -198,8 +180,7 @@ def _dest_tensors(model: Any) -> dict:
 
 def load(model: Any, slots: list[TensorSlot], device: Any, chunk_bytes: int = 64 << 20, buffers: int = 4,
          workers: int = 4) -> LoadReport:
-    """Fill `model` (or a dict name -> tensor, see allocate()) from the checkpoint;
-    pinned and overlapped on CUDA, plain elsewhere."""
+    """Fill `model` (or a dict from allocate()) from the checkpoint; pinned and overlapped on CUDA."""
     dest = model if isinstance(model, dict) else _dest_tensors(model)
     slots = [s for s in slots if s.name in dest]
     t0 = time.perf_counter()
@@ -229,9 +210,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _load_plain(dest: Any, slots: Any) -> LoadReport:
-    """Read each tensor straight into its destination when the stored dtype is the
-    target dtype; otherwise through one reused staging buffer and a cast.  (A fresh
-    buffer per tensor made the kernel fault in every page twice.)"""
+    """Read each tensor straight into place where dtypes match, else through one reused buffer and a cast."""
     import numpy as np
     import torch
     total = 0

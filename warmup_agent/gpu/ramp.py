@@ -1,10 +1,4 @@
-"""GPU-utilisation ramp during warmup (seed 000 §2.3: NVML sampled every 50 ms).
-
-A daemon thread reads nvmlDeviceGetUtilizationRates for one GPU at a fixed
-interval; the slope is the least-squares fit of utilisation (0..1) against time
-(seconds) over the samples taken while warming, in 1/s (the seed's SOTA line,
-14.7 %/s, is 0.147).
-"""
+"""GPU-utilisation ramp during warmup: the least-squares slope of NVML utilisation (0..1) over time, in 1/s."""
 from __future__ import annotations
 
 import time

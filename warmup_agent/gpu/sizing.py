@@ -1,8 +1,4 @@
-"""Memory sizing for stage 1 (reserve) and the warmup batch sizes (stage 2).
-
-Pure arithmetic on numbers NVML and config.json give us, so it is tested on
-the CPU with recorded values.  Units: bytes.
-"""
+"""Memory sizing in bytes for stage 1 (reserve) and the warmup batch sizes, from NVML and config.json."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -19,8 +15,7 @@ def kv_bytes_per_token(config: dict, dtype: str) -> int:
 
 
 def kv_bytes_per_token_if_known(config: dict, dtype: str) -> int | None:
-    """kv_bytes_per_token, or None when config.json lacks the shape or the dtype is
-    not one of DTYPE_BYTES: the engines' facts say "unknown" rather than guess."""
+    """kv_bytes_per_token, or None where config.json or the dtype does not say."""
     heads = config.get("num_attention_heads")
     if not (heads and config.get("num_hidden_layers") and (config.get("head_dim") or config.get("hidden_size"))
             and dtype in DTYPE_BYTES):
@@ -32,12 +27,12 @@ def kv_bytes_per_token_if_known(config: dict, dtype: str) -> int | None:
 class ReservationPlan:
     weight_bytes: int
     kv_bytes_per_token: int
-    max_tokens: int            # longest prompt + generated tokens the grid will run
+    max_tokens: int            # longest prompt + generated tokens
     max_batch: int
-    kv_bytes: int              # kv_bytes_per_token x max_tokens x max_batch
-    activation_bytes: int      # headroom for activations and logits of the largest shape
-    reserve_bytes: int         # what stage 1 reserves: kv + activations (weights load later)
-    total_bytes: int           # weights + reserve: what must fit in free memory
+    kv_bytes: int
+    activation_bytes: int      # headroom for the largest shape's activations and logits
+    reserve_bytes: int         # kv + activations; weights load later
+    total_bytes: int           # weights + reserve: what must fit
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,12 +40,7 @@ class ReservationPlan:
 
 def plan_reservation(config: dict, dtype: str, weight_bytes: int, prompt_lengths: list[int],
                      batch_sizes: list[int], max_new_tokens: int, activation_factor: float = 1.0) -> ReservationPlan:
-    """Bytes to reserve for the configured grid.
-
-    Activations of one forward pass over the largest shape are bounded by the
-    hidden states of a few layers plus the logits of the last position; we take
-    `activation_factor` x (batch x tokens x (4 x hidden + vocab)) x dtype bytes,
-    a generous bound for a decoder layer run in inference mode."""
+    """Bytes to reserve for the configured grid, with a generous bound on one forward pass's activations."""
     per_token = kv_bytes_per_token(config, dtype)
     max_tokens = max(prompt_lengths) + max_new_tokens
     max_batch = max(batch_sizes)
@@ -62,7 +52,7 @@ def plan_reservation(config: dict, dtype: str, weight_bytes: int, prompt_lengths
 
 
 def check_fits(plan: ReservationPlan, free_bytes: int, where: str) -> str | None:
-    """None when the plan fits; else the one-line reason message with the numbers."""
+    """None when the plan fits, else the reason with the numbers."""
     if plan.total_bytes <= free_bytes:
         return None
     gib = 2 ** 30
@@ -74,9 +64,7 @@ def check_fits(plan: ReservationPlan, free_bytes: int, where: str) -> str | None
 
 def batch_sizes_from_memory(free_bytes: int, kv_bytes_per_token: int, max_seq_len: int,
                             fraction: float = 0.7, cap: int = 64) -> list[int]:
-    """Seed 000 §4.2: the largest batch is fraction x free memory / (max_seq_len x
-    KV bytes per token), with the real per-token KV size; warm the powers of two
-    up to it (capped: a warmup grid beyond the engine's concurrency is wasted)."""
+    """Powers of two up to the largest batch whose KV cache fits `fraction` of free memory, capped."""
     if kv_bytes_per_token <= 0 or max_seq_len <= 0:
         return [1]
     largest = int(fraction * free_bytes // (max_seq_len * kv_bytes_per_token))

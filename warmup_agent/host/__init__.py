@@ -1,2 +1,1 @@
-"""Facts about the machine the agent runs on (hardware.py: CPUs, memory, GPUs,
-topology, CPU pinning) and the agent process's own resident-memory jitter (memory.py)."""
+"""Facts about the machine the agent runs on, and the agent process's own memory jitter."""

@@ -1,13 +1,8 @@
 """Facts about the host: CPUs, memory and GPUs (through NVML), topology, and CPU pinning.
 
-Everything here degrades quietly: no NVML library, no GPU, or a cpuset we may not
-change all give facts with fewer fields, never an exception.  The NVML module is
-injectable (`read_gpus(nvml=...)`) so the parsing is tested on recorded answers.
-
-GPU identity: NVML enumerates in PCI order, CUDA (and so torch) in the order
-CUDA_VISIBLE_DEVICES gives; `visible_gpu()` maps one to the other by index or
-UUID so an agent started with CUDA_VISIBLE_DEVICES=3 reads, pins and labels
-physical GPU 3.  Labels use the UUID, which survives restarts and re-ordering.
+Missing NVML, GPUs or permissions give fewer facts, never an exception.  NVML counts in
+PCI order and CUDA in CUDA_VISIBLE_DEVICES order, so `visible_gpu()` maps between them;
+labels use the UUID, which survives restarts and re-ordering.
 """
 from __future__ import annotations
 
@@ -51,7 +46,7 @@ class HostFacts:
 
 
 def _cpus_from_mask(words: list[int]) -> list[int]:
-    """NVML returns CPU affinity as 64-bit words, lowest CPU in the lowest bit."""
+    """CPU numbers from NVML's affinity words (64-bit, lowest CPU in the lowest bit)."""
     cpus = []
     for w, word in enumerate(words):
         for bit in range(64):
@@ -117,7 +112,7 @@ def _str(v: Any) -> str:
 
 
 def _bus(v: Any) -> str:
-    """PCI bus ids come as 00000000:19:00.0 or 0000:19:00.0 depending on the call: normalise."""
+    """Normalise a PCI bus id, which NVML gives with 4 or 8 domain digits depending on the call."""
     s = _str(v).lower()
     domain, _, rest = s.partition(":")
     return f"{int(domain, 16):04x}:{rest}" if rest else s
@@ -139,11 +134,9 @@ def read_host(nvml: Any = None) -> HostFacts:
 
 
 def visible_indices(uuids: list[str], cuda_visible_devices: str | None) -> list[int]:
-    """NVML indices of the GPUs a process with this CUDA_VISIBLE_DEVICES sees, in
-    CUDA order (cuda:0 first).  `uuids` are the GPUs' UUIDs in NVML order.  Entries
-    are NVML indices or UUIDs (with or without "GPU-", or a unique prefix); unset
-    means every GPU.  Like CUDA, the list ends at the first entry that names no GPU
-    (an empty or bad value hides every GPU)."""
+    """NVML indices of the GPUs this CUDA_VISIBLE_DEVICES shows, in CUDA order.
+
+    Entries are indices or UUID prefixes; as in CUDA, the list ends at the first bad entry."""
     if cuda_visible_devices is None:
         return list(range(len(uuids)))
     out: list[int] = []
@@ -161,15 +154,14 @@ def visible_indices(uuids: list[str], cuda_visible_devices: str | None) -> list[
 
 
 def visible_gpu(gpus: list[GPUFacts], device_index: int, cuda_visible_devices: str | None) -> GPUFacts | None:
-    """The NVML GPU behind torch's cuda:<device_index> (see visible_indices)."""
+    """The NVML GPU behind torch's cuda:<device_index>."""
     by_index = {g.index: g for g in gpus}
     seen = visible_indices([g.uuid for g in sorted(gpus, key=lambda g: g.index)], cuda_visible_devices)
     return by_index.get(seen[device_index]) if 0 <= device_index < len(seen) else None
 
 
 def topology(gpus: list[GPUFacts]) -> dict:
-    """NVLink matrix and locality, keyed by NVML index, as `nvidia-smi topo -m` shows it:
-    links[i][j] is the number of active NVLink links from GPU i to GPU j (0: none)."""
+    """NVLink matrix and locality by NVML index, as `nvidia-smi topo -m` shows it."""
     by_bus = {g.pci_bus_id: g.index for g in gpus}
     links = {g.index: {o.index: 0 for o in gpus if o.index != g.index} for g in gpus}
     switch_links: dict[int, int] = {}
@@ -186,18 +178,13 @@ def topology(gpus: list[GPUFacts]) -> dict:
 
 
 def choose_cpus(allowed: list[int], gpu_local: list[int]) -> list[int]:
-    """CPUs to pin to: those local to the GPU that the cgroup cpuset allows.
-    Falls back to all allowed CPUs when the two do not intersect (a container
-    whose cpuset sits on the other socket must still run)."""
+    """CPUs local to the GPU that the cpuset allows, else all allowed CPUs (a container must still run)."""
     local = sorted(set(allowed) & set(gpu_local))
     return local or sorted(allowed)
 
 
 def assign_cpus(gpus: list[GPUFacts], allowed: list[int]) -> dict[int, list[int]]:
-    """Disjoint CPU sets for one agent per GPU: GPUs that share the same local CPUs
-    (several GPUs on one socket) split that set into equal contiguous slices, in
-    PCI bus order so the split is the same on every restart.  A GPU whose local
-    CPUs the cpuset excludes gets a slice of the allowed CPUs instead."""
+    """Disjoint CPU sets for one agent per GPU; GPUs sharing local CPUs split them in PCI order (stable)."""
     groups: dict[tuple[int, ...], list[GPUFacts]] = {}
     for g in gpus:
         groups.setdefault(tuple(choose_cpus(allowed, g.local_cpus)), []).append(g)
@@ -219,10 +206,9 @@ def assign_cpus(gpus: list[GPUFacts], allowed: list[int]) -> dict[int, list[int]
 
 
 def pin_cpus(cpus: list[int]) -> bool:
-    """Pin every thread of this process; False (and a log line) where the kernel
-    refuses.  sched_setaffinity acts on one thread: the threads started before
-    reserve (the exporter's, the signal watcher, torch's pools) would otherwise
-    keep the whole cpuset and run on the other GPU's CPUs."""
+    """Pin every thread of this process, not just this one (threads started earlier would keep the cpuset).
+
+    False, with a log line, where the kernel refuses."""
     try:
         os.sched_setaffinity(0, cpus)
     except OSError as e:

@@ -1,9 +1,4 @@
-"""Resident-memory jitter of the agent process (seed 000 §2.3: ΔRSS / mean RSS).
-
-A daemon thread reads this process's RSS every `interval` seconds (psutil reads
-/proc/self/statm) and keeps the samples of the last `window` seconds; the ratio
-is (max - min) / mean over those samples.  The seed's SOTA line is 0.023.
-"""
+"""Resident-memory jitter of the agent process: (max - min) / mean RSS over a sliding window."""
 from __future__ import annotations
 
 import threading

@@ -1,2 +1,1 @@
-"""The model on disk: checks of a Hugging Face-layout directory before any weight
-is read (directory.py) and the embedded default model (embedded.py)."""
+"""The model on disk: directory checks before any weight is read, and the embedded default model."""

@@ -1,11 +1,4 @@
-"""Checks of a Hugging Face-layout model directory, before any weight is read.
-
-Cheap and engine-free (no torch, no transformers): config.json is a JSON object
-with a model_type, there are safetensors shards, and every shard's header agrees
-with the file (dtypes x shapes tile the data section exactly).  Each problem is
-an EngineError with a named reason and one line for the user.  The reserve stage
-uses these to size memory before loading; the torch engine before it loads.
-"""
+"""Cheap checks of a Hugging Face-layout model directory before any weight is read (no torch)."""
 from __future__ import annotations
 
 import json
@@ -16,10 +9,9 @@ from warmup_agent.errors import EngineError
 
 
 def check_model_dir(path: str) -> dict:
-    """Cheap structural checks before any weight is read; returns config.json.
+    """Check config.json and the shards' structure; return config.json.
 
-    Catches the seed's "HF cache pollution" failures (empty or non-JSON config,
-    truncated shards) with a named reason instead of a deep library traceback."""
+    A polluted cache (empty config, truncated shards) gets a named reason, not a library traceback."""
     if not os.path.isdir(path):
         raise EngineError("model_dir_missing", f"{path}: model directory does not exist")
     if not os.access(path, os.R_OK | os.X_OK):
@@ -57,12 +49,7 @@ _ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, 
 
 
 def read_safetensors_header(shard: str) -> dict:
-    """The JSON header of a shard, checked against the file: every tensor's byte
-    range must match its dtype and shape, the ranges must tile the data section
-    without gaps or overlaps, and the data section must end where the file ends.
-
-    Format: 8-byte little-endian header length, a JSON header mapping each tensor
-    to dtype, shape and [begin, end) offsets into the data that follows."""
+    """A shard's JSON header, checked so the tensors' byte ranges exactly tile the rest of the file."""
     size = os.path.getsize(shard)
     try:
         with open(shard, "rb") as f:

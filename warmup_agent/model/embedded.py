@@ -1,11 +1,7 @@
-"""The embedded default model: a small Llama with random weights and a tokenizer
-trained locally, saved once in the standard Hugging Face layout.
+"""The embedded default model: a small random Llama and a locally trained tokenizer, in Hugging Face layout.
 
-No model hub can be reached from many GPU hosts (and none from CI), yet the
-agent must run its four stages end to end on a real model through the same code
-path as a production model.  This module builds one deterministically (fixed
-seeds) under `<data_dir>/models/embedded-llama-<RECIPE>`.  The shape is chosen
-so that vLLM's CPU attention backend also serves it (head_dim 64).
+Many hosts and CI reach no model hub, yet the agent must run end to end on a real model.
+Built deterministically; head_dim 64 so vLLM's CPU attention backend serves it too.
 """
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ RECIPE = "v1"
 SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 
-# A plain role-tagged chat template, so chat warmup (and `transformers serve`'s
-# /v1/chat/completions, which refuses a tokenizer without one) works out of the box.
+# A chat template, without which `transformers serve` refuses /v1/chat/completions.
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<s>' + message['role'] + '\\n' + message['content'] + '</s>\\n' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}")
 
@@ -31,8 +26,7 @@ _VOWELS = "aeiou"
 
 
 def _corpus(words: int = 60000, seed: int = 0) -> list[str]:
-    """Pseudo-words from consonant-vowel syllables: enough distinct words for
-    byte-level BPE to reach a vocabulary of 2048."""
+    """Pseudo-words, enough for byte-level BPE to reach a vocabulary of 2048."""
     rng = random.Random(seed)
     syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
     vocab = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(6000)]
@@ -79,10 +73,7 @@ def embedded_model_dir(data_dir: str) -> str:
 
 
 def ensure_embedded_model(data_dir: str) -> str:
-    """Return the embedded model directory, creating it on first use.
-
-    Built in a temporary sibling directory and renamed into place, so a crash or
-    a concurrent agent never leaves a half-written model behind."""
+    """Return the embedded model directory, built aside and renamed into place on first use."""
     final = embedded_model_dir(data_dir)
     if os.path.exists(os.path.join(final, ".complete")):
         add_chat_template(final)
@@ -108,8 +99,7 @@ def ensure_embedded_model(data_dir: str) -> str:
 
 
 def add_chat_template(model_dir: str, template: str = CHAT_TEMPLATE) -> None:
-    """Give a tokenizer_config.json without a chat template ours (models made
-    before the template was part of the recipe).  Atomic: written aside, renamed."""
+    """Add our chat template to an older model's tokenizer_config.json, atomically."""
     path = os.path.join(model_dir, "tokenizer_config.json")
     with open(path, encoding="utf-8") as f:
         cfg = json.load(f)

@@ -1,17 +1,6 @@
-"""Quantized models: what a checkpoint or a server command line says (detect.py, no
-torch), and FP8 layers: the arithmetic (fp8_math.py), the layer (layer.py, the one
-module that imports torch at its top, loaded on first use) and what runs a model
-with them (kernels.py: swap, warm, write a checkpoint).  Every public name is
-importable from here, as it was when this was one module.
+"""Quantized models: detection from a checkpoint or command line, and FP8 layers.
 
-Detection (issue 16): a checkpoint's config.json `quantization_config` (FP8 formats
-first: transformers' "fp8" (FineGrainedFP8, DeepSeek-V3 style 128x128 blocks),
-compressed-tensors float-quantized, fbgemm_fp8, modelopt FP8; other methods are
-named but not looked into), and a server's command line (`--quantization fp8`,
-`--kv-cache-dtype fp8`, TGI's `--quantize`).
-
-FP8 layers: kernels.py's docstring says how `FP8BlockLinear` runs (blockwise-scaled
-torch._scaled_mm on Hopper, emulation elsewhere) and why it is not transformers' own.
+Only layer.py imports torch at its top, and it is loaded on first use.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Quantized models, detection (issue 16; no torch): what a checkpoint or a server
-command line says.
+"""A model's quantization, from config.json's `quantization_config` and the server's flags (no torch).
 
-A checkpoint's config.json `quantization_config` (FP8 formats first:
-transformers' "fp8" (FineGrainedFP8, DeepSeek-V3 style 128x128 blocks),
-compressed-tensors float-quantized, fbgemm_fp8, modelopt FP8; other methods are
-named but not looked into), and a server's command line (`--quantization fp8`,
-`--kv-cache-dtype fp8`, TGI's `--quantize`).  The FP8 layers that run such a
-checkpoint are in kernels.py; warmup_agent.quantization re-exports both.
+FP8 formats are read in detail; other methods are named only.
 """
 from __future__ import annotations
 
@@ -25,12 +19,12 @@ _FP8_WORDS = {"fp8", "fp8_e4m3", "fp8_e5m2", "float8", "float8_e4m3fn", "e4m3", 
 
 @dataclass
 class QuantizationInfo:
-    """What the agent knows about a model's quantization. Label values are from small fixed sets."""
+    """What the agent knows about a model's quantization; label values come from small fixed sets."""
     method: str = "none"            # fp8 | compressed-tensors | fbgemm_fp8 | modelopt | awq | ... | other | none
     weight_dtype: str = "unquantized"   # float8_e4m3fn | float8_e5m2 | int8 | int4 | unquantized | unknown
     kv_cache_dtype: str = "auto"    # auto | fp8 | fp8_e4m3 | fp8_e5m2 | ...
     activation_scheme: str = ""     # dynamic | static | "" (not said)
-    weight_block_size: tuple | None = None   # (rows, cols) per scale, None: per tensor / channel / not said
+    weight_block_size: tuple | None = None   # (rows, cols) per scale; None: not blockwise
     source: str = "none"            # config.json | command line | config.json + command line | none
 
     @property
@@ -62,8 +56,7 @@ def _fp8_name(fmt: Any) -> str:
 
 
 def from_config(config: dict, where: str = "config.json") -> QuantizationInfo:
-    """Read config.json's quantization_config. A malformed one is the user's mistake:
-    EngineError config_invalid with one line naming the key."""
+    """Read config.json's quantization_config; a malformed one raises EngineError config_invalid."""
     qc = config.get("quantization_config") if isinstance(config, dict) else None
     if qc is None:
         return QuantizationInfo()
@@ -125,9 +118,7 @@ def _option(command: list[str], *names: str) -> str | None:
 
 
 def from_command_line(command: list[str] | None, model_info: QuantizationInfo | None = None) -> QuantizationInfo:
-    """A server's quantization from its flags (vLLM/SGLang `--quantization`/`-q`, TGI
-    `--quantize`, `--kv-cache-dtype`), over what the model's config.json said
-    (model_info).  The server's flag wins: it is what the server runs."""
+    """A server's quantization from its flags over `model_info`; the flags win, as they are what runs."""
     info = QuantizationInfo(**vars(model_info)) if model_info else QuantizationInfo()
     if not command:
         return info

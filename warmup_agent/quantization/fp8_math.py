@@ -1,18 +1,13 @@
-"""FP8 arithmetic: one quantize/saturate/dequantize path, used by the FP8 layer's
-forward pass (layer.py), the checkpoint writer (kernels.py) and the range
-validation (readiness/fp8_ranges.py), so what is validated is what runs.
-torch is imported inside the functions only.
-"""
+"""FP8 arithmetic shared by the layer, the checkpoint writer and range validation, so what is validated runs."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
-FP8_E4M3_MAX = 448.0              # largest finite float8_e4m3fn; beyond it a cast gives NaN, so we clamp
+FP8_E4M3_MAX = 448.0              # largest finite e4m3; a cast beyond it gives NaN, so values are clamped
 _MIN_AMAX = 1e-12                 # an all-zero group gets a tiny scale instead of 0/0
 
 
-# --- FP8 arithmetic: one quantize/dequantize path for forward, checkpoint writer and validation ---------
 def fp8_dtype(name: str = "float8_e4m3fn") -> Any:
     import torch
     return getattr(torch, name)
@@ -24,8 +19,7 @@ def scaled(x: Any, scale: Any) -> Any:
 
 
 def saturated_mask(x: Any, scale: Any) -> Any:
-    """Values whose scaled magnitude is beyond the largest e4m3 value: the cast would
-    clamp them (we clamp; an unclamped cast would give NaN)."""
+    """Values whose scaled magnitude exceeds the largest e4m3 value, which quantize clamps."""
     return scaled(x, scale).abs() > FP8_E4M3_MAX
 
 
@@ -69,10 +63,8 @@ def quantize_weight(w: Any, block: tuple[int, int]) -> Any:
     return quantize(w, expand_block_scales(scale, w.shape, block)), scale
 
 
-# --- the layer ---------------------------------------------------------------------------------
 def _activation_scales(x2: Any, static_scale: Any, bk: int) -> Any:
-    """Scale per token and bk-wide K group, [M, ceil(K/bk)] float32 (dynamic), or the
-    checkpoint's one activation_scale everywhere (static)."""
+    """Scale per token and bk-wide K group (dynamic), or the checkpoint's activation_scale (static)."""
     m, groups = x2.shape[0], math.ceil(x2.shape[1] / bk)
     if static_scale is not None:
         return static_scale.float().reshape(1, 1).expand(m, groups)
@@ -87,25 +79,17 @@ def _quantize_groups(x2: Any, static_scale: Any, bk: int) -> Any:
 
 
 def scaled_mm_operands(weight: Any, weight_scale_inv: Any) -> Any:
-    """(weight [N, K'], scale_b [K'/128, N/128]) laid out as torch._scaled_mm's
-    blockwise path (1x128 activations x 128x128 weights) accepts them.
+    """(weight [N, K'], scale_b) laid out as torch._scaled_mm's blockwise path accepts them.
 
-    torch checks scale_b.t() for shape (N/128, K/128) and row stride exactly
-    K/128 in some releases (2.11), and a row stride rounded up to 4
-    floats in newer ones; cuBLASLt itself wants that leading dimension to be a
-    multiple of 4 floats (16 bytes).  One layout satisfies all three: pad K with
-    zero weight columns until K/128 is a multiple of 4 (K=8960 -> 9216).  Zero
-    weights times the zero activation columns the GEMM pads in add nothing; the
-    padded blocks' scales are 1."""
+    K is padded with zero columns until K/128 is a multiple of 4: torch releases disagree
+    on scale_b's row stride and cuBLASLt wants 16 bytes, and this layout satisfies all."""
     import torch
     n, k = weight.shape
     sn, sk = weight_scale_inv.shape
     sk4 = sk + (-sk % 4)
     k4 = sk4 * 128
     if k4 == k:
-        # detach(): a plain tensor on the same storage.  The Parameter itself, stored
-        # as a module attribute, would register as a second parameter (and the
-        # structure check counts it as an unexpected tensor).
+        # detach(): the Parameter itself, stored on the module, would register as a second parameter.
         wp = weight.detach().contiguous()
     else:
         raw = torch.zeros(n, k4, dtype=torch.uint8, device=weight.device)
@@ -117,8 +101,7 @@ def scaled_mm_operands(weight: Any, weight_scale_inv: Any) -> Any:
 
 
 def _scaled_mm_ok(device: Any, n: int, k: int, block: Any) -> bool:
-    """Blockwise-scaled FP8 GEMM (1x128 activations, 128x128 weights) through
-    torch._scaled_mm, on compute capability 9.0 or later (docs/fp8.md)."""
+    """Whether torch._scaled_mm's blockwise FP8 GEMM can run here (compute capability 9.0+, 128x128 blocks)."""
     import torch
     if device.type != "cuda" or tuple(block or ()) != (128, 128) or n % 128 or k % 128:
         return False

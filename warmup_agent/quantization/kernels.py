@@ -1,18 +1,8 @@
-"""Quantized models, FP8 layers in a model (imports torch inside its functions only):
-swap a model's linears for FP8BlockLinear (layer.py), warm their GEMM shapes,
-write an FP8 checkpoint.
+"""FP8 layers in a model: swap linears for FP8BlockLinear, warm their GEMM shapes, write an FP8 checkpoint.
 
-`FP8BlockLinear` runs the transformers "fp8" layout (e4m3 weight
-[N, K], float32 `weight_scale_inv` per block, so weight ~= q * scale) without
-transformers' own FP8Linear, whose GEMM is a Triton kernel fetched from the
-Hugging Face Hub at first use (no network on a GPU host, and a download is no
-warmup).  On a GPU with blockwise-scaled FP8 GEMM (Hopper: compute capability 9.0
-and torch._scaled_mm with 1x128 / 128x128 scales) the layer quantizes its input
-per token and 128-wide group and calls torch._scaled_mm; elsewhere (CPU, older
-GPUs, odd shapes) it emulates: the same quantization, then dequantize and a
-matmul in the compute dtype.  Quantize, saturate and dequantize are one set of
-functions, used by the forward pass, by the checkpoint writer and by the range
-validation (readiness/fp8_ranges.py), so what is validated is what runs.
+FP8BlockLinear runs transformers' "fp8" layout without transformers' FP8Linear, whose
+Triton kernel is fetched from the Hub at first use (GPU hosts may have no network).  It
+uses torch._scaled_mm where the GPU has blockwise FP8 GEMM and emulates elsewhere.
 """
 from __future__ import annotations
 
@@ -27,7 +17,7 @@ from warmup_agent.quantization.fp8_math import (
     quantize_weight,
 )
 
-# Tensors of a quantized checkpoint that keep their stored dtype (never cast to the compute dtype).
+# Tensors of a quantized checkpoint never cast to the compute dtype.
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "activation_scale", "input_scale", "k_scale", "v_scale")
 
 
@@ -48,13 +38,9 @@ def kernel_shapes(model: Any) -> set[tuple[int, int, int]]:
 
 
 def warm_gemms(model: Any, max_tokens: int, cap: int = 8192) -> dict:
-    """Run every FP8 GEMM shape the warmed traffic can reach: for each distinct
-    (N, K) of the model's FP8 layers, each token count M from 1 to max_tokens
-    (prefill of any prompt length x batch up to the largest warmed one, and every
-    decode batch), through the layer's own forward.  The grid's forwards reach
-    only the M values it happened to send; a first request of another length
-    would pay the GEMM's first-use cost per layer shape.  Cheap: one GEMM per
-    (M, N, K), not one forward per M."""
+    """Run each FP8 GEMM shape traffic can reach: every M up to max_tokens, once per distinct (N, K).
+
+    The grid's forwards reach only the M values it sent; any other length would pay a first-use cost."""
     import time
 
     import torch
@@ -62,9 +48,9 @@ def warm_gemms(model: Any, max_tokens: int, cap: int = 8192) -> dict:
     all_layers = fp8_layers(model)
     fallbacks = sorted({layer.fallback_reason for _, layer in all_layers if layer.fallback_reason})
     for _, layer in all_layers:
-        if layer._fast:     # decided by the grid's first forward
+        if layer._fast:
             layers.setdefault((layer.out_features, layer.in_features, layer.activation_scale is None), layer)
-    if not layers:   # emulated (CPU, or the fallback): dequantize + matmul has no per-shape FP8 kernel to warm
+    if not layers:   # emulation has no per-shape FP8 kernel to warm
         return {"fp8_gemm_shapes": 0, "fp8_gemm": "emulated", "fp8_gemm_fallbacks": fallbacks}
     t0 = time.perf_counter()
     top = max(1, min(max_tokens, cap))
@@ -74,20 +60,18 @@ def warm_gemms(model: Any, max_tokens: int, cap: int = 8192) -> dict:
             for m in range(1, top + 1):
                 layer(x[:m])
     torch.cuda.synchronize()
-    # Every layer of the same (N, K) runs the same GEMM: mark them all warmed.
+    # Layers of the same (N, K) run the same GEMM.
     for _, layer in fp8_layers(model):
         if (layer.out_features, layer.in_features, layer.activation_scale is None) in layers:
             layer.m_seen |= set(range(1, top + 1))
     emulated = sum(1 for _, layer in all_layers if not layer._fast)
-    # "mixed": some layers fell back to the emulation (their reasons are in fp8_gemm_fallbacks)
     return {"fp8_gemm": "mixed" if emulated else "scaled_mm_blockwise", "fp8_gemm_shapes": len(layers) * top,
             "fp8_gemm_max_tokens": top, "fp8_gemm_seconds": time.perf_counter() - t0,
             "fp8_layers_emulated": emulated, "fp8_gemm_fallbacks": fallbacks}
 
 
 def swap_linears(model: Any, checkpoint_names: Any, info: QuantizationInfo, compute_dtype: Any) -> Any:
-    """Replace every nn.Linear whose `<name>.weight_scale_inv` is in the checkpoint
-    with an FP8BlockLinear (on the meta device, like the skeleton).  Returns the count."""
+    """Replace each nn.Linear with a `weight_scale_inv` in the checkpoint by a meta FP8BlockLinear; the count."""
     import torch
     if not info.fp8_weights or info.method != "fp8":
         return 0
@@ -116,19 +100,15 @@ def keeps_stored_dtype(name: str) -> bool:
     return name.endswith(SCALE_SUFFIXES)
 
 
-# --- writing an FP8 checkpoint (benchmarks, tests): transformers' "fp8" layout ----------------------
 _QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def quantize_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128), activation_scheme: str = "dynamic",
                         activation_scale: float | None = None, scale_override: dict | None = None,
                         device: str = "cpu") -> dict:
-    """Write an FP8 copy of a bf16/fp32 Hugging Face model directory: every decoder
-    linear weight (q/k/v/o, gate/up/down) as e4m3 with a float32 weight_scale_inv per
-    block; embeddings, norms, biases and the LM head as they were.  `scale_override`
-    maps a tensor name to a factor applied to its scales after quantization (tests
-    use it to build a model whose scales cannot hold the seed's ranges).  `device`
-    cuda quantizes a large model in seconds.  Returns the config written."""
+    """Write an FP8 copy of a Hugging Face model directory with its decoder linears blockwise e4m3.
+
+    `scale_override` multiplies a tensor's scales (tests build out-of-range models with it)."""
     import torch
     from safetensors.torch import load_file, save_file
     os.makedirs(dst, exist_ok=True)

@@ -1,8 +1,4 @@
-"""The FP8 layer, `FP8BlockLinear`: a torch.nn.Module, so this module imports torch;
-kernels.layer_class() imports it on first use, so that importing
-warmup_agent.quantization (detection, the CLI) does not.  See kernels.py for
-the two GEMM paths.
-"""
+"""The FP8 layer; imported on first use so that importing warmup_agent.quantization needs no torch."""
 from __future__ import annotations
 
 import math
@@ -16,9 +12,7 @@ nn = torch.nn
 
 
 class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not followed by mypy
-    """A linear layer in transformers' fp8 layout; forward quantizes its input per
-    token and block_k-wide group (dynamic) or with the checkpoint's activation_scale
-    (static), then runs the FP8 GEMM (see the module docstring for the two paths)."""
+    """A linear layer in transformers' fp8 layout, run by torch._scaled_mm or emulated."""
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int], bias: bool,
                  compute_dtype: Any, activation_scheme: str = "dynamic", device: Any = None) -> None:
@@ -34,9 +28,9 @@ class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not f
         self.bias = nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False) if bias else None
         self.activation_scale = (nn.Parameter(torch.empty((), dtype=torch.float32, device=device), requires_grad=False)
                                  if activation_scheme == "static" else None)
-        self.m_seen: set[int] = set()     # token counts (GEMM M) this layer has run: kernel shapes warmed
-        self._fast: bool | None = None    # decided at the first forward (_choose_path)
-        self._weight_mm: Any = None       # the fast path's weight, K padded (scaled_mm_operands)
+        self.m_seen: set[int] = set()     # GEMM M values run, i.e. kernel shapes warmed
+        self._fast: bool | None = None    # decided at the first forward
+        self._weight_mm: Any = None       # the fast path's weight, K padded
         self._scale_b = None
         self.fallback_reason = ""
 
@@ -60,7 +54,7 @@ class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not f
         return (xd @ self.dequantize_weight().t()).to(x2.dtype)
 
     def _scaled_mm(self, x2: Any) -> Any:
-        """The blockwise-scaled FP8 GEMM, on operands padded as fp8_math.scaled_mm_operands() lays them out."""
+        """The blockwise-scaled FP8 GEMM."""
         m, k_pad = x2.shape[0], self._weight_mm.shape[1] - self.in_features
         pad = -m % 4
         xp = torch.nn.functional.pad(x2, (0, k_pad, 0, pad)) if pad or k_pad else x2
@@ -70,13 +64,11 @@ class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not f
         return out[:m] if pad else out
 
     def _choose_path(self, x2: Any) -> bool:
-        """Fast path only where the hardware has it, and only after it gave the
-        emulation's answer on this layer's first real input (else emulate, with
-        the reason kept in fallback_reason: a wrong GEMM must never serve)."""
+        """Take the fast path only where it matches the emulation on the first real input: a wrong GEMM must never serve."""
         if not fp8_math._scaled_mm_ok(x2.device, self.out_features, self.in_features, self.block):
             return False
         self._weight_mm, self._scale_b = fp8_math.scaled_mm_operands(self.weight, self.weight_scale_inv)
-        # The unpadded weight becomes a view of the padded one: no second copy.
+        # A view of the padded weight, not a second copy.
         self.weight.data = self._weight_mm[:, :self.in_features]
         try:
             fast, ref = self._scaled_mm(x2).float(), self._emulated(x2).float()
@@ -88,9 +80,7 @@ class FP8BlockLinear(nn.Module):  # type: ignore[name-defined]  # torch is not f
         return True
 
     def _fall_back(self, reason: str) -> bool:
-        """Emulate from now on.  The weight gets storage of its own, unpadded, back:
-        as a view of the padded operand it would keep K'/K of its bytes alive
-        (3 % more for K=8960) for a GEMM that never runs."""
+        """Emulate from now on, giving the weight unpadded storage so the padded operand is freed."""
         self.fallback_reason = reason
         if self._weight_mm.shape[1] != self.in_features:
             self.weight.data = self._weight_mm.view(torch.uint8)[:, :self.in_features].contiguous().view(self.weight.dtype)

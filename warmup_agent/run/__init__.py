@@ -1,4 +1,1 @@
-"""What a run leaves behind and what a person sees of it: the stage timeline
-(timeline.py), the run record behind /startupz and --record (record.py), the live
-progress display (progress.py), the report of a recorded run (report.py) and the
-start-up traces (tracing.py)."""
+"""What a run leaves behind and what a person sees of it: timeline, record, progress, report and traces."""

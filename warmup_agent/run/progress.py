@@ -1,6 +1,4 @@
-"""What a person watching `warmup-agent run` sees: a live stage display on a
-terminal (plain lines otherwise), `[COLDSTART]` log lines per phase (seed 003),
-and the summary table at the end."""
+"""What a person watching `warmup-agent run` sees: live stage progress, `[COLDSTART]` lines, a summary table."""
 from __future__ import annotations
 
 import json
@@ -15,8 +13,7 @@ coldstart_log = logging.getLogger("warmup_agent.coldstart")
 
 
 def coldstart(event: str, stage: str, phase: int, **fields: Any) -> None:
-    """One structured `[COLDSTART]` line; fields also go to JSON logs as keys.  With
-    start-up traces on (run/tracing.py) the line ends with the trace's `trace_id`."""
+    """One structured `[COLDSTART]` line, ending with the trace ID when tracing is on."""
     if (trace_id := current_trace_id()) is not None:
         fields["trace_id"] = trace_id
     text = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
@@ -29,9 +26,7 @@ def _fmt(v: Any) -> str:
 
 
 class Progress:
-    """Stage progress.  On a TTY one line is redrawn in place (at most 10 times a
-    second); elsewhere a plain line is printed at each stage start, at each
-    quarter of its steps and at its end."""
+    """Stage progress: one line redrawn in place on a TTY, else plain lines at each quarter."""
 
     def __init__(self, stream: Any = None, tty: bool | None = None, enabled: bool = True) -> None:
         self.stream = stream or sys.stderr
@@ -83,9 +78,7 @@ class Progress:
                 self._write(f"{self._stage} {done}/{total} {detail}\n")
 
     def probe(self, probes: int, in_window: int, needed: int, limit: int, ttft: float) -> None:
-        """One readiness probe.  Shows what the gate needs, `needed` samples in the
-        window (readiness.min_probes), not `limit` (readiness.max_probes, where
-        it gives up): most runs stop at `needed`."""
+        """One readiness probe, shown against `needed` samples, where most runs stop, not `limit`."""
         detail = f"ttft={ttft * 1000:.1f}ms"
         if in_window < needed or probes <= needed:
             self.step(min(in_window, needed), needed, f"probes {detail}")
@@ -118,8 +111,7 @@ class Progress:
 
 
 class ProgressAwareHandler(logging.StreamHandler):
-    """A log handler that lifts the live progress line out of the way of each log
-    record and puts it back afterwards."""
+    """A log handler that moves the live progress line out of each log record's way."""
 
     def __init__(self, progress: Progress, stream: Any = None) -> None:
         super().__init__(stream or progress.stream)
@@ -142,16 +134,14 @@ class JsonFormatter(logging.Formatter):
 
 
 def summary_table(record: dict) -> str:
-    """The end-of-run table: each stage's time (from process start when the record
-    has `startup_seconds`), then first-request against steady time."""
+    """The end-of-run table: each stage's time, then first-request against steady time."""
     rows = [("stage", "phase", "seconds", "status")]
     total = 0.0
     if record.get("startup_seconds") is not None:  # process start to the first stage
         rows.append(("startup", "0", f"{record['startup_seconds']:.3f}", "ok"))
         total += record["startup_seconds"]
     for s in record["stages"]:
-        # A stage still running has no duration: a re-warm (POST /admin/rewarm, or a
-        # restarted server) can begin between SERVING and this table being printed.
+        # A re-warm can begin between SERVING and this table, leaving a stage without a duration.
         seconds = "-" if s["duration_seconds"] is None else f"{s['duration_seconds']:.3f}"
         rows.append((s["name"], str(s["phase"]), seconds, s["status"]))
         total += s["duration_seconds"] or 0.0
@@ -159,7 +149,6 @@ def summary_table(record: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    # The first-request figures as readiness/probes.py computed them (the record carries them; no arithmetic here).
     first, steady = record.get("first_request_seconds"), record.get("steady_first_token_seconds")
     tax = record.get("first_request_tax_ratio")
     if first is not None and steady and tax is not None:

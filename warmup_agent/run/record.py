@@ -1,12 +1,6 @@
-"""The run's timeline and its two views (issue 24): `status()`, what /startupz
-shows while it runs, and `record()`, the run as JSON (`--record`).
+"""The run's timeline and its two views: `status()` for /startupz and `record()` for `--record`.
 
-The Agent (pipeline.py) writes the timeline -- when the run started, the
-startup stage, each stage's `StageTiming`, when it reached SERVING -- and
-nothing else here; every other figure is read from the collaborators in the
-StageContext: the state machine, readiness, the probe log (whose first-request
-figures are computed once, in readiness/probes.py), the engine driver and the stage
-outputs.
+The Agent writes only the timeline; every other figure is read from the StageContext.
 """
 from __future__ import annotations
 
@@ -78,7 +72,6 @@ class RunRecord:
             "engine_facts": ctx.engine_facts,
             "quantization": q.as_dict() if (q := ctx.engine.quantization) is not None else None,
             "started_unix": time.time() - (self.clock() - self.started),
-            # process start to run(), when known; the stages start where it ends
             "startup_seconds": self.startup_seconds,
             "stages": [{"name": s.name, "phase": s.phase, "start_seconds": s.start, "end_seconds": s.end,
                         "duration_seconds": s.duration, "status": s.status, **s.detail} for s in self.stages],
@@ -86,9 +79,8 @@ class RunRecord:
             "warmup_requests": ctx.driver.warmup_requests,
             "probes_seconds": log.ttfts,
             "probe_count": len(log.probes),
-            # after SERVING, watch probes not sent while the server served other clients
             "watch_probes_skipped": ctx.watch_skipped,
-            # The first-request figures, frozen when the gate opened (readiness/probes.py)
+            # The first-request figures, frozen when the gate opened.
             "first_request_seconds": None if fr is None else fr.ttft_seconds,
             "steady_first_token_seconds": None if fr is None else fr.steady_ttft_seconds,
             "first_request_tax_ratio": None if fr is None else fr.ttft_tax,
@@ -96,23 +88,19 @@ class RunRecord:
             "first_request_total_seconds": None if fr is None else fr.total_seconds,
             "steady_total_seconds": None if fr is None else fr.steady_total_seconds,
             "first_request_total_tax_ratio": None if fr is None else fr.total_tax,
-            # where decode pays per length: the first probe's own, and how the exported one was predicted
             "first_probe_total_tax_ratio": None if fr is None else fr.measured_total_tax,
             "first_request_cold_decode": None if fr is None else fr.cold_decode,
-            # where the per-length test's second pair was skipped: the excess it paid when the
-            # server was measured, which the two taxes above are 1 + of (warmup/findings.py)
             "first_request_new_length_remembered": None if fr is None else fr.new_length,
             "first_request_prompt_tokens": None if fr is None else fr.prompt_tokens,
             "first_request_output_tokens": None if fr is None else fr.output_tokens,
             "time_per_output_token_window_seconds": {percentile_label(q): v for q, v in log.decode.quantiles().items()},
             "traffic_profile": ctx.profile_summary,
-            # The thresholds in force, as warmup_readiness_threshold_seconds shows them
-            # (adaptive: the last re-fit), and the configured ceiling they came from.
+            # In force (adaptive: the last re-fit), and the configured ceiling.
             "readiness_thresholds_seconds": ctx.readiness.thresholds_in_force(),
             "readiness_thresholds_configured_seconds": ctx.readiness.thresholds_configured(),
             "final_state": sm.state.name,
             "failure_reason": sm.failure_reason,
             "failure_message": sm.failure_message,
             "transitions": [{"state": s.name, "at_seconds": t - self.started} for s, t in sm.history],
-            "trace_id": self._trace_id(),   # the start-up trace (run/tracing.py); null when tracing is off
+            "trace_id": self._trace_id(),   # null when tracing is off
         }

@@ -1,10 +1,7 @@
 """`warmup-agent report`: a picture of one run from its record (`run --record FILE`).
 
-    .venv/bin/python -m warmup_agent.run.report run.json --out report/
-    -> report/report.png   stage timeline (Gantt) and probe latencies against the thresholds
-    -> report/report.html  the same picture embedded, plus the numbers, in one self-contained file
-
-Needs matplotlib (the `report` extra); the agent itself does not.
+Writes report.png (stage timeline and probe latencies) and a self-contained report.html.
+Needs the `report` extra (matplotlib).
 """
 from __future__ import annotations
 
@@ -62,8 +59,7 @@ def window_percentiles(probes: list[float]) -> dict[str, float]:
 
 
 def timeline(record: dict) -> list[dict]:
-    """The stages to draw: the record's, after a "startup" bar (process start to
-    the first stage) when the record has one."""
+    """The record's stages, after a "startup" bar where the record has one."""
     stages = list(record["stages"])
     if record.get("startup_seconds") is not None:
         stages.insert(0, {"name": "startup", "phase": 0, "start_seconds": 0.0,
@@ -72,9 +68,7 @@ def timeline(record: dict) -> list[dict]:
 
 
 def _duration_label(ax: Any, row: int, start: float, dur: float, xmax: float) -> None:
-    """Put a stage's duration where it cannot leave the axes: after the bar, inside
-    a long bar near the right edge, or before a short one there.  Each stage has
-    its own row, so labels of different stages never share a line."""
+    """Place a stage's duration label after its bar, or inside or before it near the right edge."""
     text = f"{dur:.3f} s"
     end = start + dur
     room = 0.13 * xmax  # what "100.000 s" takes at 8 pt on this axis width, with a margin
@@ -87,9 +81,7 @@ def _duration_label(ax: Any, row: int, start: float, dur: float, xmax: float) ->
 
 
 def build_figure(record: dict, thresholds: dict[str, float]) -> Any:
-    """The report's figure: the stage timeline above, the probes against the
-    thresholds below.  Every label is placed so that none overlaps another or
-    leaves the picture (tests/test_report.py measures it with the renderer)."""
+    """The figure: the stage timeline above, probes against thresholds below, no label overlapping."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # no display on servers
         from matplotlib.figure import Figure
@@ -107,9 +99,7 @@ def build_figure(record: dict, thresholds: dict[str, float]) -> Any:
         title += f" in {record['time_to_ready_seconds']:.2f} s"
     fig.suptitle(title)
 
-    # Stage timeline: one bar per stage from its start to its end.  State changes
-    # are dotted lines without text: they fall within milliseconds of each other,
-    # and the stage names on the left already say which state each stage is in.
+    # State changes are unlabelled dotted lines: they fall within milliseconds of each other.
     xmax = max([(s.get("start_seconds") or 0.0) + (s.get("duration_seconds") or 0.0) for s in stages] + [1e-3])
     for i, s in enumerate(stages):
         start = s.get("start_seconds") or 0.0
@@ -125,8 +115,7 @@ def build_figure(record: dict, thresholds: dict[str, float]) -> Any:
                      else "seconds since agent start")
     gantt.set_title("Stage timeline (dotted: state changes)", fontsize=10)
 
-    # Probe latencies against the readiness thresholds.  Every line is named in
-    # the legend, which sits outside the plot so it covers no line.
+    # The legend sits outside the plot so it covers no line.
     if probes:
         lat.plot(range(1, len(probes) + 1), probes, marker="o", markersize=3, linewidth=1, label="probe time to first token")
         lat.plot([1], [probes[0]], marker="o", markersize=7, color="#c0392b", linestyle="none", label="first probe")

@@ -1,6 +1,4 @@
-"""One stage of the run on the run's clock (the run record, the tracer and the
-progress display read it; the Agent writes it).  A module of its own so that
-the tracer can name it without importing the run record or the stages."""
+"""One stage of the run on the run's clock; its own module so the tracer imports neither record nor stages."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

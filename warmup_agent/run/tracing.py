@@ -1,32 +1,10 @@
-"""Start-up traces (issue 27): one OpenTelemetry span per stage and timed step,
-exported over OTLP (gRPC or HTTP).
+"""Start-up traces: one OpenTelemetry span per stage and timed step, exported over OTLP.
 
-The tree of one start::
-
-    warmup.startup                       process start -> SERVING or FAILED
-      warmup.stage.startup               interpreter, imports, model set-up (phase 0)
-      warmup.stage.reserve               + one span per reserve step (host_facts, model_check, ...)
-      warmup.stage.prewarm               + weights, tokenizer, fingerprint, traffic
-      warmup.stage.solidify              + the solidify method (replay, cuda_graphs, torch.compile)
-      warmup.stage.ready                 + one span per readiness probe
-
-A re-warm (engine restart, POST /admin/rewarm) is a trace of its own, rooted at
-`warmup.rewarm`.
-
-Off by default (`tracing.enabled`), and then nothing here imports OpenTelemetry:
-the agent calls the methods of `NOOP`, which do nothing.  On, the agent's thread
-only builds plain dicts from the stage records (`StageTiming` and its `detail`)
-and puts them on a queue.  Once the start has ended (SERVING or FAILED), one
-background thread imports the SDK and the OTLP exporter, makes the spans with
-the record's own timestamps (so span durations are the record's durations) and
-hands them to a batch processor, which exports them in its own thread.  So
-tracing takes no time from the start itself: not even the SDK import (0.4 s of
-CPU with gRPC) happens before SERVING.  A collector that is down or slow costs the start
-nothing: an export fails in the background, is logged once, and the exit waits
-at most `tracing.export_timeout_seconds` to flush.
-
-The trace ID is chosen up front (no SDK needed) so that the `[COLDSTART]` lines
-(progress.coldstart) and the run record carry it from the first line.
+The root `warmup.startup` spans process start to SERVING or FAILED, with a child per stage;
+a re-warm is a trace of its own, rooted at `warmup.rewarm`.  The agent's thread only queues
+plain dicts; after the start ends, a background thread imports the SDK and makes the spans
+with the record's timestamps, so tracing costs the start nothing, not even the import.
+The trace ID is chosen up front so the `[COLDSTART]` lines carry it from the first line.
 """
 from __future__ import annotations
 
@@ -55,8 +33,7 @@ class _Context(Protocol):
 
 
 class _RunSettings(Protocol):
-    """What the tracer reads of the run's configuration: the engine key and the
-    served model name (openai.model)."""
+    """What the tracer reads of the run's configuration."""
     @property
     def engine(self) -> str: ...
     @property
@@ -64,8 +41,7 @@ class _RunSettings(Protocol):
 
 
 class Agent(Protocol):
-    """What the tracer reads of the run (pipeline.Agent is one); declared here so
-    that tracing imports nothing of the pipeline."""
+    """What the tracer reads of the run, declared here so tracing imports nothing of the pipeline."""
     @property
     def cfg(self) -> _RunSettings: ...
     @property
@@ -98,10 +74,9 @@ REWARM_SPAN = "warmup.rewarm"
 # The order of prewarm's timed steps (its `seconds` dict may be filled in another order).
 PREWARM_STEPS = ("weights", "tokenizer", "fingerprint", "traffic")
 MAX_ATTRIBUTES = 100          # per span; the SDK's default limit is 128
-IMPORT_WAIT_SECONDS = 10.0    # at exit: the longest wait for the SDK import (0.4 s on an idle host)
+IMPORT_WAIT_SECONDS = 10.0    # at exit: the longest wait for the SDK import
 
 
-# -- settings ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Settings:
     protocol: str             # grpc | http/protobuf
@@ -116,9 +91,7 @@ def enabled(tracing: TracingSection, environ: Mapping[str, str] | None = None) -
 
 
 def settings(tracing: TracingSection, environ: Mapping[str, str] | None = None) -> Settings:
-    """The exporter's settings: a `tracing.*` key when set, else the standard
-    OTEL_EXPORTER_OTLP_* variables, else the OTLP defaults (localhost:4317 for
-    gRPC, localhost:4318/v1/traces for HTTP)."""
+    """The exporter's settings: `tracing.*` keys, else OTEL_EXPORTER_OTLP_* variables, else OTLP defaults."""
     env = os.environ if environ is None else environ
     protocol = (tracing.protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
@@ -139,8 +112,7 @@ def settings(tracing: TracingSection, environ: Mapping[str, str] | None = None) 
 
 
 def _base(url: str, http: bool) -> str:
-    """A base endpoint: HTTP appends /v1/traces (as for OTEL_EXPORTER_OTLP_ENDPOINT);
-    gRPC takes it as it is."""
+    """A base endpoint with /v1/traces appended for HTTP; gRPC takes it as it is."""
     url = url.strip()
     if "://" not in url:
         url = "http://" + url
@@ -149,7 +121,6 @@ def _base(url: str, http: bool) -> str:
     return url
 
 
-# -- the no-op tracer, and the active one ------------------------------------------------
 class Tracing:
     """No tracing: every hook does nothing.  `OtlpTracing` overrides them."""
 
@@ -157,7 +128,7 @@ class Tracing:
 
     @property
     def current_trace_id(self) -> str | None:
-        """The trace now open: the start-up's, or a re-warm's ([COLDSTART] lines)."""
+        """The trace now open: the start-up's or a re-warm's."""
         return None
 
     def run_started(self, agent: Agent) -> None:
@@ -187,8 +158,7 @@ def current_trace_id() -> str | None:
 
 
 def setup(tracing: TracingSection, env: Mapping[str, str] | None = None) -> Tracing:
-    """Make the process's tracer from the `tracing.*` section; NOOP (no import) when
-    tracing is off."""
+    """Make the process's tracer from the `tracing.*` section; NOOP, importing nothing, when off."""
     global _active
     if not enabled(tracing, env):
         return NOOP
@@ -220,7 +190,6 @@ def shutdown() -> None:
     tracer.shutdown()
 
 
-# -- span specs: plain data built on the agent's thread ----------------------------------
 @dataclass
 class SpanSpec:
     name: str
@@ -286,8 +255,7 @@ def model_name(agent: Agent) -> str | None:
 
 
 def _sequential(prefix: str, start_ns: int, steps: list[tuple[str, float]], attrs: dict[str, dict]) -> list[SpanSpec]:
-    """Spans for timed steps laid end to end from `start_ns` (the record holds their
-    durations, not their start times)."""
+    """Spans for timed steps laid end to end from `start_ns`: the record holds only durations."""
     out, t = [], start_ns
     for name, seconds in steps:
         if not isinstance(seconds, (int, float)) or seconds < 0:
@@ -309,8 +277,7 @@ def _engine_seconds(agent: Agent, kind: str) -> float:
 
 
 class OtlpTracing(Tracing):
-    """Spans for the start-up (and each re-warm), exported over OTLP from a
-    background thread; the agent's thread only queues plain dicts."""
+    """Spans for the start-up and each re-warm, exported from a background thread."""
 
     def __init__(self, s: Settings):
         self.settings = s
@@ -324,7 +291,7 @@ class OtlpTracing(Tracing):
         self._thread = threading.Thread(target=self._worker.run, name="otel-traces", daemon=True)
         self._thread.start()
 
-    # -- hooks (agent thread; never raise) ---------------------------------------------------
+    # Hooks run on the agent's thread and never raise.
     @property
     def current_trace_id(self) -> str | None:
         tr = self._trace if self._trace is not None and self._trace.open else self._startup
@@ -355,14 +322,12 @@ class OtlpTracing(Tracing):
 
     def shutdown(self) -> None:
         self._queue.put(("stop",))
-        # Importing the SDK is local work (bounded); only the collector's part is
-        # bounded by the export timeout.
+        # Only the collector's part is bounded by the export timeout.
         self._worker.ready.wait(IMPORT_WAIT_SECONDS)
         self._thread.join(self.settings.timeout + 0.5)
         if self._thread.is_alive():
             log.warning("start-up traces: not all spans were exported within %.1fs", self.settings.timeout)
 
-    # -- span building -------------------------------------------------------------------
     def _origin(self, agent: Agent, tr: _Trace) -> int:
         if tr.origin_ns is None:   # agent.started is final once run() has begun
             tr.origin_ns = time.time_ns() - round((agent.clock() - agent.started) * 1e9)
@@ -470,7 +435,7 @@ class OtlpTracing(Tracing):
         self._queue.put(("end", tr.trace_id, attrs, error, max(end_ns, tr.last_end_ns)))
 
 
-# -- the background thread: the only code that touches OpenTelemetry --------------------
+# The background thread is the only code that touches OpenTelemetry.
 class _Worker:
     def __init__(self, s: Settings, events: queue.SimpleQueue[tuple]):
         self.s = s
@@ -480,10 +445,8 @@ class _Worker:
         self.ready = threading.Event()     # the SDK is imported (or could not be)
 
     def run(self) -> None:
-        # Nothing of OpenTelemetry is imported, and nothing is sent, before the first
-        # root span has ended (SERVING or FAILED): the spans carry the record's own
-        # timestamps, so they can be made afterwards, and importing the SDK and gRPC
-        # (0.4 s of CPU here) never competes with the warmup for the interpreter.
+        # Nothing is imported or sent before the first root span ends, so the SDK import
+        # never competes with the warmup for the interpreter.
         pending: list[tuple] = []
         while True:
             event = self.events.get()
@@ -534,13 +497,11 @@ class _Worker:
         attrs = {"service.version": __version__}
         if not os.environ.get("OTEL_SERVICE_NAME") and "service.name=" not in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
             attrs["service.name"] = self.s.service_name
-        # The SDK's own warnings on every failed retry would flood the agent's log
-        # while a collector is down; _LoggedExporter says it once.
+        # The SDK warns on every failed retry; _LoggedExporter says it once.
         logging.getLogger("opentelemetry.exporter").setLevel(logging.ERROR)
         logging.getLogger("opentelemetry.sdk").setLevel(logging.ERROR)
         exporter = _logged(OTLPSpanExporter(endpoint=self.s.endpoint, timeout=self.s.timeout), self.s)
-        # shutdown_on_exit=False: the SDK's own atexit hook waits up to 30 s for a
-        # collector that is down; shutdown() here waits tracing.export_timeout_seconds.
+        # The SDK's atexit hook would wait 30 s for a collector that is down.
         provider = TracerProvider(resource=Resource.create(attrs), id_generator=PresetTraceIds(),
                                   shutdown_on_exit=False)
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))
@@ -579,8 +540,7 @@ class _Worker:
 
 
 def _logged(inner: Any, s: Settings) -> Any:
-    """The OTLP exporter, saying once (not per retry) that the collector cannot be
-    reached, and once when it can again."""
+    """The OTLP exporter, logging once when the collector becomes unreachable and once when it is back."""
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     class LoggedExporter(SpanExporter):

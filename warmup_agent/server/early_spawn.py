@@ -1,29 +1,11 @@
-"""Start a supervised server before the agent's own imports (issue 30).
+"""Start a supervised server before the agent's own imports, so its start-up overlaps them.
 
-`warmup-agent run ... -- llama-server ...`: everything the agent does before the
-server's spawn is on the critical path of every start, and the server's own start-up
-(over a second for llama.cpp on a GPU; docs/benchmarks.md) overlaps everything after it.  The CLI's imports
-(engines, supervisor, exporter, logging) used to come first.  Now `cli.main` calls
-`start(argv)` first thing: it loads and checks the configuration exactly as the run
-will (config.load: the file, the environment, the flags, the requests file), works
-out from it the command and environment the openai engine would start
-(server/command.py), and spawns it.  The CLI then reuses that configuration
-(`loaded_config`).
-
-A bad configuration starts nothing: config.load or the checks that need no server
-(server/preflight.py: the proxy's main engine, the exporter's and the proxy's
-addresses) raise, nothing is spawned, and the run reports the error as before
-(tests/test_requests_file.py, tests/test_proxy_supervised.py).  The engine adopts the
-early server (`take`) only if its command and environment are exactly what it would
-start; otherwise it kills it and spawns its own, with one log line saying why.  A run
-that ends before (a missing extra, a port the exporter cannot take) kills it
-(`discard`).  Nothing is spawned early for vLLM (its command gets a memory budget the
-engine works out, and it takes a minute to start anyway), for a command that is not on
-PATH, or for a port already taken: the supervisor reports those as before.
-WARMUP_NO_EARLY_SPAWN=1 turns it off (to measure what it saves; not a WARMUP_AGENT_*
-name, which the config would reject).
-
-Only the configuration and the standard library are imported before the spawn.
+`cli.main` calls `start(argv)` first thing: it loads and checks the configuration as the
+run will and spawns the command the openai engine would start.  A bad configuration starts
+nothing.  The engine adopts the early server (`take`) only if its command and environment
+are exactly its own, else kills it; a run that ends first kills it (`discard`).  vLLM is
+never spawned early (its command needs a memory budget the engine works out).
+WARMUP_NO_EARLY_SPAWN=1 turns this off; it is not a WARMUP_AGENT_* name, which the config would reject.
 """
 from __future__ import annotations
 
@@ -40,8 +22,7 @@ from warmup_agent.server.command import is_vllm, listen_address, server_env, ser
 if TYPE_CHECKING:
     from warmup_agent.config import Config
 
-# `warmup-agent run` options that take a value (cli.build_parser); any other option
-# before `--` (e.g. --help) means: no early spawn.
+# `run` options that take a value (cli.build_parser); any other option before `--` means no early spawn.
 _VALUED = {"--config", "--model", "--engine", "--listen", "--proxy-listen", "--data-dir", "--record"}
 _FLAGS = {"--once", "--no-progress"}
 
@@ -55,7 +36,7 @@ class Early:
 
 
 _early: Early | None = None
-_loaded: tuple[str | None, dict, Config] | None = None   # (config file, flags, the configuration start() loaded)
+_loaded: tuple[str | None, dict, Config] | None = None   # (config file, flags, configuration)
 
 
 def _options(words: list[str]) -> dict[str, str] | None:
@@ -77,15 +58,13 @@ def _options(words: list[str]) -> dict[str, str] | None:
 
 def config_flags(model: str | None, engine: str | None, listen: str | None, data_dir: str | None,
                  proxy_listen: str | None) -> dict[str, str | None]:
-    """The config keys `run`'s flags set (cli._load passes the same to config.load)."""
+    """The config keys `run`'s flags set."""
     return {"model.path": model, "engine": engine, "exporter.listen": listen, "data_dir": data_dir,
             "proxy.listen": proxy_listen}
 
 
 def _validated(options: dict[str, str], environ: dict[str, str]) -> Config | None:
-    """The configuration, loaded and checked exactly as the run will (config.load:
-    the file, the environment, the flags, the requests file); None when it is bad:
-    then no server starts, and the run reports the error as before."""
+    """The configuration, loaded as the run will load it; None when it is bad (the run reports it)."""
     from warmup_agent import config
     flags = config_flags(options.get("--model"), options.get("--engine"), options.get("--listen"),
                          options.get("--data-dir"), options.get("--proxy-listen"))
@@ -99,9 +78,7 @@ def _validated(options: dict[str, str], environ: dict[str, str]) -> Config | Non
 
 
 def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str], Config] | None:
-    """(command, environment, configuration): what the openai engine would start for
-    this command line, from its validated configuration; None when nothing should
-    start early."""
+    """(command, environment, configuration) the openai engine would start; None to start nothing early."""
     if not argv or argv[0] != "run" or "--" not in argv:
         return None
     cut = argv.index("--")
@@ -112,7 +89,6 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
     if cfg is None or cfg.engine != "openai":
         return None
     try:
-        # The checks that need no server: a failure starts none.
         preflight.check(cfg.engine, cfg.openai.url, cfg.exporter, cfg.proxy, command)
     except ConfigError:
         return None
@@ -122,8 +98,7 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
 
 
 def _can_start(command: list[str]) -> bool:
-    """Supervisor.start's own check (server_process.start_problem): the executable
-    exists and the port is free.  Either failing: leave it to the supervisor's named error."""
+    """Whether the executable exists and the port is free; otherwise the supervisor reports it."""
     host, port = listen_address(command)
     return server_process.start_problem(command, host, port) is None
 
@@ -148,8 +123,7 @@ def start(argv: list[str]) -> None:
 
 
 def loaded_config(path: str | None, flags: dict[str, str | None]) -> Config | None:
-    """The configuration start() validated, when the CLI asks for the same file and
-    flags (once): the requests file is not checked twice."""
+    """The configuration start() loaded, once, for the same file and flags (no second file check)."""
     global _loaded
     found, _loaded = _loaded, None
     if found is not None and found[0] == path and found[1] == flags:
@@ -158,8 +132,7 @@ def loaded_config(path: str | None, flags: dict[str, str | None]) -> Config | No
 
 
 def take(command: list[str], env: dict[str, str]) -> tuple[Early | None, str | None]:
-    """(the early server, None) when it was started with exactly this command and
-    environment, else (None, why not); the early server, if any, is then killed."""
+    """(early server, None) if it was started with exactly this command and environment, else (None, why)."""
     global _early
     early, _early = _early, None
     if early is None:
@@ -175,8 +148,7 @@ def take(command: list[str], env: dict[str, str]) -> tuple[Early | None, str | N
 
 
 def discard() -> None:
-    """Kill the early server if nothing adopted it (the run ended before the engine
-    started its server)."""
+    """Kill the early server if nothing adopted it."""
     global _early
     early, _early = _early, None
     if early is not None:

@@ -1,11 +1,6 @@
-"""The one table of model server kinds: what the agent and the Helm chart know about each.
+"""The one table of model server kinds, read by the agent and by `make regenerate` for the chart's presets.
 
-One entry per server, as node_exporter registers one collector per name.  The agent reads
-it (command recognition, remedies, concurrency, start-up log lines, the pod's-life signals
-of server/signals.py); `make regenerate` writes the chart's presets from it
-(tools/sync_chart_files.py: files/presets.yaml, the schema's enum, the README's table) and
-tests/test_server_kinds.py fails when they disagree.  docs/architecture.md shows how to add
-a server.
+docs/architecture.md shows how to add a server.
 """
 from __future__ import annotations
 
@@ -18,14 +13,10 @@ REQUEST_LOG = r"POST /v1/(?:chat/)?completions\b"
 
 @dataclass(frozen=True)
 class Preset:
-    """How the chart starts a server (`server.preset`):
-    `executable MODEL_FLAG MODEL HOST_FLAG 0.0.0.0 PORT_FLAG PORT [SERVED_NAME_FLAG NAME]`.
-    `model_flag` "": the model is positional.  `served_name_flag` None: the server has none
-    and serves the model under its path, which the agent then sends.  `image`/`image_tag`:
-    its default image in sidecar mode ("": the user names one).  `in_agent_image`: the
-    default agent image holds it.  `gives_model_path`: in entrypoint mode the chart tells the
-    agent the model directory (model.path), where the command line does not say it plainly.
-    `model_example`: how the chart's README writes the model argument."""
+    """How the chart starts a server (`server.preset`).
+
+    `model_flag` "" means a positional model; `served_name_flag` None means the model is
+    served under its path.  `gives_model_path`: the chart tells the agent model.path."""
     executable: tuple[str, ...]
     model_flag: str = ""
     served_name_flag: str | None = "--served-model-name"
@@ -51,23 +42,10 @@ class Preset:
 class ServerKind:
     """One model server.
 
-    `name`: its one name, in the chart (`server.preset`), logs and docs; `label`: how its
-    users write it, for log lines.  `command_words`: words that identify its command line.
-    `owned_by`: what /v1/models says owns the model, for a server the agent did not start.
-    `preset`: the chart's command line (None: run it with preset custom).
-    `remedy_env`/`remedy`: environment that removes a per-prompt-length cost the warmup
-    finds (openai.apply_server_remedy), and the advice in the user's words.  `concurrency`:
-    requests it serves at once when it does not say (0: ask it, else 1).
-    `startup_log`: start-up line patterns whose one group is seconds it spent (key: what).
-    `request_log`: a pattern of its log's request lines (other clients' traffic).
-
-    The pod's-life signals (DESIGN.md, "The pod's whole life"), all read without
-    sending the server a task:
-    `start_time_metric`: a gauge in its /metrics holding the process start time
-    (a new value means a new, cold process); `sleep_path`/`sleep_key`: a GET
-    endpoint and JSON key that say whether it sleeps; `sleep_option`: the command
-    line option that makes it sleep when idle; `wake_path`: a POST that wakes it
-    (None: its next request wakes it)."""
+    `remedy_env` removes a per-prompt-length cost the warmup finds; `concurrency` is used when
+    the server does not say (0: ask it).  `startup_log` patterns capture seconds spent.  The
+    pod's-life signals are read without sending a task: `start_time_metric` (a new value is
+    a new, cold process), `sleep_path`/`sleep_key`, and `wake_path` (None: a request wakes it)."""
     name: str
     label: str
     command_words: tuple[str, ...]
@@ -90,11 +68,11 @@ class ServerKind:
 
     @property
     def wakes_on_request(self) -> bool:
-        """Whether a user's request wakes it (else only its wake call does)."""
+        """Whether a user's request wakes it."""
         return self.can_sleep and self.wake_path is None
 
 
-#: vLLM's start-up lines that say how long its own compile, graph capture and loads took.
+#: vLLM's start-up lines giving its compile, graph capture and load times.
 _VLLM_STARTUP_LOG = {
     "compile_seconds": r"torch\.compile takes ([\d.]+) s in total",
     "graph_capture_seconds": r"Graph capturing finished in ([\d.]+) sec",
@@ -128,15 +106,13 @@ KINDS: tuple[ServerKind, ...] = (
 )
 
 BY_NAME = {k.name: k for k in KINDS}
-#: What /v1/models says owns the model, for a server the agent did not start.
 BY_OWNER = {k.owned_by: k for k in KINDS if k.owned_by}
-#: The chart's presets (server.preset), besides `custom`.
+#: The chart's presets, besides `custom`.
 PRESETS = {k.name: k.preset for k in KINDS if k.preset is not None}
 
 
 def kind_of_command(command: list[str] | None) -> ServerKind | None:
-    """The server a command line starts, or None.  A command word of several words
-    matches when each of them is among the command's first four words."""
+    """The server a command line starts, or None; a multi-word command word matches within the first four words."""
     words = [os.path.basename(w) for w in (command or [])[:4]]
     text = " ".join(words)
     for kind in KINDS:
@@ -148,9 +124,7 @@ def kind_of_command(command: list[str] | None) -> ServerKind | None:
 
 
 def sleeps_when_idle(kind: ServerKind | None, command: list[str] | None) -> bool:
-    """Whether the command asks its server to sleep on its own after an idle time
-    (llama.cpp's --sleep-idle-seconds N with N >= 0).  vLLM's --enable-sleep-mode only
-    allows a sleep that a client asks for (POST /sleep): it is not idle sleep."""
+    """Whether the command makes its server sleep when idle (vLLM's sleep mode only sleeps when asked)."""
     if kind is None or kind.sleep_option is None or kind.wake_path is not None or not command:
         return False
     for i, word in enumerate(command):

@@ -1,15 +1,7 @@
-"""The configuration checks that need no server, made before one is spawned (issue 61).
+"""Configuration checks that need several keys, the server command or a socket, made before a spawn.
 
-A supervised server can take minutes to load on a GPU; a mistake in the agent's own
-settings must not wait for it.  config.load checks each key on its own; `check` adds
-what needs several keys and the server command together, or a socket: where the proxy
-sends users (`main_url`), whether the exporter's and the proxy's addresses can be
-listened on, and that neither is the server's own.  early_spawn runs it before its
-spawn (a failure spawns nothing), and the CLI runs it again before the engine starts
-a server, so that the one-line error comes first either way.
-
-Only the standard library, the configuration and server/command.py: this runs before
-the agent's heavy imports.
+A server may take minutes to load, so a mistake in the agent's own settings must fail first.
+Standard library only besides config and command.py: this runs before the heavy imports.
 """
 from __future__ import annotations
 
@@ -27,9 +19,7 @@ LOCAL_BACKEND_ENGINES = ("torch",)
 
 
 def server_url(engine: str, openai_url: str | None, command: list[str] | None) -> str | None:
-    """Where the openai engine's server answers: openai.url, else the supervised
-    command's address (its --host and --port, or its server's default port), as the
-    engine itself derives it (engines/openai/server.py)."""
+    """Where the openai engine's server answers: openai.url, else the supervised command's address."""
     if engine != "openai":
         return None
     if openai_url:
@@ -40,8 +30,7 @@ def server_url(engine: str, openai_url: str | None, command: list[str] | None) -
 
 
 def main_url(engine: str, openai_url: str | None, proxy: ProxySection, command: list[str] | None) -> str | None:
-    """The proxy's main engine as a URL: proxy.upstream_url, else the openai engine's
-    server (server_url); None where it is the engine in this process (torch) or unknown."""
+    """The proxy's main engine URL; None for an in-process engine or when unknown."""
     if proxy.upstream_url:
         return proxy.upstream_url
     if engine in LOCAL_BACKEND_ENGINES:
@@ -55,7 +44,7 @@ def _split(listen: str) -> tuple[str, int]:
 
 
 def _can_listen(key: str, listen: str) -> None:
-    """Bind HOST:PORT and let it go again; ConfigError naming `key` where it cannot be."""
+    """Bind HOST:PORT and release it; ConfigError naming `key` where it cannot."""
     host, port = _split(listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -101,15 +90,13 @@ def _check_addresses(exporter: ExporterSection, proxy: ProxySection, server_comm
 
 
 def _overlap(a: str, b: str) -> bool:
-    """Whether listeners on hosts `a` and `b` would want the same socket (a wildcard meets any)."""
+    """Whether listeners on hosts `a` and `b` would want the same socket."""
     wild = ("", "0.0.0.0", "::")
     return a == b or a in wild or b in wild
 
 
 def check(engine: str, openai_url: str | None, exporter: ExporterSection, proxy: ProxySection,
           command: list[str] | None) -> None:
-    """Every check that needs no server (the module's docstring), of the engine, openai.url,
-    the exporter's and the proxy's sections and the server command; raises ConfigError,
-    one line naming the key."""
+    """Run every check that needs no server; ConfigError names the key."""
     _check_proxy(engine, openai_url, proxy, command)
     _check_addresses(exporter, proxy, command if engine == "openai" else None)

@@ -1,7 +1,4 @@
-"""How a supervised server process is started: one Popen, shared by the supervisor
-(server/supervisor.py) and the early spawn (server/early_spawn.py), so that both start it the same
-way.  Standard library only: the early spawn imports it before the rest of the agent.
-"""
+"""The one way a supervised server is spawned, shared by the supervisor and the early spawn (stdlib only)."""
 from __future__ import annotations
 
 import ctypes  # at the top: importing in preexec_fn (after the fork) can deadlock
@@ -13,7 +10,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGKILL the child when its parent thread dies."""
+    """preexec_fn: have the kernel SIGKILL the child when its parent thread dies."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -21,17 +18,14 @@ def _die_with_parent() -> None:
 
 
 def final_env(env: dict[str, str]) -> dict[str, str]:
-    """The environment the server gets: the given one, with unbuffered Python output
-    (its log lines reach the agent as they are written)."""
+    """`env` with unbuffered Python output, so log lines reach the agent as written."""
     out = dict(env)
     out.setdefault("PYTHONUNBUFFERED", "1")
     return out
 
 
 def spawn(command: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start the server in a process group of its own (stop() signals the whole
-    group), stdout and stderr on one pipe, killed by the kernel when the thread that
-    spawned it ends (PR_SET_PDEATHSIG).  Raises OSError when it cannot start."""
+    """Start the server in its own process group, output on one pipe, killed when the spawning thread ends."""
     return subprocess.Popen(command, env=final_env(env), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=_die_with_parent)
@@ -48,8 +42,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def start_problem(command: list[str], host: str, port: int | None) -> tuple[str, str] | None:
-    """(reason, message) when the server cannot be started: its executable is not
-    found, or something already listens on its port; None when it can."""
+    """(reason, message) if the executable is missing or the port is taken, else None."""
     import shutil
     if shutil.which(command[0]) is None:
         return ("server_command_not_found",
@@ -61,7 +54,7 @@ def start_problem(command: list[str], host: str, port: int | None) -> tuple[str,
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the server's whole process group (what it spawned must not outlive it)."""
+    """SIGKILL the server's whole process group."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -1,19 +1,8 @@
 """What a running model server says about its own life, read without giving it a task.
 
-A probe is a task: it resets a sleeping server's idle timer and wakes it.  These
-reads are not: GET /health-like endpoints, the server's /metrics, and the
-kernel's view of the process listening on the server's port.  Which endpoint
-says what comes from the kind's entry in server/kinds.py.
-
-  identity()   when the listening process started (epoch seconds): a new value
-               means a new process, cold.  From the kind's start-time gauge in
-               its /metrics, else from /proc where the server's process is
-               visible (same host, or a pod with shareProcessNamespace).
-  sleeping()   whether it sleeps now (None: the kind cannot say).
-  wake()       the kind's wake call (vLLM's POST /wake_up); False where the next
-               request wakes it instead.
-  health()     None when its health endpoint answers 200, else why not
-               ("unreachable", "timeout", "server_error").
+A probe would reset a sleeping server's idle timer and wake it; health endpoints, /metrics
+and /proc do not.  `identity()` is when the listening process started: a new value means a
+new, cold process.
 """
 from __future__ import annotations
 
@@ -45,7 +34,6 @@ class ServerSignals:
         self._pid: int | None = None
         self._pid_started: float | None = None
 
-    # -- HTTP reads ---------------------------------------------------------------------
     def _get(self, path: str) -> bytes | None:
         try:
             with urllib.request.urlopen(self.url + path, timeout=self.timeout) as r:
@@ -54,9 +42,7 @@ class ServerSignals:
             return None
 
     def health(self) -> str | None:
-        """None when the health endpoint answers 200; else the cause: "unreachable"
-        (refused, reset), "timeout" (no answer within the read timeout) or
-        "server_error" (any other status: a server still loading answers 503)."""
+        """None when the health endpoint answers 200, else "unreachable", "timeout" or "server_error"."""
         try:
             with urllib.request.urlopen(self.url + self.health_path, timeout=self.timeout) as r:
                 return None if r.status == 200 else "server_error"
@@ -94,7 +80,6 @@ class ServerSignals:
             log.warning("wake call %s%s failed: %s", self.url, self.kind.wake_path, e)
             return False
 
-    # -- which process ------------------------------------------------------------------
     def identity(self) -> float | None:
         """When the server's process started (epoch seconds), or None if unknown."""
         started = self._metric_start_time()

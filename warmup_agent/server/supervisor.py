@@ -1,24 +1,9 @@
-"""Supervise a model server child process (e.g. vLLM's OpenAI-compatible server).
+"""Supervise one model server child process: keep it alive and tell the agent when it comes and goes.
 
-One job: keep one server process alive and tell the agent when it comes and goes.
-
-- The child runs in a process group of its own (`start_new_session`), so stopping
-  it kills everything it spawned; on Linux it also gets PR_SET_PDEATHSIG=SIGKILL,
-  so it dies with the supervisor's monitor thread even if the agent is killed -9.
-- Its stdout and stderr go, line by line, into our log (logger
-  `warmup_agent.server`); the last lines are kept for error messages.
-- A crash after the server was healthy calls `on_server_exit(returncode)` at once
-  (the pipeline drops readiness and goes back to PRELOAD), then the server is
-  restarted after a capped exponential backoff and `on_server_ready()` is called
-  when its health endpoint answers again.
-- `stop()` sends SIGTERM to the group, waits `drain_seconds` for in-flight
-  requests to finish, then SIGKILLs whatever is left.
-
-Every Popen happens on the monitor thread: PR_SET_PDEATHSIG fires when the
-*thread* that forked the child ends, so forking from a short-lived stage thread
-would kill the server when that thread returns.  The one exception is a server the
-CLI spawned on its main thread before its own imports (server/early_spawn.py), which the
-first start adopts: the main thread lasts as long as the process.
+A crash after the server was healthy calls `on_server_exit` at once, then restarts it with
+capped exponential backoff.  Every Popen runs on the monitor thread, because
+PR_SET_PDEATHSIG fires when the *thread* that forked the child ends; the early spawn's
+server comes from the main thread, which lives as long as the process.
 """
 from __future__ import annotations
 
@@ -36,11 +21,7 @@ from warmup_agent.server import process as server_process
 
 
 class Supervisor:
-    """Start, watch, restart and stop one server process.
-
-    `health_url` must answer 200 once the server can take requests (vLLM: /health).
-    Times are seconds.  Callbacks run on the monitor thread; keep them short.
-    """
+    """Start, watch, restart and stop one server process; callbacks run on the monitor thread."""
 
     def __init__(self, command: list[str], health_url: str, *, env: dict[str, str] | None = None,
                  host: str = "127.0.0.1", port: int | None = None,
@@ -70,8 +51,7 @@ class Supervisor:
 
         self.proc: subprocess.Popen | None = None
         self.restarts = 0                  # restarts after a crash (not the first start)
-        # Seconds from spawn to the first 200 of the health URL at the first start: the
-        # server's own start-up, which sizes the warmup budget (prewarm.budget_ratio).
+        # The first start's spawn-to-healthy seconds, which size the warmup budget.
         self.start_seconds: float | None = None
         self.last_lines: collections.deque[str] = collections.deque(maxlen=40)
         self._lock = threading.Lock()
@@ -81,21 +61,14 @@ class Supervisor:
         self._first_error: EngineError | None = None
         self._monitor: threading.Thread | None = None
         self._readers: list[threading.Thread] = []
-        # A server the CLI spawned before anything else was imported (server/early_spawn.py),
-        # with exactly this command and environment: the first start adopts it.
+        # The early spawn's server, which the first start adopts.
         self._adopt, self._adopted_at = adopt, adopted_spawn_time
-        # Seconds from the agent's process start to the first spawn: what comes before
-        # the server's own start-up on the critical path.
+        # Seconds from the agent's process start to the first spawn.
         self.first_spawn_process_age: float | None = adopted_process_age
 
-    # -- public ---------------------------------------------------------------------
-
     def start(self) -> None:
-        """Start the server and block until it is healthy.  Raises EngineError with a
-        named reason: server_command_not_found, port_in_use, server_exited,
-        server_never_healthy.  On error nothing is left running."""
-        # An adopted server is started already (its port is taken by itself): early_spawn
-        # made the same check before spawning it.
+        """Start the server and block until it is healthy; on EngineError nothing is left running."""
+        # An adopted server holds its own port; early_spawn checked before spawning it.
         problem = None if self._adopt is not None else server_process.start_problem(self.command, self.host, self.port)
         if problem is not None:
             raise EngineError(*problem)
@@ -111,8 +84,7 @@ class Supervisor:
         return self.proc.pid if self.proc else None
 
     def healthy(self) -> bool:
-        # Imported here, not at the top: the CLI spawns the server before this runs,
-        # so http.client's import (about 30 ms) overlaps the server's start-up.
+        # Imported here so the import overlaps the server's start-up.
         import urllib.error
         import urllib.request
         try:
@@ -122,8 +94,7 @@ class Supervisor:
             return False
 
     def stop(self) -> None:
-        """SIGTERM the server's process group, wait up to drain_seconds, then SIGKILL.
-        Safe to call more than once and from any thread."""
+        """SIGTERM the process group, wait up to drain_seconds, then SIGKILL; idempotent, any thread."""
         self._stopping.set()
         with self._lock:
             proc = self.proc
@@ -131,8 +102,6 @@ class Supervisor:
             self._terminate(proc, self.drain_seconds)
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=self.drain_seconds + 10)
-
-    # -- monitor thread --------------------------------------------------------------
 
     def _run(self) -> None:
         backoff = self.backoff_initial
@@ -257,11 +226,9 @@ class Supervisor:
                 else:
                     self.log.error(err.message)
                 return False
-            # Every 20 ms for the first 30 s, so a server up in a second or two is seen
-            # at once; then every 0.5 s.  A server log line wakes the check sooner:
-            # servers log "listening" as /health starts to answer.
+            # Often at first, then every 0.5 s; a log line wakes it sooner, as servers log "listening".
             if self._log_moved.wait(0.02 if time.monotonic() - started < 30 else 0.5):
-                time.sleep(0.002)       # a burst of lines (a model loading): a check per 2 ms at most
+                time.sleep(0.002)       # at most one check per 2 ms during a burst of lines
             self._log_moved.clear()
 
     def _exit_reason(self) -> tuple[str, str]:

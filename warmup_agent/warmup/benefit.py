@@ -1,33 +1,8 @@
-"""Warmup by measured benefit (issue 30): warm a path until it is warm, and no longer.
+"""Warmup by measured benefit: warm each path (endpoint x family x batch x prompt length) until it is warm.
 
-A *path* is what a server may pay a first-call cost for: endpoint x sampling
-family x batch size x prompt length.  Each path gets requests with fresh
-prompts (no prefix cache can answer them) until its requests stop getting
-faster; a path whose first call already matches the steady level that other
-paths measured gets no second call.  The whole warmup has a time budget
-(`Budget`, sized by the caller from the server's own start-up); a path the
-budget did not reach is recorded as skipped, with that reason.
-
-Nothing here talks to a server: `send(path, answer_tokens) -> Call` is given by
-the caller (stages/prewarm.py), so the rules are unit-tested on their own.
-
-The rules, with `tol` = prewarm.converge_tolerance and a slack of SLACK_SECONDS
-so that a 6 ms request is not "slower" for 1 ms of jitter:
-- matches steady: TTFT <= (1 + tol) x the steady TTFT of the nearest warm length
-  at or above this one (a longer prompt's prefill is an upper bound), and, when
-  the call decoded, TPOT <= (1 + tol) x the steady TPOT of its batch size;
-- stopped getting faster: the later of two calls is not faster than the earlier
-  by more than tol, on TTFT and on TPOT; or a later call matches steady.
-
-A path's first call that does not match steady is judged against a control
-(`Controlled`, issue 40): the same shape with a fresh prompt, sent after the same
-predecessor (`replay` re-sends it where the path's own first call would not be one:
-a longer prompt, or more requests at once).  A server has ordinary costs that are
-not cold start: on llama.cpp a request right after a much longer one, or after
-concurrent ones, spends 60-100 ms more in its slot, warm or not.  The control pays
-them too; only what the first call pays beyond its control is cold.  The same
-measurement judges the readiness probes and gives the exported first-request
-figures (warmup_agent/readiness/probes.py).
+A first call is cold only by what it pays beyond its control (`Controlled`): servers have
+ordinary costs that are not cold start, such as llama.cpp's slower slot after a longer or
+concurrent request.  `send` is given by the caller, so the rules run without a server.
 """
 from __future__ import annotations
 
@@ -36,8 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+#: Absolute slack on comparisons, so jitter on a short request does not count as slower.
 SLACK_SECONDS = 0.002
-#: The slack on the server's own clock (a prefill it times itself: no HTTP, no client).
+#: The slack on the server's own prefill clock (no HTTP, no client).
 SERVER_SLACK_SECONDS = 0.0005
 
 
@@ -46,7 +22,7 @@ class Path:
     endpoint: str          # "chat" or "completions"
     family: str            # sampling family (traffic.FAMILY_DEFAULTS)
     batch: int             # requests sent at once
-    prompt_tokens: int     # the length this path is warmed at
+    prompt_tokens: int
 
     @property
     def label(self) -> str:
@@ -71,13 +47,11 @@ class Call:
 
 
 def call_of(results: Sequence) -> Call:
-    """One batch's engine results (engines.base.RequestResult) as one Call: the
-    slowest first token and the slowest request (the openai profile warmup and
-    the torch/vllm shape grid both judge a batch by it)."""
+    """One batch's engine results as one Call: its slowest first token and slowest request."""
     slow = max(results, key=lambda r: r.total_seconds)
     prefills = [r.server_prefill_seconds for r in results if r.server_prefill_seconds is not None]
     return Call(max(r.first_token_seconds for r in results), slow.total_seconds, slow.output_tokens, slow.prompt_tokens,
-                max(prefills) if len(prefills) == len(results) else None)   # only when every request has one
+                max(prefills) if len(prefills) == len(results) else None)
 
 
 def within(value: float, ref: float, tol: float, slack: float = SLACK_SECONDS) -> bool:
@@ -86,10 +60,7 @@ def within(value: float, ref: float, tol: float, slack: float = SLACK_SECONDS) -
 
 @dataclass(frozen=True)
 class Controlled:
-    """A "first" call and its control: the same shape with a fresh prompt, sent after
-    the same predecessor (prompt length, requests at once).  The one cold-start
-    measurement: the warmup's stop rule (`warm_path`, `warm_wave`), the readiness
-    gate and the exported first-request figures (readiness/probes.py) all read it."""
+    """A first call and its control: the same shape with a fresh prompt, after the same predecessor."""
     first: Call
     control: Call
 
@@ -101,19 +72,15 @@ class Controlled:
         return f is not None and c is not None and not within(f, c, tol)
 
     def ttft_tax(self, steady_ttft: float) -> float:
-        """The first call's time to first token over `steady_ttft`, less what its control
-        paid too: 1 + (first - control) / steady, never below 1.0 (nothing was cold): a
-        control slower than its first is noise, not a cold start below zero."""
+        """1 + (first - control) TTFT / steady, never below 1 (a slower control is noise)."""
         return 1 + max(0.0, self.first.ttft - self.control.ttft) / steady_ttft
 
     def total_tax(self, steady_total: float) -> float:
-        """The same on the whole answer."""
+        """`ttft_tax` on the whole answer."""
         return 1 + max(0.0, self.first.total - self.control.total) / steady_total
 
     def excess(self) -> dict[str, float]:
-        """What the first paid beyond its control, as fractions of the control's time to
-        first token and whole answer (never below 0): the taxes above with the control
-        as the steady level, kept where a later start reuses them (warmup/findings.py)."""
+        """What the first paid beyond its control, as fractions of the control's TTFT and total."""
         return {"ttft": round(max(0.0, self.first.ttft - self.control.ttft) / self.control.ttft, 4),
                 "total": round(max(0.0, self.first.total - self.control.total) / self.control.total, 4)}
 
@@ -123,15 +90,10 @@ class Controlled:
 
 
 def harder_predecessor(at_once: int, longest_prompt: int, batch: int, length: int) -> bool:
-    """Whether the last requests (`at_once` of them, the longest prompt `longest_prompt`
-    tokens) are a harder predecessor than a call of `batch` requests of `length` tokens:
-    then a control must follow them again (they are re-sent) to meet what its first met
-    (on llama.cpp a request after a longer one or after concurrent ones pays 60-100 ms in
-    its slot, warm or not)."""
+    """Whether the last requests are a harder predecessor than this call (then re-send them before its control)."""
     return at_once > batch or longest_prompt > length
 
 
-#: Why a path got one call only although its first did not match steady (the record).
 ORDINARY = "its control, sent after the same predecessor, paid the same: the server's ordinary cost, not a cold start"
 
 
@@ -158,9 +120,7 @@ class SteadyLevels:
             self._tpot.setdefault(path.batch, []).append(call.tpot)
 
     def ttft_ref(self, batch: int, length: int) -> float | None:
-        """Steady TTFT of the nearest warm length >= `length` (prefill grows with
-        length, so that is an upper bound); above every warm length, the longest
-        one scaled by the length ratio (an upper bound again)."""
+        """Steady TTFT of the nearest warm length >= `length` (an upper bound: prefill grows with length)."""
         return _nearest_above(self._ttft.get(batch), length)
 
     def tpot_ref(self, batch: int) -> float | None:
@@ -206,9 +166,7 @@ class Budget:
 
 def budget_for(server_start_seconds: float | None, ratio: float, min_seconds: float, fixed: float,
                unknown_start_seconds: float = 30.0) -> tuple[float, str]:
-    """The warmup budget: `fixed` when set (> 0), else ratio x the server's own
-    start-up (spawn to healthy), at least min_seconds; a server already running
-    (start-up unknown) gets unknown_start_seconds."""
+    """The warmup budget and why: `fixed` if > 0, else ratio x the server's start-up, at least min_seconds."""
     if fixed > 0:
         return fixed, "prewarm.budget_seconds"
     if server_start_seconds is None:
@@ -221,11 +179,7 @@ def budget_for(server_start_seconds: float | None, ratio: float, min_seconds: fl
 
 @dataclass
 class Outcome:
-    """What happened to one path: `result` is one of
-    warm_on_first_call  the first call matched steady: no second call
-    converged           later calls stopped getting faster
-    still_improving     max calls reached while still getting faster
-    skipped             not sent (`reason`: budget, refused family, ...)"""
+    """What happened to one path: warm_on_first_call, converged, still_improving or skipped (see `reason`)."""
     path: Path
     result: str
     reason: str = ""
@@ -241,16 +195,15 @@ class Outcome:
 def warm_path(path: Path, send: Callable[[Path], Call], steady: SteadyLevels, budget: Budget,
               tol: float, max_calls: int, replay: Callable[[], None] | None = None,
               calls: Sequence[Call] = ()) -> Outcome:
-    """Send `path` until it is warm (see the module docstring); record its steady level.
-    `replay`: re-sends the first call's predecessor before the control (None: the
-    path's own first call is as good a predecessor).  `calls`: calls already made
-    (a wave's first call and its control, `warm_wave`): the rules go on from there."""
+    """Send `path` until it matches steady or stops getting faster; record its steady level.
+
+    `replay` re-sends the first call's predecessor before the control; `calls` were already made."""
     out = Outcome(path, "skipped", calls=list(calls))
     if len(out.calls) >= 2:
         out.result = "still_improving"
         if not Controlled(out.calls[0], out.calls[1]).cold(tol):
             out.result, out.reason = "warm_on_first_call", ORDINARY
-            return out      # calls sent at once are no steady level (see warm_wave)
+            return out
     while len(out.calls) < max_calls:
         if budget.exhausted():
             if not out.calls:
@@ -267,30 +220,25 @@ def warm_path(path: Path, send: Callable[[Path], Call], steady: SteadyLevels, bu
                 out.result = "warm_on_first_call"
                 break
         elif len(out.calls) == 2 and not Controlled(out.calls[0], call).cold(tol):
-            out.result, out.reason = "warm_on_first_call", ORDINARY   # the second call was its control
+            out.result, out.reason = "warm_on_first_call", ORDINARY
             break
         elif steady.matches(path, call, tol) or stopped_improving(out.calls[-2], call, tol):
-            out.result = "converged"      # at the steady level other paths measured, or no faster
+            out.result = "converged"
             break
     else:
         out.result, out.reason = "still_improving", f"prewarm.max_calls_per_path {max_calls} reached"
-    alone = out.calls[len(calls):]      # the given calls were sent at once: no steady level
+    alone = out.calls[len(calls):]      # calls sent at once set no steady level
     if alone:
-        # The fastest call is the steady level: a path that "stopped getting faster"
-        # because its last call hit a noise spike must not lift the reference that
-        # every later path is judged against (seen: 24 then 377 ms on shared cores).
+        # The fastest call, so that one noise spike does not lift every later path's reference.
         steady.add(out.path, min(alone, key=lambda c: c.ttft))
     return out
 
 
 def warm_wave(paths: Sequence[Path], send_wave: Callable[[Sequence[Path]], list[Call]], send: Callable[[Path], Call],
               steady: SteadyLevels, budget: Budget, tol: float, max_calls: int) -> list[Outcome]:
-    """One call per path, all sent at once (`send_wave`: concurrently, as many at a
-    time as the server takes), then the same wave again as their controls: each call
-    of the second wave has the same predecessors as its first.  A path whose first
-    call was not cold beyond its control is done; a cold one goes on alone
-    (`warm_path`).  Calls at once pay the server's concurrency cost, so they are judged
-    against each other, never against the steady levels of calls sent alone."""
+    """One call per path sent at once, then the same wave again as their controls; cold paths go on alone.
+
+    Concurrent calls pay the server's concurrency cost, so they are judged only against each other."""
     if not paths:
         return []
     if budget.exhausted():
@@ -302,9 +250,7 @@ def warm_wave(paths: Sequence[Path], send_wave: Callable[[Sequence[Path]], list[
 
 
 def fresh_lengths(lo: int, hi: int, used: Sequence[tuple[int, int]], count: int, answer: int) -> list[int]:
-    """`count` prompt lengths whose decode ranges [n, n + answer] overlap none of
-    the `used` (start, end) ranges: inside [lo, hi] where there is room, else
-    above everything used."""
+    """`count` prompt lengths whose [n, n + answer] ranges overlap none of `used`, in [lo, hi] where there is room."""
     picks: list[int] = []
     taken = list(used)
 
@@ -326,14 +272,8 @@ def fresh_lengths(lo: int, hi: int, used: Sequence[tuple[int, int]], count: int,
 
 
 def prefill_cold(pair: Controlled, tol: float) -> bool:
-    """Whether a fresh prompt length's first token cost more than its control's (the
-    same length again, after the same predecessor), beyond tol / 2: then other prompt
-    lengths are worth warming.  Half the path tolerance, because this predicts lengths
-    nobody measured and a first token is mostly fixed cost.
-
-    Where the server times its own prefill (llama-server's timings.prompt_ms), that
-    clock decides: the client's 30 ms first token hides an 8 ms prefill, and a
-    request's wait in its slot after a longer or concurrent one is not prefill."""
+    """Whether a fresh length's first token cost more than its control's, beyond tol / 2 (it predicts
+    unmeasured lengths).  The server's own prefill clock decides where it has one: it excludes slot waits."""
     f, c = pair.first.server_prefill, pair.control.server_prefill
     if f is not None and c is not None:
         return not within(f, c, tol / 2, SERVER_SLACK_SECONDS)
@@ -341,11 +281,8 @@ def prefill_cold(pair: Controlled, tol: float) -> bool:
 
 
 def pays_per_length(pairs: Sequence[Controlled], ratio: float) -> tuple[bool, list[float]]:
-    """Whether decode at new sequence lengths is slower than at the same lengths again
-    (their controls) by more than `ratio`, on every pair, and there are two pairs at least
-    (the per-length test): one slow pair on shared cores is noise as often as not (a CPU
-    transformers serve read 4.2x on a lone pair, and decode coverage would then spend the
-    warmup's budget for nothing)."""
+    """Whether decode at new lengths is slower than its controls by more than `ratio` on every pair,
+    of two at least: one slow pair on shared cores is as often noise."""
     ratios = [f / c for p in pairs if (f := p.first.tpot) is not None and (c := p.control.tpot)]
     pays = len(ratios) >= 2 and len(ratios) == len(pairs) and all(r > ratio for r in ratios)
     return pays, [round(r, 3) for r in ratios]

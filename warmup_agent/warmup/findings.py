@@ -1,31 +1,10 @@
-"""What the per-length test found about a server, remembered for its next start (issue 40).
+"""What prewarm's per-length test found about a server, remembered for its next start.
 
-Prewarm's per-length test (stages/prewarm.py) sends a probe pair at a fresh prompt
-length; where the first probe was cold beyond its control, a second pair at another
-fresh length tells a one-time cost from one that every new prompt length pays.  The
-answer is the server's, not the start's: the same server, model, settings and GPU give
-it again, so measuring it at every start is time on the critical path for nothing.
-
-So the test's outcome is kept in `<data_dir>/server-findings.json`, one entry per
-server (`server_key`), and the next start of the same server reads it: where each new
-length paid in prefill and decode did not pay per length, the gate's first probe goes
-alone (no control, no second pair: stages/prewarm.py, first_probe_alone) and the record
-says so ("remembered", with when and where it was measured).  Any
-other outcome runs the test as before, and writes its outcome.  A start that remembered
-runs no test, so a server that changed under the same name, model, requests at once and
-GPUs keeps its old finding until the file is removed.  Where the kernel cache shares
-through Redis, the findings are shared there too (kernel_cache/shared_findings.py): the chart's
-data directory is an emptyDir, so without it every new pod would measure again.
-
-What the second fresh length paid beyond its control (`new_length_excess`, fractions
-of the control's times) is kept too: it is what a user's first request at a length no
-request reached pays, and a start that remembers it exports it as its
-first-request figures (readiness/probes.py).  Its own first pair cannot say it: that
-first probe also paid the start's one-time costs.  An entry without it (an older
-agent's) is measured again.
-
-The file is the agent's own (a few hundred bytes, written atomically); a file that
-cannot be read or parsed is logged once and ignored, never a failed start.
+The outcome belongs to the server (name, model, slots, GPUs), not to one start, so it is
+kept in `<data_dir>/server-findings.json` and, where the kernel cache shares through
+Redis, for every pod (the chart's data directory is an emptyDir).  A remembered server
+skips the test until the file is removed, even if it changed under the same key.  An
+unreadable file is logged and ignored, never a failed start.
 """
 from __future__ import annotations
 
@@ -41,23 +20,19 @@ from warmup_agent.atomic_file import write_json_atomic
 log = logging.getLogger("warmup_agent.warmup")
 
 FILENAME = "server-findings.json"
-#: The keys of the per-length test's outcome that are remembered.
 KEPT = ("prefill_pays_each_new_length", "pays")
-#: ... and the second pair's excess over its control, where both pairs ran (Controlled.excess).
+#: What a fresh length pays beyond its control, the first-request figure a remembering start exports.
 EXCESS = "new_length_excess"
 
 
 def server_key(server: str | None, model: str | None, concurrency: int, gpus: list[str]) -> str:
-    """Which server a finding is about: its name, the model it serves, how many requests
-    it takes at once and the GPUs of the host (a different build, model, slot count or
-    GPU may pay differently).  A short hash, with the parts readable beside it in the file."""
+    """A short hash of what may make a server pay differently: name, model, slots and GPUs."""
     parts = json.dumps([server or "?", model or "?", int(concurrency), sorted(gpus)])
     return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
 class SharedStore(Protocol):
-    """What Findings needs of the store every pod shares (kernel_cache/shared_findings.py,
-    a layer above this one: it knows Redis and the kernel cache's secret)."""
+    """The store every pod shares (kernel_cache/shared_findings.py, a layer above this one)."""
 
     @property
     def where(self) -> str: ...
@@ -68,8 +43,7 @@ class SharedStore(Protocol):
 
 
 class Findings:
-    """The findings file of one data directory, and the findings every pod shares where
-    the kernel cache has a shared tier (`shared`: kernel_cache/shared_findings.py)."""
+    """The findings file of one data directory, backed by the shared store where there is one."""
 
     def __init__(self, data_dir: str, shared: SharedStore | None = None):
         self.path = os.path.join(data_dir, FILENAME)
@@ -87,9 +61,7 @@ class Findings:
         return data if isinstance(data, dict) else {}
 
     def get(self, key: str) -> dict | None:
-        """The remembered outcome for `key`, with `measured_at` and `from` (where it was
-        read); None where none is.  This data directory's file first; else the shared
-        entry, which is then kept in the file too (a restart needs no Redis)."""
+        """The remembered outcome for `key` with `from`, or None; a shared entry is copied to the file."""
         entry = self._load().get(key)
         if _valid(entry):
             return {**entry, "from": self.path}
@@ -102,8 +74,7 @@ class Findings:
         return {**shared, "from": self.shared.where}
 
     def put(self, key: str, outcome: dict, about: dict) -> None:
-        """Remember the per-length test's `outcome` for `key`; `about` names the server
-        (readable parts of the key).  A write that fails is logged, not raised."""
+        """Remember `outcome` for `key`, with `about` as the key's readable parts; failures are logged."""
         entry = {**{k: bool(outcome.get(k)) for k in KEPT}, "about": about,
                  "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         if (excess := excess_of(outcome)) is not None:
@@ -118,7 +89,6 @@ class Findings:
         folder = os.path.dirname(self.path) or "."
         try:
             os.makedirs(folder, exist_ok=True)
-            # mode 0o600 as tempfile.mkstemp made it; a failed write leaves no temporary file behind
             write_json_atomic(self.path, data, mode=0o600, prefix=".wa-findings-", indent=1, sort_keys=True)
         except OSError as e:
             log.warning("cannot write the server findings to %s: %s", self.path, e)
@@ -129,8 +99,7 @@ def _valid(entry: Any) -> TypeGuard[dict]:
 
 
 def excess_of(entry: dict | None) -> dict | None:
-    """The entry's `new_length_excess` ({"ttft": f, "total": f}, each a number >= 0), or
-    None where it has none or a malformed one."""
+    """The entry's `new_length_excess` ({"ttft": f, "total": f}), or None if absent or malformed."""
     excess = (entry or {}).get(EXCESS)
     if not isinstance(excess, dict):
         return None
@@ -144,9 +113,6 @@ def excess_of(entry: dict | None) -> dict | None:
 
 
 def skips_second_pair(remembered: dict | None) -> bool:
-    """Whether a remembered outcome makes the second probe pair say nothing new: each new
-    length paid in prefill, decode did not pay per length (the second pair's decode
-    ratios are not needed), and what the second fresh length paid is kept (the figures
-    a user's first request meets)."""
+    """Whether a remembered outcome already says all a second probe pair would."""
     return bool(remembered and remembered.get("prefill_pays_each_new_length") and not remembered.get("pays")
                 and excess_of(remembered) is not None)

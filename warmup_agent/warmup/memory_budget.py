@@ -1,20 +1,8 @@
-"""A memory budget for the warmup grid: back off instead of failing.
+"""A memory budget for the warmup grid: drop the largest batch sizes instead of failing.
 
-Seed 000 sizes the batch grid from free memory; on a busy host (or on the CPU,
-where nothing stops a process before the kernel's OOM killer does) the largest
-shapes may still not fit.  Two guards, both dropping the *largest batch sizes*
-so the rest of the grid is still warmed:
-
-* before traffic, `plan()`: with `prewarm.memory_budget_bytes` set, the cost of
-  one shape is measured (`measure_peak_rss`, peak resident-memory growth while
-  it runs) and extrapolated linearly in batch x length; batch sizes whose
-  estimate exceeds the budget are dropped.
-* during traffic, `BackOff`: a shape that raises an out-of-memory error (Python's
-  MemoryError, torch's OutOfMemoryError, the CPU allocator's "can't allocate")
-  drops its batch size and every larger one; the warmup goes on.
-
-Only when even the smallest batch cannot fit is it a failure, with the named
-reason `prewarm_memory_budget_exceeded`.
+On a busy host, or on the CPU where only the OOM killer stops a process, the largest
+shapes may not fit.  `plan` drops batch sizes by an estimate before traffic; `BackOff`
+drops them on an out-of-memory error during it.  Only a smallest batch that does not fit fails.
 """
 from __future__ import annotations
 
@@ -40,15 +28,13 @@ class BudgetExceeded(ReasonedError):
 
 @dataclass
 class Plan:
-    batches: list[int]                       # kept, ascending
-    dropped: list[int]                       # dropped, ascending
-    estimate_bytes: dict[int, int] = field(default_factory=dict)   # batch -> estimated bytes at max_length
+    batches: list[int]                       # ascending
+    dropped: list[int]
+    estimate_bytes: dict[int, int] = field(default_factory=dict)   # batch -> bytes at max_length
 
 
 def plan(batches: list[int], max_length: int, bytes_per_token: float, budget_bytes: int) -> Plan:
-    """Keep the batch sizes whose estimated cost, batch x max_length x
-    bytes_per_token (bytes per sequence-token, measured), fits the budget.
-    budget_bytes <= 0 means no budget.  Raises BudgetExceeded if none fits."""
+    """Keep the batch sizes whose batch x max_length x bytes_per_token fits the budget (<= 0: none)."""
     ordered = sorted(set(batches))
     estimate = {b: int(math.ceil(b * max_length * max(bytes_per_token, 0.0))) for b in ordered}
     if budget_bytes <= 0:
@@ -66,11 +52,7 @@ def plan(batches: list[int], max_length: int, bytes_per_token: float, budget_byt
 
 
 def measure_peak_rss(fn: Callable[[], object], interval: float = 0.001) -> tuple[object, int]:
-    """Run fn(); return (its result, peak resident-memory growth in bytes while it ran).
-
-    Sampled from a thread every `interval` seconds (plus once at the end), so a
-    peak shorter than the interval can be missed: an underestimate, which the
-    runtime BackOff then catches."""
+    """Run fn(); return its result and peak RSS growth, sampled (a short peak is missed; BackOff catches it)."""
     import psutil
     proc = psutil.Process()
     base = proc.memory_info().rss
@@ -104,14 +86,13 @@ class BackOff:
 
     def __init__(self) -> None:
         self.limit = math.inf       # batch sizes >= limit are skipped
-        self.dropped_at: list[tuple[int, str]] = []   # (batch, error) in the order it happened
+        self.dropped_at: list[tuple[int, str]] = []   # (batch, error)
 
     def allows(self, batch: int) -> bool:
         return batch < self.limit
 
     def run(self, batch: int, fn: Callable[[], object]) -> Any:
-        """Run fn() for a shape of `batch`; on out-of-memory drop this batch size and
-        every larger one and return None.  Other errors propagate."""
+        """Run fn(); on out-of-memory drop this batch size and every larger one, and return None."""
         if not self.allows(batch):
             return None
         try:

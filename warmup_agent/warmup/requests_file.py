@@ -1,19 +1,7 @@
-"""Checking `prewarm.requests_file`: JSON Lines of OpenAI request bodies.
+"""Checking `prewarm.requests_file` (JSON Lines of OpenAI request bodies) with the config.
 
-A gateway log holds odd lines: a request the server rejected, a field another
-server understands, a truncated last line, a non-UTF-8 byte.  The file is
-checked with the config (config.load, `warmup-agent check-config`), before any
-server starts and for every engine, so that a bad line is one clear line naming
-the file, the line and the field -- not an HTTP 500 from a server that loaded
-the model first.
-
-Pure functions, no tokenizer: structure and types only (token counts need the
-model's tokenizer, which prewarm has and config loading has not).
-
-- `check_body(body)`: the problems of one parsed body, each naming its field.
-- `scan(path)`: (line number, body, problem) for every non-blank line, streamed.
-- `check_file(path)`: good bodies with their line numbers, bad lines with reasons.
-scan and check_file raise `OSError` when the file cannot be opened or read.
+Checked before any server loads a model, so a bad line of a gateway log is reported as file,
+line and field, not as an HTTP 500 later.  Structure and types only: no tokenizer here.
 """
 from __future__ import annotations
 
@@ -22,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-#: How many bad lines a FileCheck keeps (with reasons) and a message lists.
+#: How many bad lines a FileCheck keeps and a message lists.
 KEEP_BAD = 100
 SHOW_BAD = 5
 
@@ -45,7 +33,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _in(lo: float, hi: float) -> Any:
-    """A number from lo to hi (ints and floats, not bools, not NaN)."""
+    """A number from lo to hi (not a bool, not NaN)."""
     return lambda v: (type(v) is float or type(v) is int) and lo <= v <= hi
 
 
@@ -96,7 +84,7 @@ def _check_messages(messages: Any) -> str | None:
 
 
 def _check_message(m: Any) -> str | None:
-    """The problem of one message, from the field name on (after `messages[j]`)."""
+    """The problem of one message, from the field name on."""
     if not isinstance(m, dict):
         return "': got " + _show(m) + "; expected an object with role and content"
     role = m.get("role")
@@ -129,8 +117,7 @@ def _check_prompt(prompt: Any) -> str | None:
 
 
 def check_body(body: Any) -> list[str]:
-    """The problems of one request body, each naming its field and what was expected;
-    [] for a good body.  Structure and types only (no token counts)."""
+    """The problems of one request body, each naming its field and what was expected."""
     if not isinstance(body, dict):
         kind = {list: "a JSON list", str: "a JSON string", bool: "a JSON boolean", type(None): "null"}.get(
             type(body), "a JSON number")
@@ -146,8 +133,7 @@ def check_body(body: Any) -> list[str]:
     p = _check_messages(body["messages"]) if has_messages else _check_prompt(body["prompt"])
     if p:
         problems.append(p)
-    # Fields other servers understand are left to the server; the known ones are
-    # checked in the body's order (its first problem is the one reported).
+    # Unknown fields are left to the server; known ones are checked in the body's order.
     rules = _CHAT_RULES if has_messages else _COMPLETIONS_RULES
     for name, value in body.items():
         rule = rules.get(name)
@@ -163,8 +149,7 @@ _raw_decode = json.JSONDecoder().raw_decode
 
 
 def _parse(text: str) -> Any:
-    """json.loads(text), a third faster on one body per line (a million lines
-    are checked at config load): no whitespace regex unless the line needs it."""
+    """json.loads(text), faster on one body per line: no whitespace regex unless the line needs it."""
     if text[:1] in (" ", "\t", "\ufeff"):          # a byte-order mark some editors write
         return json.loads(text.lstrip(" \t\ufeff"))
     body, end = _raw_decode(text)
@@ -198,9 +183,7 @@ def _line_problem(raw: bytes, last: bool) -> tuple[Any, str | None]:
 
 
 def scan(path: str) -> Iterator[tuple[int, Any, str | None]]:
-    """(line number, body, None) for each good line and (line number, None, reason)
-    for each bad one; blank lines are skipped.  Streams: a file of a million lines
-    is never held in memory.  Raises OSError when the file cannot be opened or read."""
+    """(line number, body, problem) for each non-blank line, streamed; OSError if unreadable."""
     with open(path, "rb") as f:
         prev, n = b"", 0
         for i, raw in enumerate(f, 1):
@@ -222,7 +205,7 @@ class FileCheck:
     endpoints: set[str] = field(default_factory=set)              # of the good lines: "chat", "completions"
 
     def bad_lines(self) -> dict:
-        """For a record, a TrafficProfile and a metric: count and the first line numbers."""
+        """The count and the first line numbers."""
         return {"count": self.bad_count, "first_lines": [n for n, _ in self.bad[:SHOW_BAD]]}
 
     def first_lines_text(self) -> str:
@@ -230,8 +213,7 @@ class FileCheck:
         return shown + (", ..." if self.bad_count > SHOW_BAD else "")
 
     def error(self) -> str | None:
-        """The one line for policy fail: the first bad line (and how many more), or
-        a file with no request at all; None when every line is good."""
+        """The error for policy fail: the first bad line, or a file with no request; None if good."""
         if self.bad_count:
             line, reason = self.bad[0]
             more = (f" ({self.bad_count} bad lines in all, at lines {self.first_lines_text()})"
@@ -262,9 +244,7 @@ class FileCheck:
 
 
 def check_file(path: str, keep_good: bool = True) -> FileCheck:
-    """Check every line of a requests file: the good bodies with their line numbers
-    (keep_good=False counts them only) and the bad lines with reasons.  Raises
-    OSError when the file cannot be opened or read."""
+    """Check every line of a requests file (keep_good=False only counts the good ones); OSError if unreadable."""
     out = FileCheck(path)
     for i, body, problem in scan(path):
         if problem is None:

@@ -1,17 +1,4 @@
-"""The in-process engines' shape grid, warmed by measured benefit (issue 25).
-
-The torch and vllm engines are warmed over a grid of (prompt length, batch size)
-shapes (warmup_agent/warmup/traffic.py `grid`).  Each shape is a benefit.Path (endpoint
-"generate", family "greedy") and is sent until it is warm by the rules of
-warmup_agent/warmup/benefit.py, and no longer: a shape whose first call already matches
-the steady level that earlier shapes measured gets no second call; a shape still
-getting faster gets another, up to `max_calls`.  The first shape has no steady
-level to match, so it gets at least two calls (the second tells whether the first
-was cold).  There is no time budget: the grid is the configured one.
-
-Nothing here talks to an engine: `send(shape) -> Call` is given by the caller
-(stages/prewarm.py), so the rules are unit-tested on their own.
-"""
+"""The torch and vllm engines' shape grid, each shape warmed by benefit.py's rules, with no time budget."""
 from __future__ import annotations
 
 from collections import Counter
@@ -33,7 +20,7 @@ def path_of(shape: Shape) -> Path:
 
 
 def warm_grid(shapes: Sequence[Shape], send: Callable[[Shape], Call], tol: float, max_calls: int) -> list[Outcome]:
-    """Warm every shape, in the given order, until it is warm; one Outcome per shape."""
+    """Warm every shape in order; one Outcome per shape."""
     steady = benefit.SteadyLevels()
     budget = benefit.Budget(0.0, "none: every shape of the configured grid is warmed")
     outcomes: list[Outcome] = []

@@ -1,9 +1,7 @@
-"""Synthetic warmup traffic: prompts of exact token lengths over the shape grid.
+"""Synthetic warmup traffic: prompts of exact token lengths, and the profile of what real traffic sends.
 
-Seed 003's generator draws short prompts around a typical length; we cover the
-grid of prompt lengths x batch sizes that real traffic will use, because a
-shape never seen before pays its own first-call tax (allocator buckets, kernel
-plans, compilation) on a user's request.
+Every shape and code path a server has not seen pays its own first-call cost (allocator
+buckets, kernel plans, compilation), so warmup covers the ones real traffic uses.
 """
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# Plain text that any BPE tokenizer splits into many tokens; repeated and cut to
-# the exact length needed, so prompt length is controlled in tokens, not words.
+# Repeated and cut to length, so prompt length is controlled in tokens.
 _SEED_TEXT = ("Warmup request for a model server that just started: the agent sends "
               "synthetic prompts of every length and batch size that real traffic uses, "
               "so that the first real request is as fast as the thousandth. ")
@@ -26,8 +23,7 @@ class Shape:
 
 
 def grid(prompt_lengths: list[int], batch_sizes: list[int]) -> list[Shape]:
-    """Every (length, batch) pair, small first: a failure on a huge shape should
-    not come before the common shapes are warm."""
+    """Every (length, batch) pair, small first, so a failure on a huge shape comes after the common ones."""
     return [Shape(n, b) for b, n in itertools.product(sorted(set(batch_sizes)), sorted(set(prompt_lengths)))]
 
 
@@ -38,7 +34,7 @@ class PromptFactory:
         self._tokens = tokenize(_SEED_TEXT * 4) or [0]
 
     def prompt(self, length: int, variant: int = 0) -> list[int]:
-        # Rotate by `variant` so prompts in one batch differ (no accidental cache hits).
+        # Rotated by `variant` so prompts in one batch do not hit each other's cache.
         base = self._tokens
         start = variant % len(base)
         out: list[int] = []
@@ -51,11 +47,9 @@ class PromptFactory:
         return [self.prompt(shape.prompt_tokens, i) for i in range(shape.batch)]
 
 
-# --- the synthetic warmup traffic generator (seed 003 §1) ---------------------------------
 def gaussian_lengths(count: int, mean: float = 23.0, sd: float = 5.0, seed: int = 0,
                      max_length: int | None = None) -> list[int]:
-    """`count` prompt lengths drawn from N(mean, sd), rounded, at least 1 (seed 003's
-    default generator: mean 23 tokens, sd 5).  Seeded: the same pod warms the same shapes."""
+    """`count` prompt lengths from N(mean, sd), at least 1; seeded, so a pod warms the same shapes each start."""
     import random
     rng = random.Random(seed)
     out = []
@@ -66,8 +60,7 @@ def gaussian_lengths(count: int, mean: float = 23.0, sd: float = 5.0, seed: int 
 
 
 def lengths_from_sample(path: str, tokenize: Any, count: int, seed: int = 0) -> list[int]:
-    """Prompt lengths learned from a file of real prompts (one per line): `count`
-    lengths drawn from their empirical token-length distribution."""
+    """`count` prompt lengths drawn from a file of real prompts, one per line."""
     import random
     try:
         with open(path, encoding="utf-8") as f:
@@ -93,22 +86,13 @@ def power_of_two_grid(max_length: int, smallest: int = 1) -> list[int]:
 
 
 def warmup_lengths(configured: list[int], drawn: list[int], max_length: int) -> list[int]:
-    """The lengths to warm: the configured ones, the drawn ones, and the power-of-two
-    grid up to max_length (0: the longest configured length caps nothing extra)."""
+    """The configured and drawn lengths, plus the power-of-two grid up to max_length (0: none)."""
     grid_part = power_of_two_grid(max_length) if max_length else []
     return sorted(set(configured) | set(drawn) | set(grid_part))
 
 
-# --- the traffic profile: what real requests look like (issue 19) ---------------------------
-# A server warms per code path, not only per shape: the sampler (top-p sorting,
-# penalties), logprob gathering, stop-string matching, n > 1 and JSON-schema
-# grammars each have their own first-call cost, and so does every decode step
-# count up to the longest answer.  The profile names those paths ("families"),
-# the endpoints, prompt lengths and answer lengths real traffic uses; prewarm
-# sends each family at each batch size.
-
-# Default sampling parameters per family (a profile learned from a file keeps
-# the parameters it saw instead).  greedy and sampled are the default profile.
+# Sampling "families": code paths with their own first-call cost (top-p sorting, penalties,
+# logprobs, stop strings, n > 1, JSON-schema grammars), with default parameters for each.
 FAMILY_DEFAULTS: dict[str, dict] = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 0.7, "top_p": 0.9},
@@ -120,7 +104,7 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     "json_schema": {"temperature": 0.0, "response_format": {"type": "json_schema", "json_schema": {
         "name": "warmup", "schema": {"type": "object", "properties": {"answer": {"type": "string"}}}}}},
 }
-# Body keys that are not sampling parameters: the rest of a logged body is.
+# Body keys that are not sampling parameters.
 _NOT_SAMPLING = {"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
                  "user", "seed", "metadata", "store"}
 ENDPOINTS = ("chat", "completions")
@@ -140,20 +124,18 @@ def family_of(body: dict) -> str:
         return "penalties"
     if body.get("top_k") not in (None, -1, 0):
         return "top_k"
-    temperature = body.get("temperature", 1.0)   # the OpenAI default is 1.0: sampled
+    temperature = body.get("temperature", 1.0)   # the OpenAI default
     return "greedy" if temperature == 0 else "sampled"
 
 
 @dataclass(frozen=True)
 class WarmRequest:
-    """One request of the warmup: endpoint ("chat" or "completions"), exact prompt
-    length in tokens (the chat template's tokens included), answer length and
-    the sampling parameters of its family."""
+    """One warmup request; `prompt_tokens` includes the chat template's tokens."""
     endpoint: str
     prompt_tokens: int
     max_tokens: int
     family: str
-    params: tuple = ()           # sorted (key, json-text) pairs: hashable
+    params: tuple = ()           # sorted (key, json-text) pairs, hashable
 
     @property
     def sampling(self) -> dict:
@@ -168,25 +150,18 @@ def _frozen(params: dict) -> tuple:
 
 @dataclass
 class TrafficProfile:
-    endpoints: list[str]                 # in order of use, most used first
+    endpoints: list[str]                 # most used first
     families: dict[str, dict]            # family -> sampling parameters to send
-    prompt_lengths: list[int]            # tokens
+    prompt_lengths: list[int]
     max_tokens: int                      # longest answer to warm
-    source: str = "default"              # "default" or the requests file
+    source: str = "default"              # or the requests file
     requests_seen: int = 0
-    # Lines of the requests file left out as bad (prewarm.requests_file_bad_lines skip):
-    # {"count": n, "first_lines": [line numbers]}; count 0 for a clean file or no file.
-    bad_lines: dict = field(default_factory=lambda: {"count": 0, "first_lines": []})
+    bad_lines: dict = field(default_factory=lambda: {"count": 0, "first_lines": []})   # lines left out as bad
     family_lines: dict[str, int] = field(default_factory=dict)   # family -> file line its parameters came from
 
 
 def decode_tiles(lengths: list[int], answer: int) -> list[int]:
-    """Prompt lengths whose answers of `answer` tokens together decode at every
-    sequence length from min(lengths) to max(lengths) + answer: one answer apart,
-    the last at max(lengths).  (16..128, 64) -> [16, 80, 128].
-
-    Prewarm's decode coverage, for a server that pays per sequence length (an eager
-    server whose attention builds a plan per shape; docs/benchmarks.md)."""
+    """Prompt lengths, one answer apart, whose answers together decode at every sequence length."""
     lo, hi = min(lengths), max(lengths)
     return sorted(set(range(lo, hi, max(1, answer))) | {hi})
 
@@ -202,21 +177,16 @@ def probe_family(profile: "TrafficProfile") -> str:
 
 
 def default_profile(endpoints: Sequence[str], max_tokens: int, prompt_lengths: list[int]) -> TrafficProfile:
-    """Without a requests file: greedy and sampled, on every endpoint the server
-    answers, answers up to `max_tokens`."""
+    """The profile without a requests file: greedy and sampled on every endpoint."""
     return TrafficProfile(endpoints=list(endpoints), families={k: dict(FAMILY_DEFAULTS[k]) for k in ("greedy", "sampled")},
                           prompt_lengths=list(prompt_lengths), max_tokens=max_tokens)
 
 
 def load_requests_file(path: str, count_chat: Any, count_text: Any, max_lengths: int = 8,
                        bad_lines: str = "skip") -> TrafficProfile:
-    """A profile learned from JSON Lines of OpenAI request bodies, as a gateway logs
-    them.  `count_chat(messages)` / `count_text(prompt)` give exact token counts
-    (chat template included).  Every line is checked by requests_file.check_body;
-    bad lines raise ValueError naming the file, line and field (bad_lines="fail")
-    or are left out and counted in `bad_lines` of the profile ("skip", the default
-    here: config.load has refused the file already under prewarm.requests_file_bad_lines
-    fail).  Raises ValueError with the file and line number."""
+    """A profile learned from JSON Lines of OpenAI request bodies, as a gateway logs them.
+
+    Bad lines raise ValueError (bad_lines="fail") or are counted in the profile ("skip")."""
     from collections import Counter
 
     from warmup_agent.warmup import requests_file
@@ -244,7 +214,7 @@ def load_requests_file(path: str, count_chat: Any, count_text: Any, max_lengths:
                 prompt = body["prompt"]
                 lengths.append(len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
                                else count_text(prompt if isinstance(prompt, str) else str(prompt)))
-            max_tokens = max(max_tokens, body.get("max_tokens") or body.get("max_completion_tokens") or 16)  # 16: the OpenAI default
+            max_tokens = max(max_tokens, body.get("max_tokens") or body.get("max_completion_tokens") or 16)  # the OpenAI default
             fam = family_of(body)
             if fam not in families:
                 families[fam] = {k: v for k, v in body.items() if k not in _NOT_SAMPLING}
@@ -261,8 +231,7 @@ def load_requests_file(path: str, count_chat: Any, count_text: Any, max_lengths:
 
 
 def spread(values: list[int], k: int) -> list[int]:
-    """At most k distinct values that span the distribution: its quantiles
-    0, 1/(k-1), ..., 1 (min and max always in)."""
+    """At most k distinct values at the quantiles 0, 1/(k-1), ..., 1."""
     s = sorted(set(values))
     if len(s) <= k:
         return s
@@ -272,8 +241,7 @@ def spread(values: list[int], k: int) -> list[int]:
 
 
 def probe_request(profile: TrafficProfile, prompt_tokens: int, max_tokens: int) -> WarmRequest:
-    """The readiness probe: what a user most likely sends first -- chat where the
-    profile has it, sampled where it has it."""
+    """The readiness probe: what a user most likely sends first."""
     endpoint = probe_endpoint(profile)
     family = probe_family(profile)
     params = dict(profile.families[family])

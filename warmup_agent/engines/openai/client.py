@@ -1,9 +1,5 @@
-"""The openai engine's HTTP client: streamed requests on the two APIs, timed as a
-client sees them (time to first token: the first chunk that carries text; the
-whole answer: the end of the stream), agent traffic marked `X-Warmup: true` with
-a `warmup-` request id, and the optional fields the server accepts.  It knows
-nothing of prompts or of what the server is: the engine (engine.py) builds the
-bodies, discovery (discovery.py) asks through it."""
+"""The openai engine's HTTP client: streamed requests timed as a client sees them, agent
+traffic marked `X-Warmup: true` with a `warmup-` request id (vLLM logs it as the request id)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -20,9 +16,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# Optional fields that make a warmup answer exactly max_tokens long on servers
-# that know them (vLLM); dropped for a server that rejects unknown fields.
-# stream_options.include_usage gives the token counts; without it chunks are counted.
+# Optional fields: ignore_eos makes answers exactly max_tokens long (vLLM), include_usage
+# gives token counts.  Dropped for a server that rejects them.
 _OPTIONAL_FIELDS = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -36,19 +31,16 @@ class _Rejected(Exception):
 
 
 class StreamingClient:
-    """HTTP to one server, as httpx's transport is to its client: streamed requests
-    timed as a client sees them, GET/POST of JSON, and a pool that sends a batch at
-    once.  `model` is the served name every request carries (discovery settles it);
-    `rejected_fields` the optional fields the server refused, dropped from then on.
-    Each request leaves a credit in `traffic` (server_traffic.py), so that its line
-    in the server's log counts as ours."""
+    """HTTP to one server: streamed requests, JSON GET/POST, and a pool that sends a batch at once.
+
+    Each request leaves a credit in `traffic`, so its line in the server's log counts as ours."""
 
     def __init__(self, url: str, timeout: float, traffic: ServerTraffic, model: str | None = None):
         self.url = url
         self.timeout = timeout
         self.traffic = traffic
         self.model = model
-        self.rejected_fields: set[str] = set()   # our optional fields the server refused (ignore_eos, ...)
+        self.rejected_fields: set[str] = set()   # optional fields the server refused
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="openai-req")
 
     def headers(self, warmup: bool) -> dict[str, str]:
@@ -61,7 +53,7 @@ class StreamingClient:
         return h
 
     def all_at_once(self, calls: list[Callable[[], T]]) -> list[T]:
-        """Run `calls` concurrently (one request each), results in their order."""
+        """Run `calls` concurrently; results in their order."""
         futures = [self._pool.submit(call) for call in calls]
         return [f.result() for f in futures]
 
@@ -69,9 +61,7 @@ class StreamingClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def request(self, body: dict, api: str, warmup: bool, prompt_tokens: int | None = None) -> RequestResult:
-        """POST one streamed request; fills model, stream options and the optional
-        fields the server accepts.  A 400/422 naming one of our optional fields
-        drops it for good and retries once."""
+        """POST one streamed request; a 400/422 naming an optional field drops it for good and retries."""
         full = {"model": self.model, **body, "stream": True}
         for k, v in _OPTIONAL_FIELDS.items():
             if k not in self.rejected_fields and (full.get("n", 1) == 1 or k != "ignore_eos"):
@@ -91,8 +81,7 @@ class StreamingClient:
                 raise EngineError("request_failed", e2.message) from None
 
     def _stream(self, body: dict, api: str, warmup: bool, prompt_tokens: int | None) -> RequestResult:
-        # urllib.request (http.client, ssl, email: about 30 ms) is imported on the first
-        # request, not with the module: the CLI imports this before it spawns the server.
+        # Imported late: urllib.request is slow to import and the CLI imports this before spawning the server.
         import urllib.error
         import urllib.request
         path = _PATHS[api]
@@ -103,15 +92,14 @@ class StreamingClient:
         usage = None
         timings: dict = {}
         chunks = 0
-        credit = self.traffic.own_started()    # its line in the server's log is ours, not a user's
+        credit = self.traffic.own_started()
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 for msg in EventStream(r, f"POST {self.url}{path}"):
                     for choice in msg.get("choices") or ():
                         if first_chunk is None:
                             first_chunk = time.perf_counter()
-                        # The first token is the first chunk with text: a chat stream
-                        # opens with a role-only delta before any token exists.
+                        # A chat stream opens with a role-only delta before any token.
                         text = choice.get("text") if api == "completions" else (choice.get("delta") or {}).get("content")
                         if text:
                             chunks += 1
@@ -119,7 +107,7 @@ class StreamingClient:
                                 first = time.perf_counter()
                     if msg.get("usage"):
                         usage = msg["usage"]
-                    if isinstance(msg.get("timings"), dict):   # llama-server: its own prefill and decode times
+                    if isinstance(msg.get("timings"), dict):   # llama-server's own timings
                         timings = msg["timings"]
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")[:300]

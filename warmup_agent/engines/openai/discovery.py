@@ -1,9 +1,4 @@
-"""What an OpenAI-compatible server can do, learned by asking it (never from its
-name): which model it serves, which of the two APIs answer, whether
-`/v1/completions` takes token-id prompts (vLLM; then prompt lengths are exact by
-construction), whether it accepts vLLM's optional fields, how many requests it
-serves at once (llama-server's /props, /v1/models' `owned_by`).  Every question is
-a marked request through the engine's client."""
+"""What an OpenAI-compatible server can do, learned with marked requests, never from its name."""
 from __future__ import annotations
 
 import logging
@@ -22,14 +17,10 @@ if TYPE_CHECKING:
 
 
 class Discovery:
-    """What the server answers, asked through `client`.  `openai`: the section's
-    `api` (auto | chat | completions) and `concurrency` (0: ask the server);
-    `request_apis`: the APIs prewarm.requests_file uses (empty: no file), so that
-    discovery does not ask about an API the traffic never uses.
+    """What the server answers, asked through `client`; `request_apis` skips APIs the traffic never uses.
 
-    Two steps, because the model's own directory may only be known after the first:
-    `find_model` (the served name and the APIs that answer), then `find_the_rest`
-    (token-id prompts, concurrency, the capabilities recorded with the profile)."""
+    Two steps, because the model directory may only be known after the first:
+    `find_model`, then `find_the_rest`."""
 
     def __init__(self, client: StreamingClient, openai: OpenaiSection, request_apis: Collection[str] = (),
                  log: logging.Logger | None = None):
@@ -38,15 +29,14 @@ class Discovery:
         self.configured_concurrency = openai.concurrency   # 0: ask the server
         self.request_apis = frozenset(request_apis)
         self.log = log or logging.getLogger("warmup_agent.engines.openai")
-        self.apis: list[str] = []              # "chat", "completions": what the server answers
+        self.apis: list[str] = []
         self.token_id_prompts = False          # /v1/completions takes token ids (vLLM)
         self.concurrency = 1
         self.capabilities: dict = {}
         self.models_info: dict = {}            # the served model's entry in /v1/models
 
     def listed_models(self) -> list[dict]:
-        """/v1/models, or [] when the server has none or cannot list them
-        (`transformers serve` lists its hub cache, and fails without one)."""
+        """/v1/models, or [] when it fails (`transformers serve` fails without a hub cache)."""
         try:
             data = self.client.get_json("/v1/models").get("data")
         except (EngineError, ValueError, AttributeError):
@@ -54,10 +44,7 @@ class Discovery:
         return [m for m in data if isinstance(m, dict) and m.get("id")] if isinstance(data, list) else []
 
     def find_model(self, model_dir: str | None, command: list[str] | None) -> str | None:
-        """Ask the server what it serves and which APIs answer: the model name (set on
-        the client, which sends it from then on) and `apis`.  `model_dir`/`command`:
-        the local model directory and the server's command line, when known.  Returns
-        the model's directory as /v1/models gives it (its `root`), or None."""
+        """Settle the served model name and `apis`; return the model's `root` from /v1/models, or None."""
         client = self.client
         models = self.listed_models()
         ids = [m["id"] for m in models]
@@ -77,9 +64,7 @@ class Discovery:
                                   f"no model name: {client.url}/v1/models lists none; set openai.model (WARMUP_AGENT_OPENAI_MODEL)")
         wanted = ["chat", "completions"] if self.api_setting == "auto" else [self.api_setting]
         if self.api_setting == "auto" and self.request_apis:
-            # The requests file says which APIs the traffic uses: a question about the
-            # other one is a request on the critical path that warms nothing the
-            # users will send (on llama.cpp two of discovery's four, 60 ms of 130).
+            # Asking about an API the traffic never uses costs start-up time and warms nothing.
             wanted = [a for a in wanted if a in self.request_apis]
         errors: dict[str, str] = {}
         for model in candidates:
@@ -94,8 +79,7 @@ class Discovery:
             if self.apis:
                 break
         if not self.apis and ids and candidates[-1] not in ids:
-            # /v1/models is not authoritative everywhere (transformers serve lists its
-            # hub cache), so the name was asked first; refused, the list is the hint.
+            # /v1/models is not authoritative everywhere (transformers serve), so it is only the hint.
             raise EngineError("model_not_served",
                               f"openai.model {candidates[-1]!r} is not served by {client.url} (it lists: " + ", ".join(ids)
                               + "; " + "; ".join(f"{_PATHS[a]}: {m}" for a, m in errors.items()) + ")")
@@ -107,9 +91,7 @@ class Discovery:
         return root if isinstance(root, str) and root else None
 
     def find_the_rest(self, tokenize: Callable[[str], list[int]], chat_template: bool) -> None:
-        """After find_model: whether /v1/completions takes token ids (one marked
-        request of `tokenize`'s ids), the concurrency, and `capabilities` (with
-        `chat_template`: whether the engine has the model's chat template)."""
+        """After find_model: token-id prompts, concurrency and `capabilities`."""
         client = self.client
         if "completions" in self.apis:
             try:
@@ -127,9 +109,7 @@ class Discovery:
                       sorted(client.rejected_fields) or "none")
 
     def _concurrency(self) -> int:
-        """Requests the server serves at once: openai.concurrency when set, else
-        llama-server's slots (its /props), else 4 where /v1/models says vLLM or SGLang
-        owns the model (they batch), else 1."""
+        """openai.concurrency, else llama-server's slots, else the owner kind's default, else 1."""
         if self.configured_concurrency > 0:
             return self.configured_concurrency
         try:
@@ -142,7 +122,7 @@ class Discovery:
         return kind.concurrency if kind is not None and kind.concurrency else 1
 
     def _ask(self, api: str) -> None:
-        """One marked 1-token request on `api`; raises EngineError when it is not answered."""
+        """One marked 1-token request on `api`; EngineError when not answered."""
         if api == "chat":
             self.client.request({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}, api, True)
         else:

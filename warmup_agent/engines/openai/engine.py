@@ -1,30 +1,10 @@
-"""The `openai` engine: any OpenAI-compatible server, over HTTP.
+"""The `openai` engine: any OpenAI-compatible server over HTTP, started and supervised
+by the agent or already running (`openai.url`).
 
-Either the agent starts and supervises the server (`warmup-agent run --engine
-openai -- <server command...>`), or it talks to one already running
-(`openai.url`).  Requests are streamed `/v1/chat/completions` and
-`/v1/completions`; time to first token is measured as a client sees it, from
-sending the request to the first streamed chunk that carries text, and the
-whole answer to the end of the stream.
-
-What the server can do is learned by asking it, never from its name: which of
-the two APIs answer, whether `/v1/completions` takes token-id prompts (vLLM;
-then prompt lengths are exact by construction), whether it accepts vLLM's
-`ignore_eos` (answers of exactly max_tokens), `/tokenize`, LoRA endpoints and
-`vllm:` metrics.  Text prompts are sized to an exact token length with the
-model's own tokenizer and chat template (engines/text_prompts.py).
-
-The engine composes three parts, as httpx's client composes a transport, each in
-its own module and none aware of the others: the server handle (server.py: the
-supervised or already-running server), the HTTP client (client.py: streamed
-requests) and discovery (discovery.py: what the server answers, asked through
-the client).  What is left here is the Engine: the model's tokenizer and
-prompts, the LoRA adapters, the facts and the fingerprint.  The command-line
-helpers are server/command.py; their public names stay importable from here.
-
-Agent traffic carries `X-Warmup: true` and a request id starting with
-`warmup-` (vLLM takes `X-Request-Id` as its request id, so its request log shows
-which requests were ours).
+It composes a server handle (server.py), a streaming client (client.py) and
+discovery (discovery.py), which learns what the server can do by asking it, never
+from its name.  This module keeps the tokenizer and prompts, LoRA adapters, facts
+and fingerprint; server/command.py's helpers stay importable from here.
 """
 from __future__ import annotations
 
@@ -66,22 +46,15 @@ __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Discovery", "OpenAIEngine", "ServerH
 
 
 class OpenAIEngine(Engine):
-    """An Engine over `server` (ServerHandle), `client` (StreamingClient) and
-    `discovery` (Discovery).
+    """An Engine over a ServerHandle, a StreamingClient and a Discovery.
 
-    `openai`, `lora`, `vllm`: those sections of the configuration; `data_dir`: the
-    agent's data directory (the supervised server's cache folders).
-    `server_command`: the server to start and supervise (None: use `openai.url`).
-    `model_path`: the model's directory here, when known (else the command's
-    --model).  `request_apis`: the APIs prewarm.requests_file uses (discovery asks
-    only those).  `on_server_exit(returncode)` / `on_server_ready()` are called when a
-    supervised server crashes and when it is healthy again after a restart (given
-    here or through set_server_callbacks).  `base_env`: the server's environment
-    before ours (default: os.environ)."""
+    `server_command` is the server to supervise (None: use `openai.url`);
+    `model_path` defaults to the command's --model; `request_apis` limits what
+    discovery asks about."""
 
     name = "openai"
-    speaks_profile = True   # generate_requests, apis, text, capabilities (Engine)
-    loads_by_starting_server = True   # load_weights is the server's start-up (Engine)
+    speaks_profile = True
+    loads_by_starting_server = True
 
     def __init__(self, openai: OpenaiSection, *, data_dir: str, lora: LoraSection, vllm: VllmSection,
                  server_command: list[str] | None = None, model_path: str | None = None,
@@ -90,24 +63,22 @@ class OpenAIEngine(Engine):
                  on_server_ready: Callable[[], None] | None = None,
                  base_env: dict[str, str] | None = None):
         self.log = log or logging.getLogger("warmup_agent.engines.openai")
-        self.traffic = ServerTraffic()         # other clients' requests, from the supervised server's log
+        self.traffic = ServerTraffic()
         self.server = ServerHandle(openai, data_dir=data_dir, lora=lora, vllm=vllm, command=server_command,
                                    traffic=self.traffic, base_env=base_env, log=self.log)
         self.server.set_callbacks(on_server_exit, on_server_ready)
         self.client = StreamingClient(self.server.url, openai.request_timeout_seconds, self.traffic,
                                       model=openai.model or self.server.served_model_name)
         self.discovery = Discovery(self.client, openai, request_apis, log=self.log)
-        self.lora_adapters = lora.adapters     # lora.adapters: what load_lora_adapters registers
+        self.lora_adapters = lora.adapters
         self.model_dir: str | None = model_path or self.server.model_option
         self.quantization = self._detect_quantization()
         self.adapters: list[str] = []          # registered LoRA adapter names
         self._tokenizer: Any = None
-        self.text: TextPrompts | None = None   # exact-length text prompts (local tokenizer)
+        self.text: TextPrompts | None = None
         self._variant = 0
         self._lock = threading.Lock()
         self._signals: ServerSignals | None = None
-
-    # -- what the parts know, as the Engine and its callers name it ---------------------------
 
     @property
     def url(self) -> str:
@@ -119,7 +90,7 @@ class OpenAIEngine(Engine):
 
     @property
     def command(self) -> list[str] | None:
-        """The supervised server's command as given (vLLM's rewritten); None: not ours."""
+        """The supervised server's command (vLLM's rewritten); None: not ours."""
         return self.server.command
 
     @property
@@ -167,11 +138,9 @@ class OpenAIEngine(Engine):
         return self.client.headers(warmup)
 
     def server_env(self) -> dict[str, str]:
-        """The supervised server's environment (ServerHandle.server_env)."""
         return self.server.server_env()
 
     def server_command(self) -> list[str]:
-        """The supervised server's command as started (ServerHandle.server_command)."""
         return self.server.server_command()
 
     @property
@@ -188,22 +157,20 @@ class OpenAIEngine(Engine):
 
     @property
     def metrics_url(self) -> str:
-        """The server's Prometheus endpoint (read at scrape time by exporter.engine_metrics)."""
         return self.url + "/metrics"
 
     @property
     def model_path(self) -> str | None:
-        """Local model directory when known (reserve checks that its weights fit)."""
+        """The local model directory, when known and present."""
         return self.model_dir if self.model_dir and os.path.isdir(self.model_dir) else None
 
     def others_served_within(self, seconds: float) -> float | None:
         return self.traffic.others_within(seconds)
 
     def server_signals(self) -> ServerSignals:
-        """Reads of the server's life (server/signals.py), for the kind its command
-        names, else the kind /v1/models names as the model's owner."""
+        """Signals for the server kind its command names, else the model's owner in /v1/models."""
         if self._signals is None:
-            # here, not at the top: urllib.request must not load before a server's early spawn
+            # Imported late: urllib.request must not load before a server's early spawn.
             from warmup_agent.server.signals import ServerSignals
             kind = kind_of_command(self.command) or BY_OWNER.get(str(self.discovery.models_info.get("owned_by", "")))
             self._signals = ServerSignals(self.url, kind, self.health_path)
@@ -219,19 +186,15 @@ class OpenAIEngine(Engine):
                              on_ready: Callable[[], None] | None) -> None:
         self.server.set_callbacks(on_exit, on_ready)
 
-    # -- the server's life --------------------------------------------------------------------
-
     def prestart(self) -> None:
         self.server.prestart()
 
     def start_server(self) -> None:
-        """Start the server (or wait for the given one) until healthy; the local
-        tokenizer loads meanwhile.  No request reaches the server."""
+        """Start the server (or wait for the given one) until healthy, loading the tokenizer meanwhile."""
         self.server.start(while_starting=self.load_tokenizer)
 
     def load_weights(self) -> None:
-        """Start the server (or wait for the given one) until healthy, learn the
-        served model, then register and warm the LoRA adapters."""
+        """Start the server, learn what it serves, then register and warm the LoRA adapters."""
         self.start_server()
         self._discover()
         self.load_lora_adapters()
@@ -244,21 +207,16 @@ class OpenAIEngine(Engine):
         self.client.close()
 
     def _discover(self) -> None:
-        """Ask the server what it serves and answers (discovery.py); a model directory
-        it names (/v1/models' root) gives the local tokenizer when none was known."""
-        self.load_tokenizer()      # prompts of exact lengths from here on
+        """Ask the server what it serves; a model root it names gives the local tokenizer if none was known."""
+        self.load_tokenizer()
         root = self.discovery.find_model(self.model_dir, self.command)
         if self.model_dir is None and root and os.path.isdir(root):
             self.model_dir = root
             self.load_tokenizer()
         self.discovery.find_the_rest(self.tokenize, chat_template=bool(self.text and self.text.has_chat_template))
 
-    # -- the model: tokenizer, quantization, adapters -----------------------------------------
-
     def _detect_quantization(self) -> Any:
-        """What the server runs quantized (issue 16): its flags (--quantization,
-        --kv-cache-dtype) over the model directory's config.json when we can read it.
-        The agent cannot see a server's scales: docs/fp8.md says what is not checked."""
+        """Quantization from the server's flags over the model's config.json (its scales stay unseen)."""
         from warmup_agent import quantization
         model_info = None
         if self.model_dir:
@@ -270,19 +228,17 @@ class OpenAIEngine(Engine):
         return quantization.from_command_line(self.command, model_info)
 
     def load_tokenizer(self) -> None:
-        """Local tokenizer of the model directory when we know it, else the server's
-        /tokenize (checked once the server is up)."""
+        """The model directory's tokenizer when known; otherwise tokenize() asks the server."""
         if self._tokenizer is not None or not self.model_dir or not os.path.isdir(self.model_dir):
             return
         path = os.path.join(self.model_dir, "tokenizer.json")
         if os.path.exists(path):
-            # The `tokenizers` library alone: no transformers import in the agent.
             self.text = TextPrompts.from_model_dir(self.model_dir, _SEED_TEXT)
             self._tokenizer = self.text.tok
         else:
             try:
                 from transformers import AutoTokenizer
-            except ImportError:  # the small install (no [torch] extra): the server's /tokenize sizes prompts
+            except ImportError:  # the small install: the server's /tokenize sizes prompts
                 return
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenize("warm the tokenizer caches")
@@ -295,8 +251,7 @@ class OpenAIEngine(Engine):
         return list(out["tokens"])
 
     def load_lora_adapters(self) -> None:
-        """Register each adapter of `lora.adapters` (POST /v1/load_lora_adapter) and
-        warm it with one marked request, one by one."""
+        """Register each adapter of `lora.adapters` and warm it with one marked request."""
         # A restarted server has forgotten its adapters: ask it what it serves.
         served = {m["id"] for m in self.client.get_json("/v1/models")["data"]}
         self.adapters = [a for a in self.adapters if a in served]
@@ -313,12 +268,9 @@ class OpenAIEngine(Engine):
             self._one_request(self.tokenize("warm the adapter")[:8] or [1], 1, True, model=name)
             self.log.info("LoRA adapter %s registered and warmed", name)
 
-    # -- requests: prompts of exact lengths, sent through the client ---------------------------
-
     def _one_request(self, prompt: list[int], max_new_tokens: int, warmup: bool,
                      model: str | None = None) -> RequestResult:
-        """A greedy request of these token ids: as ids where the server takes them,
-        else as their text (completions, or one chat message)."""
+        """A greedy request of these token ids, sent as ids where the server takes them, else as text."""
         body: dict = {"max_tokens": max_new_tokens, "temperature": 0.0}
         if model:
             body["model"] = model
@@ -334,11 +286,9 @@ class OpenAIEngine(Engine):
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 1,
                  warmup: bool = False) -> list[RequestResult]:
-        """All prompts at once (one concurrent request each), streamed."""
         return self.client.all_at_once([functools.partial(self._one_request, p, max_new_tokens, warmup) for p in prompts])
 
     def generate_requests(self, requests: list[WarmRequest], warmup: bool = True) -> list[RequestResult]:
-        """One batch of profile requests, sent concurrently (streamed)."""
         bodies = [self.body_for(r) for r in requests]
         return self.client.all_at_once([functools.partial(self.client.request, body, r.endpoint, warmup, n)
                                         for r, (body, n) in zip(requests, bodies, strict=True)])
@@ -351,8 +301,7 @@ class OpenAIEngine(Engine):
         body = {"max_tokens": r.max_tokens, **r.sampling}
         if r.endpoint == "chat":
             if self.text is None or not self.text.has_chat_template:
-                # No local template: a one-message chat of n tokens of text; the
-                # server's template adds its own tokens.
+                # No local template: the server's template adds tokens we cannot count.
                 text = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
                 body["messages"] = [{"role": "user", "content": text}]
                 return body, r.prompt_tokens
@@ -370,8 +319,6 @@ class OpenAIEngine(Engine):
     def _ids(self, length: int, variant: int) -> list[int]:
         from warmup_agent.warmup.traffic import PromptFactory
         return PromptFactory(self.tokenize).prompt(length, variant)
-
-    # -- facts, solidify, fingerprint ----------------------------------------------------------
 
     def facts(self) -> EngineFacts:
         cfg = self._model_config()
@@ -405,18 +352,15 @@ class OpenAIEngine(Engine):
         return {}
 
     def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
-        """vLLM compiles and captures graphs itself at start-up, into the cache
-        directories the agent gave it: report what its log says that took."""
+        """Report the compile and graph-capture time the server's start-up log gives."""
         startup = self.server.startup
         seconds = startup.get("compile_seconds", 0.0) + startup.get("graph_capture_seconds", 0.0)
         return SolidifyReport(method="engine_startup", shapes=len(shapes), seconds=seconds,
                               detail=dict(startup))
 
     def weight_fingerprint(self) -> str:
-        """Digest of what the server serves: model id and max length from the server,
-        plus name, size and safetensors header (dtypes, shapes, offsets) of each weight
-        file in the model directory when it is readable here.  Header-only, so it costs
-        milliseconds even for a 70B model; a changed or swapped file changes it."""
+        """Digest of the served model id and length, and each local safetensors file's name,
+        size and header (headers only, so it stays cheap for large models)."""
         h = hashlib.sha256()
         h.update(json.dumps({"id": self.model, "max_model_len": self.discovery.models_info.get("max_model_len")},
                             sort_keys=True).encode())

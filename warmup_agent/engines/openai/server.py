@@ -1,8 +1,4 @@
-"""The openai engine's server handle: the server it talks to, either one it starts
-and supervises (a command: the command and environment it starts it with, the
-supervisor of server/supervisor.py that keeps it running, its start-up log lines)
-or one already running (openai.url); the wait for health, interrupting and
-closing."""
+"""The openai engine's server: one the agent starts and supervises, or one already running."""
 from __future__ import annotations
 
 import logging
@@ -32,19 +28,15 @@ if TYPE_CHECKING:
     from warmup_agent.server.supervisor import Supervisor
 
 class ServerHandle:
-    """The server behind the engine.  `command`: the server to start and supervise
-    (None: the one at `openai.url`).  `openai`: the URL, health path, timeouts,
-    restart back-off and drain of the `openai.*` section; `data_dir`, `lora` and
-    `vllm` shape the supervised server's environment and command (its cache
-    folders, the adapters it must accept, a vLLM KV budget).  `base_env`: the
-    server's environment before ours (default: os.environ).  `traffic` reads the
-    supervised server's log (server_traffic.py)."""
+    """The server behind the engine: `command` to start and supervise, or None for `openai.url`.
+
+    `base_env` is the server's environment before ours (default: os.environ)."""
 
     def __init__(self, openai: OpenaiSection, *, data_dir: str, lora: LoraSection, vllm: VllmSection,
                  command: list[str] | None, traffic: ServerTraffic, base_env: dict[str, str] | None = None,
                  log: logging.Logger | None = None):
         self.command = fix_vllm_command(command) if command else None
-        self._created = time.time()     # has_compile_artifacts: where the process age is unknown
+        self._created = time.time()     # fallback when the process age is unknown
         if self.command:
             host, port = listen_address(self.command)
             self.host: str = host
@@ -65,34 +57,30 @@ class ServerHandle:
         self.health_path = "/" + openai.health_path.lstrip("/")
         self.on_server_exit: Callable[[int], None] | None = None
         self.on_server_ready: Callable[[], None] | None = None
-        self.supervisor: Supervisor | None = None   # the server we started (command), once started
-        self._start_thread: threading.Thread | None = None   # prestart(): waiting for the first health 200
+        self.supervisor: Supervisor | None = None
+        self._start_thread: threading.Thread | None = None   # waits for the first health 200
         self._start_error: EngineError | None = None
-        self._interrupted = threading.Event()  # set by interrupt(): the agent drains during warmup
-        self.startup: dict[str, float] = {}   # what the server's start-up log says it spent
+        self._interrupted = threading.Event()
+        self.startup: dict[str, float] = {}   # seconds the server's start-up log reports
         kind = kind_of_command(self.command)
         self._startup_log = {k: re.compile(p) for k, p in (kind.startup_log if kind else {}).items()}
-        self.spawn: dict = {}                  # the supervised server's spawn: early (server/early_spawn.py) or not, and why
+        self.spawn: dict = {}                  # whether the spawn was early, and why not
 
     @property
     def served_model_name(self) -> str | None:
-        """The name the supervised server serves under (--served-model-name), if given."""
         return option(self.command, "--served-model-name") if self.command else None
 
     @property
     def model_option(self) -> str | None:
-        """The supervised server's --model, if given."""
         return option(self.command, "--model") if self.command else None
 
     def server_env(self) -> dict[str, str]:
-        """The server's environment: ours plus the agent's cache directories
-        (server_command.server_env)."""
+        """The server's environment: ours plus the agent's cache directories."""
         return server_env(os.environ if self.base_env is None else self.base_env, self.data_dir, self.host,
                           self.lora.adapters, self.applied_remedy)
 
     def server_command(self) -> list[str]:
-        """The command as started: a vLLM command that sets no memory budget gets
-        --kv-cache-memory-bytes (without it the CPU build takes ~8 GiB)."""
+        """The command as started; a vLLM command without a memory budget gets a KV budget."""
         assert self.command, "only a supervised server has a command"
         cmd = list(self.command)
         if is_vllm(cmd) and not option(cmd, "--kv-cache-memory-bytes") and not option(cmd, "--gpu-memory-utilization"):
@@ -108,24 +96,22 @@ class ServerHandle:
 
     def set_callbacks(self, on_exit: Callable[[int], None] | None,
                       on_ready: Callable[[], None] | None) -> None:
-        """Crash and recovery of the supervised server (Engine.set_server_callbacks);
-        set before load_weights starts it."""
+        """Crash and recovery callbacks; set before load_weights starts the server."""
         self.on_server_exit = on_exit
         self.on_server_ready = on_ready
 
     @property
     def start_seconds(self) -> float | None:
-        """Spawn to healthy of the supervised server; None: not started by us."""
+        """Spawn-to-healthy seconds; None: not started by us."""
         return self.supervisor.start_seconds if self.supervisor is not None else None
 
     @property
     def name(self) -> str | None:
-        """What server it is, from its command line; None: unknown (not started by us)."""
+        """What server it is, from its command line; None: unknown."""
         return server_name_of(self.command)
 
     @property
     def applied_remedy(self) -> dict[str, str]:
-        """The remedy environment given to the supervised server (openai.apply_server_remedy)."""
         if not (self.openai.apply_server_remedy and self.command):
             return {}
         return server_remedy(self.command)
@@ -138,13 +124,11 @@ class ServerHandle:
                 self.startup[key] = float(m.group(1))
 
     def has_compile_artifacts(self) -> bool:
-        """Whether the supervised server wrote anything into the compile-cache
-        folders server_env() gave it during this start (solidify shares them through the
-        kernel cache).  Files older than this process are not this server's: a
-        TORCHINDUCTOR_CACHE_DIR inherited from the environment (/tmp/torchinductor_root,
-        full of another program's headers) made a llama.cpp start open the kernel cache
-        and import torch, 2 s on two cores before SERVING.  A server we did not start:
-        True (we cannot tell)."""
+        """Whether the supervised server wrote into its compile-cache folders during this start.
+
+        Older files are ignored: an inherited cache dir full of another program's files
+        would otherwise make solidify import torch for nothing.  True for a server we
+        did not start (we cannot tell)."""
         if not self.command:
             return True
         from warmup_agent.server.procstart import process_age_seconds
@@ -158,15 +142,11 @@ class ServerHandle:
                         if os.stat(os.path.join(root, name)).st_mtime >= since:
                             return True
                     except OSError:
-                        continue        # removed while we looked
+                        continue
         return False
 
-    # -- starting, waiting, stopping --------------------------------------------------
-
     def prestart(self) -> None:
-        """Spawn the supervised server now, without waiting for it: its own start-up
-        then overlaps the agent's set-up and the tokenizer load.  start() waits for it.  Nothing to do without a command
-        or once started."""
+        """Spawn the supervised server now so its start-up overlaps the agent's; start() waits."""
         if not self.command or self.supervisor is not None or self._interrupted.is_set():
             return
         from warmup_agent.server import early_spawn
@@ -176,7 +156,7 @@ class ServerHandle:
         if why_not:
             self.log.info("the server spawned before the agent's imports is replaced: %s", why_not)
         self.spawn = {"early": early is not None, "early_replaced_because": why_not}
-        # The callbacks are looked up when called: the CLI connects them after this.
+        # Callbacks are looked up when called: the CLI connects them after this.
         self.supervisor = Supervisor(
             command, self.url + self.health_path, env=env,
             adopt=early.proc if early else None, adopted_spawn_time=early.at if early else None,
@@ -200,20 +180,16 @@ class ServerHandle:
         self._start_thread.start()
 
     def start(self, while_starting: Callable[[], None]) -> None:
-        """Start the server (or wait for the given one) until its health path
-        answers 200, and nothing more: no request reaches it.  `while_starting` (the
-        engine's local tokenizer load) runs while the server starts; not again when
-        the server is ours already (a restart)."""
+        """Wait until the health path answers 200, running `while_starting` meanwhile (not on a restart)."""
         if self._interrupted.is_set():
             raise EngineError("stopped", "stopped before the server became healthy")
         if self._start_thread is None and self.supervisor is not None:
-            # Called again after the supervisor restarted a crashed server (the
-            # pipeline re-runs prewarm): the server is ours already, just wait for it.
+            # A restarted server (prewarm re-run): it is ours already, just wait for it.
             self._wait_remote_healthy()
             return
         if self.command:
             self.prestart()
-            while_starting()      # local files: overlaps the server's start-up
+            while_starting()
             thread = self._start_thread
             if thread is not None:
                 thread.join()
@@ -225,8 +201,7 @@ class ServerHandle:
             self._wait_remote_healthy()
 
     def interrupt(self) -> None:
-        """SIGTERM during warmup: stop waiting for the server; a supervised one that
-        is still starting is stopped (its start() then raises 'stopped')."""
+        """SIGTERM during warmup: stop waiting, and stop a supervised server still starting."""
         self._interrupted.set()
         if self.supervisor is not None:
             self.supervisor.stop()
@@ -236,7 +211,7 @@ class ServerHandle:
             self.supervisor.stop()
 
     def _wait_remote_healthy(self) -> None:
-        import urllib.error  # here, not at the top: see StreamingClient._stream (client.py)
+        import urllib.error  # late: see StreamingClient._stream
         import urllib.request
         deadline = time.monotonic() + self.openai.ready_timeout_seconds
         last = ""

@@ -1,15 +1,9 @@
-"""Other clients' requests, as the supervised server's own log shows them.
+"""Other clients' requests, as the supervised server's log shows them.
 
-A server that answers one request at a time (`transformers serve`; llama.cpp with one
-slot) makes a probe sent during a user's answer wait for the whole answer: the window
-would then describe the agent's own wait, which no user met, and fire first-token alerts
-on a healthy pod (docs/benchmarks.md, "Probes beside a busy server").  So the watch loop
-skips a probe while another client's request line is recent.
-
-Each request the agent sends leaves a credit that its own log line takes; a request line
-that finds no credit is another client's.  A credit lapses `slack` seconds after its
-request ended, so a server that logs no request lines hoards none.  A server the agent
-did not start has no log here: its probes go on.
+On a server that answers one request at a time, a probe sent during a user's answer
+times that wait, so the watch loop skips probes while another client is active.  Each
+agent request leaves a credit its own log line takes; a line without one is another
+client's.  Credits lapse, so a server that logs no request lines hoards none.
 """
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ REQUEST_LINE = re.compile(REQUEST_LOG)
 
 
 class ServerTraffic:
-    """`slack`: seconds after one of the agent's requests ends during which its credit
-    still stands (a log line is read a little after it is written)."""
+    """`slack`: seconds a credit outlives its request (log lines are read a little late)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, slack: float = 0.5) -> None:
         self._clock, self.slack = clock, slack
@@ -37,7 +30,7 @@ class ServerTraffic:
     def own_started(self) -> list[float]:
         credit = [float("inf")]
         with self._lock:
-            self._drop_lapsed(self._clock())    # a server with no log never takes them
+            self._drop_lapsed(self._clock())
             self._credits.append(credit)
         return credit
 
@@ -51,7 +44,7 @@ class ServerTraffic:
         with self._lock:
             self._drop_lapsed(self._clock())
             if self._credits:
-                self._credits.pop(0)          # the oldest of our requests: this line is ours
+                self._credits.pop(0)          # this line is ours
                 return
             self._last_other = self._clock()
             self.others_seen += 1
@@ -60,8 +53,7 @@ class ServerTraffic:
         self._credits = [c for c in self._credits if now - c[0] <= self.slack]
 
     def others_within(self, seconds: float) -> float | None:
-        """Seconds since the last request line of another client, if it is at most
-        `seconds` old; None otherwise."""
+        """Seconds since another client's last request line, if at most `seconds`; else None."""
         with self._lock:
             if self._last_other is None:
                 return None

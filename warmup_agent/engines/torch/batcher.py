@@ -1,34 +1,11 @@
-"""Users' requests to the torch engine, run in batches on the warmed shapes (issue 41).
+"""Users' requests to the torch engine, run in batches on the warmed shapes.
 
-One scheduler thread takes requests (`Job`: prompt token ids and the request's
-own sampling) from a queue.  When one arrives it waits `window` seconds (a few
-ms) for others, up to the largest warmed batch size, and runs them as one batch:
-
-- the batch is padded to the smallest warmed batch size that holds it (dummy rows
-  repeat the first prompt), because those are the shapes warmup ran and, on a
-  GPU, the ones solidify captured CUDA graphs for;
-- prompts of one length whose answers fit the static cache go through the
-  engine's static decoder of that batch size (its captured prefill and decode
-  step, gpu/graphs.py); anything else (prompts of different lengths, no decoder:
-  the CPU) runs eagerly, left-padded with an attention mask, exactly as
-  TorchEngine.generate does;
-- each step's logits are sampled per row (temperature, top_p, a seeded
-  generator per request), then one transfer brings the batch's tokens to the host;
-- a row ends at EOS, a stop string or its max_tokens; a cancelled row (the client
-  went away) ends at the next step.  The batch ends when every row has.
-
-Requests that arrive while a batch runs wait for it to end and then go together
-as the next batch (static batching: a row cannot join a batch already decoding,
-because the static cache has one position for the whole batch).
-
-The whole batch runs under the engine lock, the one the agent's driver holds
-around its own engine calls (driver.py): a watch probe, a re-warm's solidify and
-a user batch never use the model (or the static caches, which a probe of the
-same batch size would overwrite) at the same time.
-
-Every event for a request (text, end, failure) goes to its `deliver` callback,
-called from the scheduler thread; the HTTP side (engines/torch/serving.py) hands them to
-its event loop.
+A scheduler thread collects requests for a short window and pads each batch to the
+smallest warmed batch size that holds it, since those are the shapes warmup ran and
+solidify captured.  Batching is static: the static cache has one position for the
+whole batch, so a request cannot join a batch already decoding.  Each batch runs
+under the engine lock, so agent probes never share the model or its static caches
+with users.  A request's events go to its `deliver` callback, from the scheduler thread.
 """
 from __future__ import annotations
 
@@ -46,15 +23,14 @@ from typing import Any, Protocol
 
 log = logging.getLogger("warmup_agent.engines.torch_batcher")
 
-#: How long the scheduler waits for more requests after the first of a batch (seconds):
-#: every lone request pays it, so it stays short.  TorchEngine.options["batch_window_seconds"].
+#: Seconds to wait for more requests after a batch's first; every lone request pays it.
 DEFAULT_WINDOW_SECONDS = 0.003
 #: The largest batch when the engine warmed no batch sizes (solidify never ran).
 DEFAULT_MAX_BATCH = 8
 
 
 class ServedEngine(Protocol):
-    """What the batcher needs of the torch engine (engines/torch/engine.py)."""
+    """What the batcher needs of the torch engine."""
     model: Any
     tokenizer: Any
     device: Any
@@ -79,8 +55,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of the answer (may be empty: the first token always sends one,
-    so the client's first byte marks the first token)."""
+    """New answer text; the first token always sends one, even empty, to mark time to first token."""
     text: str
     first: bool
 
@@ -109,17 +84,16 @@ class Job:
     finished: bool = False
 
     def cancel(self) -> None:
-        """The client went away: the row leaves its batch at the next step (or the
-        request never runs).  Safe from any thread."""
+        """The client went away: the row leaves at the next step.  Safe from any thread."""
         self.cancelled = True
 
 
 @dataclass
 class BatchRecord:
-    """One batch run: what the counters and tests read."""
+    """One batch run."""
     size: int                  # requests in it
     padded: int                # the batch size it ran at
-    path: str                  # "static" (the engine's static decoder) or "eager"
+    path: str                  # "static" or "eager"
     steps: int = 0             # forward passes after the prefill
     cancelled: int = 0
     seconds: float = 0.0
@@ -133,14 +107,13 @@ class Counters:
     cancelled: int = 0
     failed: int = 0
     completion_tokens: int = 0
-    running: int = 0           # rows of the batch running now, not yet ended
+    running: int = 0           # rows of the running batch not yet ended
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
 
 
 def special_ids(model_dir: str) -> tuple[frozenset[int], frozenset[int]]:
-    """(EOS ids, ids kept out of the text) from config.json and generation_config.json.
-    generation_config's EOS list is the chat model's (Qwen2: <|im_end|> beside
-    <|endoftext|>).  BOS, EOS and pad never show in the answer's text."""
+    """(EOS ids, ids kept out of the text) from config.json and generation_config.json,
+    whose EOS list is the chat model's."""
     eos: set[int] = set()
     hidden: set[int] = set()
     for name in ("config.json", "generation_config.json"):
@@ -161,20 +134,17 @@ def special_ids(model_dir: str) -> tuple[frozenset[int], frozenset[int]]:
 
 
 class Detokenizer:
-    """Text of a growing list of token ids, one token at a time, with stop strings.
+    """Incremental text of a growing list of token ids, with stop strings.
 
-    Decodes a short window of tokens (from `prefix`) rather than the whole answer
-    each step, and withholds text that ends in an incomplete UTF-8 sequence
-    (U+FFFD) until the next token completes it: the windowed scheme of
-    transformers' TextStreamer and vLLM.  Text that could be the start of a stop
-    string is withheld too, so a stop string never reaches the client."""
+    Decodes a short window (as transformers' TextStreamer and vLLM do) and withholds
+    an incomplete UTF-8 sequence or a possible stop-string start until it is settled."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str], hidden: frozenset[int]):
         self._decode, self._stop, self._hidden = decode, tuple(s for s in stop if s), hidden
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
         self._prefix = self._read = 0
-        self.text = ""            # decoded so far (stop string cut off once found)
+        self.text = ""
         self._sent = 0            # characters of `text` already handed out
 
     def add(self, token: int) -> tuple[str, bool]:
@@ -214,7 +184,7 @@ class _Row:
 
 
 class _StaticRun:
-    """The batch through the engine's static decoder (captured graphs on a GPU)."""
+    """The batch through the engine's static decoder."""
     path = "static"
 
     def __init__(self, decoder: Any, prompts: list[list[int]], device: Any):
@@ -229,7 +199,7 @@ class _StaticRun:
 
 
 class _EagerRun:
-    """The batch through the model with a growing cache, left-padded: as TorchEngine.generate."""
+    """The batch through the model with a growing cache, left-padded."""
     path = "eager"
 
     def __init__(self, model: Any, prompts: list[list[int]], pad: int, device: Any):
@@ -255,14 +225,12 @@ class _EagerRun:
 
 
 def attention_without_cudnn() -> contextlib.AbstractContextManager:
-    """Scaled-dot-product attention without cuDNN's backend, for users' batches: cuDNN
-    attention builds a plan for each sequence length it meets (prewarm.decode_coverage
-    in docs/config.md), and users' prompts and answers reach new
-    lengths all the time.  torch's switch is process-wide, so it is held only while a
-    batch runs, under the engine lock: nothing else runs the model meanwhile."""
+    """SDPA without cuDNN, whose attention builds a plan per new sequence length.
+
+    The switch is process-wide, so it is held only while a batch runs under the engine lock."""
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:      # torch < 2.3: its default order
+    except ImportError:      # torch < 2.3
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
@@ -272,8 +240,7 @@ def sample(logits: Any, temperature: float, top_p: float, generator: Any) -> Any
     import torch
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        # Nucleus: the most probable tokens whose mass before them is under top_p
-        # (so the first one always stays).
+        # Keep tokens whose mass before them is under top_p, so the first always stays.
         sorted_probs, order = probs.sort(descending=True)
         keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
         choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
@@ -282,7 +249,7 @@ def sample(logits: Any, temperature: float, top_p: float, generator: Any) -> Any
 
 
 class Batcher:
-    """The scheduler thread and its counters (see the module docstring)."""
+    """The scheduler thread and its counters."""
 
     def __init__(self, engine: ServedEngine, lock: Any, window: float = DEFAULT_WINDOW_SECONDS):
         self.engine, self.lock, self.window = engine, lock, window
@@ -296,7 +263,6 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name="torch-serving", daemon=True)
         self._thread.start()
 
-    # -- the HTTP side ------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
         if self._closing:
             job.deliver(Failed("the engine is shutting down"))
@@ -306,13 +272,11 @@ class Batcher:
 
     @property
     def idle(self) -> bool:
-        """No batch is running (its counters are final)."""
+        """No batch is running."""
         return self._running_since is None
 
     def served_within(self, seconds: float) -> float | None:
-        """Seconds since a user batch last ran (0 while one runs) when at most
-        `seconds`, else None: the agent pauses its watch probes meanwhile
-        (Engine.others_served_within)."""
+        """Seconds since a user batch last ran (0 while one runs), if at most `seconds`; else None."""
         if self._running_since is not None:
             return 0.0
         if self._last_end is None:
@@ -321,9 +285,8 @@ class Batcher:
         return age if age <= seconds else None
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the thread: queued requests fail, the running batch's rows are
-        cancelled and it ends at its next step.  Joined, so no forward pass is in
-        flight when the interpreter finalises (that aborts the process)."""
+        """Fail queued requests, cancel the running batch and join the thread: a forward pass
+        in flight at interpreter exit aborts the process."""
         self._closing = True
         for running in list(self._current):
             running.cancel()
@@ -338,7 +301,6 @@ class Batcher:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    # -- the scheduler thread -------------------------------------------------------------------
     def batch_sizes(self) -> list[int]:
         return sorted(set(self.engine.warmed_batch_sizes()))
 
@@ -355,7 +317,7 @@ class Batcher:
             for j in jobs:
                 if j.cancelled:
                     self._end(j, Done("cancelled", 0))
-                elif self._closing:        # close() came while the batch was forming
+                elif self._closing:
                     self._end(j, Failed("the engine is shutting down"))
             if live:
                 self._run(live)
@@ -372,7 +334,7 @@ class Batcher:
                 job = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
-            if job is None:              # close(): let the loop see it after this batch
+            if job is None:              # close(): leave it for the loop
                 self._queue.put(None)
                 break
             jobs.append(job)
@@ -444,12 +406,12 @@ class Batcher:
     def _steps(self, run: _StaticRun | _EagerRun, rows: list[_Row], record: BatchRecord) -> None:
         logits = run.logits
         while True:
-            tokens = logits.argmax(dim=-1)                     # greedy rows, and the padding's rows
+            tokens = logits.argmax(dim=-1)                     # greedy and padding rows
             for i, row in enumerate(rows):
                 s = row.job.sampling
                 if not row.done and s.temperature > 0:
                     tokens[i] = sample(logits[i], s.temperature, s.top_p, row.generator)[0]
-            chosen = tokens.tolist()                           # the one device-to-host transfer of the step
+            chosen = tokens.tolist()                           # the step's one device-to-host transfer
             for row, token in zip(rows, chosen[:len(rows)], strict=True):
                 if not row.done:
                     self._advance(row, token, record)
@@ -488,8 +450,7 @@ class Batcher:
 
     @staticmethod
     def _generator(job: Job, device: Any) -> Any:
-        """A generator of the request's own on the model's device: seeded, the same
-        request gives the same answer whatever else shares its batch."""
+        """A per-request generator, so a seeded request's answer does not depend on its batch."""
         if job.sampling.temperature <= 0:
             return None
         import torch
@@ -502,11 +463,8 @@ class Batcher:
 
 
 def warm_user_paths(engine: ServedEngine, shapes: list[tuple[int, int]]) -> None:
-    """Run once, before SERVING, what users' batches run beyond the agent's own warmup
-    (TorchEngine.solidify calls it, under the engine lock it already holds): the
-    eager path with left padding and its attention mask, at each warmed batch size of
-    two or more (its shortest warmed length), and the sampling kernels (warmup
-    decodes greedily): a cold first batch of mixed lengths takes seconds."""
+    """Run once what users' batches use beyond the agent's warmup (the masked eager path,
+    sampling), since a cold first mixed-length batch is slow.  Called under the engine lock."""
     import torch
     model, tokenizer, device = engine.serving_model(), engine.tokenizer, engine.device
     if model is None or tokenizer is None:
@@ -515,8 +473,7 @@ def warm_user_paths(engine: ServedEngine, shapes: list[tuple[int, int]]) -> None
     sample_ids = tokenizer.encode("warm " * 8, add_special_tokens=False) or [0]
     generator = torch.Generator(device=device)
     generator.manual_seed(0)
-    # One length per batch size: the masked path's first-use costs are per kernel, not per
-    # length; a long prompt would cost seconds on a CPU for nothing.
+    # One short length per batch size: first-use costs are per kernel, not per length.
     shortest: dict[int, int] = {}
     for length, batch in shapes:
         if batch >= 2 and length >= 2:

@@ -1,14 +1,8 @@
-"""The `torch` engine: an in-process causal LM on CPU or CUDA.
+"""The `torch` engine: an in-process causal LM on CPU or CUDA, from a Hugging Face-layout directory.
 
-Loads any Hugging Face-layout model directory with safetensors weights.  Two
-implementations of the forward (model.implementation): native, a plain-torch
-Llama/Qwen2 (engines/torch/native_lm.py) that never imports transformers, for the
-models it runs exactly (engines/torch/native_config.py); and transformers, for every
-other architecture and for FP8.  auto picks native where it can and records
-why it did not (engine_facts.extra).  Every
-integrity problem a model directory can have (empty or non-JSON config.json,
-missing or truncated shards: warmup_agent/model/directory.py; shapes that disagree
-with the config, a broken tokenizer: here) becomes an EngineError with a named reason and one line for the user.
+The forward is native (plain torch, for the Llama/Qwen2 configs it runs exactly) or
+transformers (everything else, and FP8).  Every integrity problem of the model
+directory becomes an EngineError with a named reason.
 """
 from __future__ import annotations
 
@@ -33,8 +27,7 @@ if TYPE_CHECKING:
 
 
 def _quiet_transformers() -> None:
-    """Progress bars and advisory warnings from transformers would break our own
-    progress display and the one-line error policy."""
+    """Silence transformers' progress bars and advisories, which would break our one-line output."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -44,9 +37,7 @@ def _quiet_transformers() -> None:
 
 
 def check_shapes_against_config(path: str) -> None:
-    """Compare every checkpoint tensor with the shape config.json implies, using a
-    model built on the meta device (no memory).  Catches a config.json from one
-    model beside the weights of another before any weight is read."""
+    """Check every checkpoint tensor against the shape config.json implies, before any weight is read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
@@ -70,75 +61,65 @@ def check_shapes_against_config(path: str) -> None:
 
 class TorchEngine(Engine):
     name = "torch"
-    sets_up_device = True   # reserve creates the CUDA context and reserves memory (Engine)
+    sets_up_device = True
 
     def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto", implementation: str = "auto"):
         self._model_path = model_path
-        self._requested_implementation = implementation   # auto | native | transformers (model.implementation)
-        # Decided once from config.json (_choose_implementation): native or transformers, and
-        # why transformers when auto could not take native.
-        self.implementation: str | None = None
+        self._requested_implementation = implementation   # auto | native | transformers
+        self.implementation: str | None = None            # decided once by _choose_implementation
         self.implementation_reason = ""
-        self._native_config: NativeConfig | None = None   # parsed from config.json when native was chosen
+        self._native_config: NativeConfig | None = None
         self._dtype_name = dtype
         self._device_name = device
-        # torch and transformers objects are typed Any (mypy does not follow them);
-        # None until loaded: the tokenizer by load_tokenizer, the rest by load_weights
-        # (the device and dtype already by init_device on a GPU host).
+        # torch objects are typed Any: mypy does not follow torch.
         self.tokenizer: Any | None = None
-        self.model: Any | None = None            # the model (torch.nn.Module): native_lm.NativeCausalLM or transformers
-        self.device: Any | None = None           # torch.device
-        self.dtype: Any | None = None            # torch.dtype
+        self.model: Any | None = None
+        self.device: Any | None = None
+        self.dtype: Any | None = None
         self._config: dict = {}
-        self._compiled: Any | None = None        # torch.compile(model), solidify mode compile
-        # GPU options (set by stage 1 through configure(); defaults suit a CPU run).
+        self._compiled: Any | None = None        # solidify mode compile
+        # Set by reserve through configure(); the defaults suit a CPU run.
         self.options: dict[str, Any] = {"progressive": True, "chunk_bytes": 64 << 20, "buffers": 4, "workers": 4,
                                         "manifest": None, "cuda_context_timeout": 60.0,
                                         "kernel_compile_timeout": 600.0, "graph_max_len": 512,
-                                        # users' batching window (engines/torch/batcher.py)
                                         "batch_window_seconds": 0.003}
         self.load_report: LoadReport | None = None
         self.context_seconds: float | None = None
         self.reserved_bytes = 0
         self._decoders: dict = {}
-        self.last_output: Any | None = None      # the last generate()'s tokens, a tensor
+        self.last_output: Any | None = None      # the last generate()'s tokens
         self.graph_fallback_reason: str | None = None
         self._skeleton: Future | None = None     # Future of (meta model, expected shapes, tied names)
         self._skeleton_thread: threading.Thread | None = None
         self.skeleton_wait_seconds: float | None = None
-        self.skeleton_build_seconds: float | None = None   # the background import + skeleton, start to end
-        self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()   # from config.json (warmup_agent/quantization/)
+        self.skeleton_build_seconds: float | None = None
+        self.quantization: quantization.QuantizationInfo = quantization.QuantizationInfo()
         self.fp8_layers = 0
-        #: The engine lock: the agent's driver holds it around each of its calls into the
-        #: engine (driver.py) and the users' batches around each batch (engines/torch/batcher.py),
-        #: so a watch probe, a re-warm and a user batch never use the model from two threads at once.
+        #: Held by the agent's driver around each call and by each user batch, so the model
+        #: is never used from two threads at once.
         self.lock: threading.Lock = threading.Lock()
-        self._warmed_shapes: list[tuple[int, int]] = []   # (prompt length, batch) solidify froze
-        self._openai: TorchOpenAIBackend | None = None   # made on first ask (openai_backend)
+        self._warmed_shapes: list[tuple[int, int]] = []   # (prompt length, batch)
+        self._openai: TorchOpenAIBackend | None = None
 
     @property
     def model_path(self) -> str:
-        """The model directory (reserve checks it: Engine.model_path)."""
         return self._model_path
 
     def torch_model(self) -> Any:
-        """The loaded model, native or transformers (validation checks it: Engine.torch_model)."""
         return self.model
 
     def configure(self, **options: Any) -> None:
-        """GPU options from the config (see stages/reserve.py)."""
         self.options.update({k: v for k, v in options.items() if v is not None})
 
     def _ensure_device(self) -> Any:
-        """The torch.device, resolved (with the dtype) on first use."""
+        """The device, resolved with the dtype on first use."""
         if self.device is None:
             self.device = self._resolve_device()
             self.dtype = self._resolve_dtype(self.device)
         return self.device
 
     def init_device(self) -> Any:
-        """Resolve the device and create its CUDA context under the deadline
-        gpu.cuda_context_timeout_seconds (reason cuda_context_timeout)."""
+        """Resolve the device and create its CUDA context under gpu.cuda_context_timeout_seconds."""
         import torch
 
         from warmup_agent.gpu.deadline import run_with_deadline
@@ -156,12 +137,10 @@ class TorchEngine(Engine):
         return device
 
     def reserve_memory(self, nbytes: int) -> int:
-        """Reserve and touch nbytes of device memory in the caching allocator."""
         from warmup_agent.gpu import memory
         self.reserved_bytes = memory.reserve(self.init_device(), nbytes)
         return self.reserved_bytes
 
-    # -- loading -----------------------------------------------------------------------
     def _resolve_device(self) -> Any:
         import torch
         if self._device_name == "auto":
@@ -170,13 +149,13 @@ class TorchEngine(Engine):
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise EngineError("cuda_unavailable", f"model.device is {self._device_name} but no CUDA device is visible")
         if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", 0)   # an explicit index: set_device and the stages need one
+            dev = torch.device("cuda", 0)   # set_device and the stages need an index
         return dev
 
     def _resolve_dtype(self, device: Any) -> Any:
         import torch
         if self._dtype_name == "auto":
-            # bf16 on GPU; float32 on CPU, where bf16 matmuls are emulated and slow on AVX2.
+            # float32 on CPU, where bf16 matmuls are emulated and slow.
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self._dtype_name)
 
@@ -185,24 +164,21 @@ class TorchEngine(Engine):
         self.quantization = quantization.from_config(self._config, f"{self.model_path}/config.json")
         q = self.quantization
         if q.method not in ("none", "fp8"):
-            # Loading these through the skeleton would cast packed or FP8 weights to the
-            # compute dtype without their scales: wrong numbers, not an error.
+            # Loading these would cast the weights without their scales: wrong numbers, no error.
             raise EngineError("quantization_unsupported",
                               f"{self.model_path}/config.json: quantization_config quant_method {q.method!r} "
                               "(weights " + q.weight_dtype + "): the torch engine runs transformers' 'fp8' block layout only; "
                               "serve this model with engine openai (vLLM, SGLang)")
 
     def _choose_implementation(self, config: dict) -> str:
-        """native or transformers, decided once from config.json: native when asked
-        for or auto and the model qualifies (engines/torch/native_config.py), else
-        transformers with the reason; native asked for but impossible is an error."""
+        """native or transformers, decided once; native asked for but impossible is an error."""
         if self.implementation is None:
             from warmup_agent.engines.torch import native_config
             requested = self._requested_implementation
             why = "model.implementation is transformers" if requested == "transformers" else ""
             if not why:
                 try:
-                    self._native_config = native_config.parse(config)   # the skeleton is built from it
+                    self._native_config = native_config.parse(config)
                 except native_config.Ineligible as e:
                     why = str(e)
             if why and requested == "native":
@@ -215,8 +191,7 @@ class TorchEngine(Engine):
         self._read_config()
         native = self._choose_implementation(self._config) == "native"
         if native and os.path.exists(os.path.join(self.model_path, "tokenizer.json")):
-            # tokenizers alone (no transformers import); a model with only a
-            # sentencepiece tokenizer.model still needs AutoTokenizer.
+            # A sentencepiece-only model still needs AutoTokenizer (and transformers).
             from warmup_agent.engines.torch.native_tokenizer import NativeTokenizer
             self.tokenizer = NativeTokenizer.from_model_dir(self.model_path)
         else:
@@ -226,7 +201,7 @@ class TorchEngine(Engine):
                 self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             except Exception as e:  # noqa: BLE001 - any library error here means broken tokenizer files
                 raise EngineError("tokenizer_invalid", f"{self.model_path}: cannot load the tokenizer: {_one_line(e)}") from None
-        # Warm the tokenizer: the first encode/decode builds its BPE caches.
+        # The first encode/decode builds the BPE caches.
         sample = "The quick brown fox jumps over the lazy dog. " * 8
         ids = self.tokenizer.encode(sample, add_special_tokens=False)
         if not ids:
@@ -242,13 +217,11 @@ class TorchEngine(Engine):
             check_manifest(self.model_path, self.options["manifest"])
         native = self._choose_implementation(self._config) == "native"
         if native or self.options["progressive"] or self.quantization.fp8_weights:
-            # The native model has no other loader.  FP8 always takes our loader: transformers' FP8Linear fetches its GEMM kernel
-            # from the Hugging Face Hub at the first forward (no network on a GPU host).
-            self._load_progressive()      # imports transformers in the background
+            # FP8 takes our loader: transformers' FP8Linear fetches its kernel from the Hub at first use.
+            self._load_progressive()
         else:
             if self._skeleton is not None:
-                # prestart() began importing transformers: let it finish rather than
-                # import the same modules from two threads at once.
+                # Let prestart's import finish rather than import the same modules from two threads.
                 try:
                     self._skeleton.result()
                 except Exception:  # noqa: BLE001, S110 - from_pretrained reports its own error
@@ -258,11 +231,8 @@ class TorchEngine(Engine):
             self._load_from_pretrained()
 
     def prestart(self) -> None:
-        """Start importing torch and the model's modelling module (torch alone on
-        the native path), and build the skeleton, in a background thread as soon
-        as the CLI has the engine (Engine.prestart).  The import is the largest part
-        of a cold start (bench/import_costs.py) and needs nothing from the agent, so it
-        runs beside the agent's set-up, reserve and the weight read."""
+        """Import torch (and the modelling module) and build the skeleton in the background:
+        the import is the largest part of a cold start and needs nothing from the agent."""
         try:
             with open(os.path.join(self.model_path, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
@@ -274,11 +244,7 @@ class TorchEngine(Engine):
         self._start_skeleton()
 
     def _start_skeleton(self) -> None:
-        """Import transformers (only the model's own configuration and modelling
-        modules where config.json names them: engines/torch/model_classes.py) and build
-        the model skeleton on the meta device in a background thread; the weights
-        are read meanwhile and load_weights waits for the result.  Started by
-        prestart(), else by load_weights."""
+        """Build the meta-device skeleton in a background thread while the weights are read."""
         native = self.implementation == "native"
         if self._skeleton is not None or not (native or self.options["progressive"] or self.quantization.fp8_weights):
             return
@@ -288,12 +254,11 @@ class TorchEngine(Engine):
         def work() -> None:
             try:
                 t0 = time.perf_counter()
-                # The dtype the engine will use, resolved here without touching
-                # self.device (the main thread sets it up; no CUDA context is made here).
+                # Resolved without touching self.device: no CUDA context is made in this thread.
                 dtype = self.dtype if self.dtype is not None else self._resolve_dtype(self._resolve_device())
                 if native:
                     from warmup_agent.engines.torch import native_lm
-                    assert native_cfg is not None   # _choose_implementation parsed it when it chose native
+                    assert native_cfg is not None
                     skeleton = native_lm.build_skeleton(native_cfg, dtype)
                 else:
                     _quiet_transformers()
@@ -309,17 +274,11 @@ class TorchEngine(Engine):
         self._skeleton = future
 
     def _load_progressive(self) -> None:
-        """Embeddings first, then layer by layer, through pinned staging buffers
-        with overlapped host-to-device copies (warmup_agent/gpu/loader.py).  The
-        weights are read into tensors of their own while the skeleton is built in
-        the background; nothing is used before the names, shapes and dtypes are
-        checked against the skeleton, and then the tensors become the parameters
-        (no second copy)."""
+        """Read the weights through gpu/loader.py while the skeleton builds, check them
+        against it, then bind the tensors as its parameters (no second copy)."""
         from warmup_agent.gpu import loader
         self._ensure_device()
-        # Started by prestart() at process start in the CLI; here when the engine is
-        # driven without it (tests, the benchmarks' in-process children).  Only work
-        # that releases the GIL (reads, copies, CUDA calls) truly runs beside the import.
+        # Usually started by prestart(); here when the engine is driven without it.
         self._start_skeleton()
         slots = loader.checkpoint_slots(safetensors_files(self.model_path), read_safetensors_header)
         keep = quantization.keeps_stored_dtype
@@ -328,7 +287,7 @@ class TorchEngine(Engine):
                              self.options["buffers"], self.options["workers"])
         self._warm_blas()
         skeleton = self._skeleton
-        assert skeleton is not None   # started: this loader runs only when native, progressive or FP8
+        assert skeleton is not None
         t0 = time.perf_counter()
         try:
             model, expected, tied = skeleton.result()
@@ -356,8 +315,7 @@ class TorchEngine(Engine):
         self.load_report = report
 
     def _warm_blas(self) -> None:
-        """Create the cuBLAS handle and workspace (part of any first forward's cost)
-        while the transformers import is still running."""
+        """Create the cuBLAS handle and workspace while the import is still running."""
         if self.device is None or self.device.type != "cuda":
             return
         import torch
@@ -388,7 +346,6 @@ class TorchEngine(Engine):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # -- facts -------------------------------------------------------------------------
     def facts(self) -> EngineFacts:
         c = self._config
         params = sum(p.numel() for p in self.model.parameters()) if self.model is not None else None
@@ -405,7 +362,6 @@ class TorchEngine(Engine):
         assert self.tokenizer is not None, "load_tokenizer() first"
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    # -- requests ----------------------------------------------------------------------
     def _sync(self) -> None:
         if self.device is not None and self.device.type == "cuda":
             import torch
@@ -413,11 +369,7 @@ class TorchEngine(Engine):
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 1,
                  warmup: bool = False) -> list[RequestResult]:
-        """Greedy decode of a batch.  Prompts of unequal length are left-padded.
-        Time to first token = prefill + first sampled token, synchronised with the device.
-        Equal-length prompts of a batch size that solidify captured go through the static
-        cache: its captured decode step, and its captured padded prefill where one
-        fits the prompt (gpu/graphs.py)."""
+        """Greedy decode of a left-padded batch; shapes solidify captured use the static decoder."""
         import torch
         decoder = self._decoders.get(len(prompts))
         n = len(prompts[0])
@@ -452,7 +404,7 @@ class TorchEngine(Engine):
                 produced += 1
             self._sync()
         total = time.perf_counter() - t0
-        self.last_output = torch.cat(tokens, dim=1)   # [batch, produced]: greedy tokens (tests compare paths)
+        self.last_output = torch.cat(tokens, dim=1)   # [batch, produced]
         return [RequestResult(ttft, total, len(p), produced) for p in prompts]
 
     def _generate_static(self, decoder: Any, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]:
@@ -472,44 +424,32 @@ class TorchEngine(Engine):
         self.last_output = torch.cat(tokens, dim=1)
         return [RequestResult(ttft, total, n, max_new_tokens) for _ in prompts]
 
-    # -- users (issue 41) -----------------------------------------------------------------
     def openai_backend(self) -> TorchOpenAIBackend:
-        """The in-process OpenAI-compatible responder the proxy serves users from
-        (engines/torch/serving.py); one per engine, made on first ask.  Its scheduler
-        batches users' requests onto the warmed batch sizes under `lock`."""
+        """The responder that serves users from this process; made on first ask."""
         if self._openai is None:
             from warmup_agent.engines.torch.serving import TorchOpenAIBackend
             self._openai = TorchOpenAIBackend(self, self.lock, window=self.options["batch_window_seconds"])
         return self._openai
 
     def others_served_within(self, seconds: float) -> float | None:
-        """Seconds since the last batch of users' requests (0 while one runs) when at
-        most `seconds` ago: the agent's watch probes pause meanwhile, since a probe
-        would wait for the batch under the lock and time that wait (Engine)."""
+        """Seconds since the last user batch (0 while one runs): a probe would time its wait for the lock."""
         return self._openai.served_within(seconds) if self._openai is not None else None
 
     def serving_model(self) -> Any:
-        """The module a request runs through: the compiled one where solidify compiled it."""
+        """The module requests run through (the compiled one, if any)."""
         return self._compiled or self.model
 
     def static_decoders(self) -> dict:
-        """The static-cache decoders solidify built, by batch size (gpu/graphs.py); {} without."""
+        """The static-cache decoders solidify built, by batch size."""
         return self._decoders
 
     def warmed_batch_sizes(self) -> list[int]:
-        """The batch sizes solidify froze (users' batches are padded to one of them)."""
+        """The batch sizes solidify froze."""
         return sorted({batch for _, batch in self._warmed_shapes})
 
-    # -- solidify ----------------------------------------------------------------------
     def solidify(self, shapes: list[tuple[int, int]], mode: str = "auto") -> SolidifyReport:
-        """Freeze the warmed shapes.  replay: run each shape once more so every
-        allocator bucket and oneDNN/cuBLAS plan is in place; cuda_graphs (the GPU
-        default): capture one decode step per warmed batch size over a static KV
-        cache, and with the native model one padded prefill per warmed shape
-        (warmup_agent/gpu/graphs.py), falling back to replay with a named
-        reason; compile: torch.compile the model and run each shape (kernels land
-        in the Inductor cache).  Capture and compilation run under the deadline
-        gpu.kernel_compile_timeout_seconds (reason kernel_compile_timeout)."""
+        """Freeze the warmed shapes: replay each, capture CUDA graphs (falling back to
+        replay with a reason), or torch.compile, under gpu.kernel_compile_timeout_seconds."""
         from warmup_agent.gpu.deadline import run_with_deadline
         self._warmed_shapes = list(shapes)
         if mode == "auto":
@@ -554,26 +494,19 @@ class TorchEngine(Engine):
         if mode == "compile":
             run_with_deadline(replay, self.options["kernel_compile_timeout"], "kernel_compile_timeout", "torch.compile")
         else:
-            # With graphs too: each shape once through generate(), the path a request takes
-            # (static cache, padded prefill, graph replays); else the first readiness
-            # probe is the first request on that path and pays for it.
+            # With graphs too, so the first readiness probe is not the first request on that path.
             replay()
-        # Users' batches (engines/torch/batcher.py) also run prompts of different lengths
-        # together, left-padded, and sample: paid here rather than by the first such batch.
+        # Users' mixed-length, sampled batches take other paths: warm them here too.
         from warmup_agent.engines.torch import batcher as torch_batcher
         t1 = time.perf_counter()
         torch_batcher.warm_user_paths(self, shapes)
         detail["user_paths_seconds"] = time.perf_counter() - t1
         return SolidifyReport(method=method, shapes=len(shapes), seconds=time.perf_counter() - t0, detail=detail)
 
-    # -- integrity ---------------------------------------------------------------------
     def weight_fingerprint(self) -> str:
-        """SHA-256 over each tensor's name, shape, dtype and two float64 reductions
-        (sum and sum of squares), computed on the device: any changed, reshaped or
-        swapped tensor changes it.  Tensors are reduced in slices converted one at
-        a time, never as a float64 copy of a whole tensor (on a CPU those copies
-        cost tens of seconds of page faults for a 1.5B model; on a GPU GBs of
-        scratch memory)."""
+        """SHA-256 over each tensor's name, shape, dtype, sum and sum of squares, on the device.
+
+        Reduced in slices: a float64 copy of a whole tensor costs too much memory."""
         import torch
         h = hashlib.sha256()
         assert self.model is not None, "load_weights() first"
@@ -588,20 +521,18 @@ class TorchEngine(Engine):
                     c = flat[i:i + step].to(torch.float64)
                     parts.append(torch.stack([c.sum(), torch.dot(c, c)]))
                 per_tensor.append(torch.stack(parts).sum(0) if parts else torch.zeros(2, dtype=torch.float64, device=t.device))
-            # One transfer: a sync per tensor costs hundreds of round trips on a GPU.
+            # One transfer rather than a sync per tensor.
             sums = torch.stack(per_tensor).tolist()
         for (name, t), (s1, s2) in zip(items, sums, strict=True):
             h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{s1:.17g}|{s2:.17g}\n".encode())
         return h.hexdigest()
 
     def close(self) -> None:
-        # A run that failed early (a manifest mismatch in 1.6 s) must not let the
-        # interpreter exit while the skeleton thread is inside torch's import: the
-        # process then aborts ("terminate called without an active exception", exit -6).
+        # Exiting while the skeleton thread is inside torch's import aborts the process.
         if self._skeleton_thread is not None:
             self._skeleton_thread.join(timeout=120)
         if self._openai is not None:
-            self._openai.batcher.close()   # joined: no user batch is inside a forward pass past here
+            self._openai.batcher.close()   # joined: no user batch is mid-forward after this
         self._decoders = {}
         self.model = None
         self._compiled = None

@@ -1,14 +1,7 @@
-"""The model's own configuration and modelling classes, without transformers' Auto* machinery.
+"""The model's own configuration and modelling classes, imported directly.
 
-The torch engine builds its model skeleton from config.json.  `AutoConfig` and
-`AutoModelForCausalLM` find the classes through mapping tables that name every
-architecture transformers knows; for a config.json whose `model_type` and
-`architectures` name a causal LM that transformers ships as
-`transformers.models.<type>.modeling_<type>.<Architecture>`, this module imports
-that module (and `configuration_<type>`) directly.  Anything else (an unknown
-type, a remote-code model, a name that is not there) goes the Auto way, which
-raises what it always raised.  What each way costs is measured by
-bench/import_costs.py (docs/architecture.md, "the torch engine's start").
+transformers' Auto* classes import mapping tables for every architecture, which is
+slow; anything not found directly (remote code, unknown types) still goes the Auto way.
 """
 from __future__ import annotations
 
@@ -26,8 +19,7 @@ def _module_name(model_type: str) -> str:
 
 
 def direct_classes(config: dict) -> tuple[Any, Any] | None:
-    """(config class, model class) imported from the model's own modules, or None
-    when config.json does not name a causal LM transformers ships that way."""
+    """(config class, model class) from the model's own modules, or None."""
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
     if not isinstance(model_type, str) or not archs or not isinstance(archs[0], str) or config.get("auto_map"):
@@ -50,10 +42,7 @@ def direct_classes(config: dict) -> tuple[Any, Any] | None:
 
 
 def resolve(model_dir: str) -> tuple[Any, Any]:
-    """(build, config) for the model directory, where build(config, dtype=...)
-    makes the model: the model class's own `_from_config` when config.json names
-    the classes, else AutoConfig and `AutoModelForCausalLM.from_config` (which
-    calls the same `_from_config` of the class its mapping picks)."""
+    """(build, config) for the model directory, where build(config, dtype=...) makes the model."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
     found = direct_classes(raw) if isinstance(raw, dict) else None
@@ -65,10 +54,7 @@ def resolve(model_dir: str) -> tuple[Any, Any]:
 
 
 def build_skeleton(model_dir: str, dtype: Any) -> tuple[Any, dict, set]:
-    """The model on the meta device (no memory): (model, expected shapes by
-    name, tied names).  Needs transformers and the model's modelling module;
-    this is what the torch engine does in a background thread while the weights
-    are read (warmup_agent/gpu/loader.py binds the weights to it)."""
+    """(model on the meta device, expected shapes by name, tied names)."""
     import torch
     build, config = resolve(model_dir)
     with torch.device("meta"):

@@ -1,18 +1,12 @@
-"""Which models the torch engine can run without transformers, read from config.json alone.
+"""Which models the native (plain-torch) implementation runs, from config.json alone.
 
-The native implementation (engines/torch/native_lm.py) is a plain-torch Llama/Qwen2
-decoder: it saves the `import transformers` that costs seconds of a cold start
-(docs/benchmarks.md).  It covers what the
-Llama and Qwen2 checkpoints that matter use, and nothing else: any key that
-would change the numbers and that it does not implement makes the model
-ineligible, with a reason, and the engine takes the transformers path.  This
-module imports no torch, so the choice is made on the main thread at once.
+Any key that would change the numbers and is not implemented makes the model
+ineligible, with a reason.  Imports no torch, so the choice is made at once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# model_type -> the architecture name transformers gives it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -51,13 +45,12 @@ def _int(raw: dict, key: str) -> int:
 
 
 def _rope(raw: dict) -> tuple[float, tuple[float, float, float, int] | None]:
-    """(rope_theta, llama3 parameters or None).  transformers 5 writes
-    `rope_parameters`; older config.json files `rope_theta` and `rope_scaling`."""
+    """(rope_theta, llama3 parameters or None), from `rope_parameters` or the older `rope_scaling`."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise Ineligible("per-layer-type rope parameters")
     kind = params.get("rope_type") or params.get("type") or "default"
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))   # transformers' default_theta
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise Ineligible(f"rope_theta is {theta!r}")
     if params.get("partial_rotary_factor", 1.0) != 1.0 or raw.get("partial_rotary_factor", 1.0) != 1.0:

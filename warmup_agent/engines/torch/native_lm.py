@@ -1,22 +1,8 @@
-"""A plain-torch causal LM for Llama and Qwen2: the torch engine's forward without transformers.
+"""A plain-torch Llama/Qwen2 causal LM, because importing transformers costs seconds of a cold start.
 
-Why: `import transformers` and a model's modelling module cost seconds of every
-cold start (it pulls torch.distributed.tensor, torch._dynamo, sympy whatever the
-entry point; docs/benchmarks.md), and the agent's weights, warmup and graph
-capture waited for it.  This module needs only torch.
-
-What it matches: transformers' LlamaForCausalLM / Qwen2ForCausalLM with the
-sdpa attention path, to float32 rounding (tests/test_native_lm.py) — parameter
-names, RMSNorm in float32, rotary embedding from float32 inv_freq with cos/sin
-cast to the model dtype, GQA by repeating key/value heads, positions counted
-from the cache length (as transformers' model() does when given no
-position_ids, padding included).  Which configs qualify: engines/torch/native_config.py.
-
-The call signature is the subset of transformers' that the engine and
-gpu/graphs.py use: `model(input_ids=, attention_mask=, past_key_values=,
-cache_position=, use_cache=)` returning `.logits` and `.past_key_values`, with
-a growing cache (DynamicKV) for generate() and a preallocated one (StaticKV)
-whose decode step a CUDA graph can capture.
+It matches transformers' sdpa path to float32 rounding, with the same parameter
+names, and takes the subset of its call signature the engine and gpu/graphs.py use.
+StaticKV is preallocated so a CUDA graph can capture the decode step.
 """
 from __future__ import annotations
 
@@ -38,7 +24,7 @@ class NativeOutput:
 
 
 class DynamicKV:
-    """Keys and values of every layer, grown by concatenation (generate())."""
+    """Keys and values of every layer, grown by concatenation."""
 
     def __init__(self, layers: int) -> None:
         self.keys: list[Any] = [None] * layers
@@ -56,8 +42,7 @@ class DynamicKV:
 
 
 class StaticKV:
-    """Keys and values preallocated for max_len positions: written in place at the
-    given positions (no host sync, no allocation), so a decode step can be captured."""
+    """Keys and values preallocated and written in place, so a decode step can be captured."""
 
     def __init__(self, cfg: NativeConfig, batch: int, max_len: int, dtype: Any, device: Any) -> None:
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
@@ -76,8 +61,7 @@ class StaticKV:
 
 
 def inv_freq(cfg: NativeConfig, device: Any) -> Any:
-    """Rotary inverse frequencies in float32, as transformers' rope init computes them
-    (default, or llama3's smoothed low-frequency scaling)."""
+    """Rotary inverse frequencies in float32, as transformers computes them (default or llama3)."""
     dim = cfg.head_dim
     freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
     if cfg.rope_llama3 is None:
@@ -97,7 +81,7 @@ def _rotate_half(x: Any) -> Any:
 
 
 def _repeat_kv(x: Any, groups: int) -> Any:
-    """[b, kv_heads, s, d] -> [b, kv_heads * groups, s, d], each kv head repeated for its query heads."""
+    """[b, kv_heads, s, d] -> [b, kv_heads * groups, s, d]."""
     if groups == 1:
         return x
     b, h, s, d = x.shape
@@ -105,10 +89,8 @@ def _repeat_kv(x: Any, groups: int) -> Any:
 
 
 class Linear(nn.Linear):
-    """nn.Linear without its random initialisation: the skeleton is built on the
-    meta device and every weight comes from the checkpoint.  (Initialising on meta
-    is not free: Embedding's normal_ there goes through torch._refs, which imports
-    torch._dynamo, 2.5-3 s on a CPU; bench/import_costs.py.)"""
+    """nn.Linear without random init: every weight comes from the checkpoint, and init
+    on meta is not free (it imports torch._dynamo)."""
 
     def reset_parameters(self) -> None:
         pass
@@ -128,7 +110,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Any) -> Any:
-        # In float32 and cast back before the weight, exactly as transformers does.
+        # Cast back before the weight, as transformers does.
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -154,8 +136,7 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(self.layer, k, v, positions)
-        # mask None: causal over the whole sequence (prefill from empty) or nothing
-        # to mask (one new token); else a boolean mask, True where attention is allowed.
+        # mask None: plain causal (or one new token); else True where attention is allowed.
         out = F.scaled_dot_product_attention(q, _repeat_kv(k, self.groups), _repeat_kv(v, self.groups),
                                              attn_mask=mask, is_causal=mask is None and t > 1,
                                              scale=self.head_dim ** -0.5)
@@ -197,14 +178,12 @@ class Backbone(nn.Module):
 
 
 def _padding_mask(attention_mask: Any, past: int, t: int, device: Any) -> Any:
-    """[b, 1, t, past + t] boolean mask: causal and not padding.  A query always
-    sees its own position, so a row of left padding (which sees nothing else)
-    gives finite values instead of NaN; no real token ever attends to it."""
+    """[b, 1, t, past + t] causal, non-padding mask; a query always sees itself, so padding rows are not NaN."""
     q_pos = torch.arange(past, past + t, device=device)
     k_idx = torch.arange(past + t, device=device)
     allowed = (k_idx[None, :] <= q_pos[:, None])[None]                  # [1, t, kv]: causal
     if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, :past + t].bool()     # [b, t, kv]: and not padding
+        allowed = allowed & attention_mask[:, None, :past + t].bool()     # [b, t, kv]
     return (allowed | (k_idx[None, :] == q_pos[:, None]))[:, None]
 
 
@@ -216,12 +195,11 @@ class NativeCausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._inv_freq: dict[str, Any] = {}   # by device; not a buffer: nothing to rebuild after a meta build
+        self._inv_freq: dict[str, Any] = {}   # by device; not a buffer, so a meta build loses nothing
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """The output projection shares the embedding when tie_word_embeddings
-        (gpu/loader.py bind() calls this after assigning the checkpoint's tensors)."""
+        """Share the embedding with the output projection when tie_word_embeddings."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -241,15 +219,12 @@ class NativeCausalLM(nn.Module):
     def forward(self, input_ids: Any, attention_mask: Any = None, past_key_values: Any = None,
                 cache_position: Any = None, use_cache: bool = False, logits_at: Any = None,
                 **_: Any) -> NativeOutput:
-        """`logits_at`: a device tensor of positions whose logits to compute (a padded
-        prefill wants only its last real token's; the others would cost a
-        [tokens x vocab] projection), else every position's."""
+        """`logits_at`: positions whose logits to compute (a padded prefill needs one), else all."""
         x = self.model.embed_tokens(input_ids)
         t = input_ids.shape[1]
         cache = past_key_values
         if isinstance(cache, StaticKV):
-            # Positions come from a device tensor (cache_position): a captured graph
-            # replays with new positions.  Keys past the current position are masked.
+            # Positions from a device tensor, so a captured graph replays with new ones.
             positions = cache_position
             mask = (torch.arange(cache.max_len, device=x.device)[None, :] <= positions[:, None])[None, None]
         else:
@@ -270,8 +245,7 @@ class NativeCausalLM(nn.Module):
 
 
 def build_skeleton(cfg: NativeConfig, dtype: Any) -> tuple[NativeCausalLM, dict, set]:
-    """The model on the meta device (no memory): (model, expected shapes by name,
-    tied names), as engines/model_classes.build_skeleton returns for transformers."""
+    """(model on the meta device, expected shapes by name, tied names)."""
     with torch.device("meta"):
         model = NativeCausalLM(cfg).to(dtype)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

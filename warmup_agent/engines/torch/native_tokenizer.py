@@ -1,12 +1,4 @@
-"""The model's tokenizer.json through the `tokenizers` library, without transformers.
-
-The torch engine's native path (engines/torch/native_lm.py) must not import
-transformers at all, and AutoTokenizer does.  A fast tokenizer is
-tokenizer.json; transformers' PreTrainedTokenizerFast wraps the same object.
-What this class adds is the little the engine asks of a tokenizer: encode
-without special tokens, decode, and the pad token's id, read from
-tokenizer_config.json or special_tokens_map.json as transformers reads it.
-"""
+"""The model's tokenizer.json through `tokenizers` alone, for the native path (no transformers)."""
 from __future__ import annotations
 
 import json
@@ -42,7 +34,7 @@ def _pad_text(model_dir: str) -> str | None:
 
 
 class NativeTokenizer:
-    """tokenizers.Tokenizer with the engine's three needs (see the module doc)."""
+    """tokenizers.Tokenizer with what the engine needs: encode, decode and pad_token_id."""
 
     def __init__(self, tok: Any, pad_token_id: int | None) -> None:
         self.tok = tok
@@ -50,7 +42,7 @@ class NativeTokenizer:
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> NativeTokenizer:
-        """Raises EngineError tokenizer_invalid for an unreadable or broken tokenizer.json."""
+        """Raise EngineError tokenizer_invalid for a broken tokenizer.json."""
         from tokenizers import Tokenizer
         try:
             tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))

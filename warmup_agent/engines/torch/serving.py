@@ -1,35 +1,10 @@
-"""The torch engine's OpenAI-compatible responder: users' requests answered by the
-in-process model (issue 41).
+"""The torch engine's OpenAI-compatible responder: the proxy's backend for users' requests.
 
-The routing proxy (proxy.py) hands it the users' requests it routes to the main
-engine (SERVING, breaker closed) through its backend interface:
-`await backend.request(method, path, body, headers)` returns a response whose
-`body` is an async iterator of byte chunks (one SSE event each for a stream);
-closing that iterator (`aclose`) cancels the request.  Before SERVING the proxy
-answers itself (503 + Retry-After, or the fallback) and never calls this.
-
-Endpoints: POST /v1/chat/completions and /v1/completions, streamed (`data:`
-chunks in OpenAI's chunk format, then `data: [DONE]`) and not; GET /v1/models.
-Request fields: temperature (default 1, as OpenAI; 0 is greedy), top_p, max_tokens
-or max_completion_tokens, stop (a string or a list), seed, stream,
-stream_options.include_usage, n (1 only).  Other fields are ignored.
-
-Defaults that differ from OpenAI's: without max_tokens a completion gets 16 tokens
-(OpenAI's completions default) and a chat answer at most 256 (OpenAI's is the
-rest of the context; a bounded default keeps the answer inside the CUDA graphs'
-static cache, solidify.graph_max_length, where it fits).
-
-Chat prompts are the tokenizer's chat template (tokenizer_config.json
-`chat_template`, or chat_template.jinja), rendered with jinja2 in a sandbox as
-transformers renders it, then tokenized as text (the template writes the special
-tokens).  A model without a template gets FALLBACK_TEMPLATE: each message as
-"<role>\\n<content>\\n\\n", then "assistant\\n".  The embedded model has a
-template (embedded_model.CHAT_TEMPLATE).
-
-Bad requests get OpenAI's error body, status 400:
-`{"error": {"message", "type": "invalid_request_error", "param", "code"}}`.
-The batching (engines/torch/batcher.py) runs the model; this module only speaks
-HTTP and JSON, on the proxy's event loop.
+Serves /v1/chat/completions and /v1/completions (streamed or not) and /v1/models;
+closing a response body cancels its request.  Unlike OpenAI, a chat answer without
+max_tokens gets at most 256 tokens, so it stays inside the CUDA graphs' static cache.
+Bad requests get OpenAI's error body.  The batcher runs the model; this module only
+speaks HTTP and JSON, on the proxy's event loop.
 """
 from __future__ import annotations
 
@@ -44,7 +19,7 @@ from typing import Any
 from warmup_agent.engines.torch.batcher import Batcher, Delta, Done, Event, Failed, Job, Sampling, ServedEngine
 from warmup_agent.proxy import BackendResponse
 
-#: Used when the tokenizer has no chat template (see the module docstring).
+#: Used when the tokenizer has no chat template.
 FALLBACK_TEMPLATE = ("{% for message in messages %}{{ message['role'] + '\\n' + message['content'] + '\\n\\n' }}"
                      "{% endfor %}{% if add_generation_prompt %}{{ 'assistant\\n' }}{% endif %}")
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -73,7 +48,6 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 
 def _json_response(status: int, payload: dict, headers: Mapping[str, str] | None = None) -> BackendResponse:
     data = json.dumps(payload).encode()
-    # With a Content-Length the proxy sends one instead of a chunked answer.
     return BackendResponse(status, {**JSON, "content-length": str(len(data)), **(headers or {})}, _once(data))
 
 
@@ -81,10 +55,8 @@ def _sse(payload: dict | str) -> bytes:
     return b"data: " + (payload if isinstance(payload, str) else json.dumps(payload)).encode() + b"\n\n"
 
 
-# -- the chat template -------------------------------------------------------------------------
 def read_chat_template(model_dir: str) -> str | None:
-    """The model's chat template: tokenizer_config.json's `chat_template` (a string,
-    or a list of named templates: the "default" one), else chat_template.jinja."""
+    """tokenizer_config.json's `chat_template` (the "default" of a list), else chat_template.jinja."""
     try:
         with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
@@ -120,8 +92,7 @@ def _special(model_dir: str) -> dict[str, str]:
 
 
 class ChatTemplate:
-    """The template compiled once, in jinja2's immutable sandbox with the helpers
-    transformers gives templates (raise_exception, tojson via the environment)."""
+    """The template compiled once in jinja2's sandbox, with transformers' raise_exception helper."""
 
     def __init__(self, model_dir: str):
         from jinja2 import TemplateError
@@ -138,7 +109,7 @@ class ChatTemplate:
         try:
             self._template = env.from_string(self.source or FALLBACK_TEMPLATE)
         except TemplateError as e:
-            # The model's own file is broken: chat answers 500 saying so; completions still work.
+            # Chat answers 500 saying so; completions still work.
             self._broken = f"the model's chat template does not compile: {e}"
             self._template = env.from_string(FALLBACK_TEMPLATE)
 
@@ -152,7 +123,6 @@ class ChatTemplate:
             raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
 
 
-# -- request fields ------------------------------------------------------------------------------
 def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
     value = body.get(name)
     if value is None:
@@ -220,7 +190,7 @@ class TorchOpenAIBackend:
     def __init__(self, engine: ServedEngine, lock: Any, window: float):
         self.engine = engine
         path = engine.model_path
-        #: The name /v1/models lists; requests may also name the model directory as given.
+        #: The name /v1/models lists; requests may also name the model directory.
         self.served_name = os.path.basename(os.path.normpath(path))
         self._names = {self.served_name, path, os.path.normpath(path)}
         self.template = ChatTemplate(path)
@@ -273,7 +243,7 @@ class TorchOpenAIBackend:
         if prompt is None:
             raise BadRequest("'prompt' is a required property", "prompt", "missing_required_parameter")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]          # one prompt in a list
+            prompt = prompt[0]
         if isinstance(prompt, str):
             ids = tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -353,15 +323,14 @@ class TorchOpenAIBackend:
         try:
             text, end = await answer.collect(events)
         finally:
-            job.cancel()      # no-op once it ended; else the client went away while it ran
+            job.cancel()      # the client may have gone away while it ran
         if isinstance(end, Failed):
             return _json_response(500, error_body(f"the model failed: {end.message}", "server_error"))
         return _json_response(200, answer.whole(text, end))
 
 
 class _Stream:
-    """The stream's body iterator: closing it (the client went away) cancels the
-    request even before the generator ever ran."""
+    """The stream's body: closing it cancels the request, even before the generator ran."""
 
     def __init__(self, chunks: AsyncIterator[bytes], job: Job):
         self._chunks, self._job = chunks, job
@@ -429,8 +398,7 @@ class _Answer:
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
     async def stream(self, events: asyncio.Queue[Event], include_usage: bool) -> AsyncIterator[bytes]:
-        """One chunk per Delta (the first token's chunk carries the chat role), then
-        the finish chunk, the usage chunk where asked, and [DONE]."""
+        """One chunk per Delta, then the finish chunk, the usage chunk if asked, and [DONE]."""
         while True:
             event = await events.get()
             if isinstance(event, Delta):

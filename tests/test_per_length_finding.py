@@ -448,8 +448,8 @@ def test_decode_of_a_first_probe_alone_is_judged_on_its_threshold_only():
     do; with a ratio, two are needed to compare."""
     import math
 
+    from warmup_agent.readiness.verdict import decode_converged
     from warmup_agent.readiness.window import SlidingWindow
-    from warmup_agent.stages.ready import decode_converged
     window = SlidingWindow(10)
     window.add(0.004)
     assert decode_converged(window, 1, 0.5, math.inf)

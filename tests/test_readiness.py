@@ -10,6 +10,7 @@ import pytest
 
 from warmup_agent.readiness.breaker import Breaker, BreakerState
 from warmup_agent.readiness.thresholds import Thresholds
+from warmup_agent.readiness.verdict import DecodeTest, judge
 from warmup_agent.readiness.waterlevel import WaterLevel
 from warmup_agent.readiness.window import SlidingWindow, nearest_rank
 
@@ -85,16 +86,16 @@ def test_dual_thresholds_need_min_samples_and_both_percentiles():
     w = SlidingWindow(100)
     for _ in range(9):
         w.add(0.1)
-    assert not t.met(w)                 # 9 < 10 samples
+    assert not judge(w, t, 10).open      # 9 < 10 samples
     w.add(0.1)
-    assert t.met(w)
+    assert judge(w, t, 10).open
     for _ in range(2):
         w.add(2.5)                      # 2 of 12 over P90 threshold: P90 rank 11 -> 2.5
-    assert not t.met(w)
+    assert judge(w, t, 10).reason == "readiness_thresholds_not_met"
     w2 = SlidingWindow(10)
     for _ in range(10):
         w2.add(0.9)                     # P50 0.9 > 0.85 while P90 is fine
-    assert not t.met(w2)
+    assert not judge(w2, t, 10).open
     with pytest.raises(ValueError):
         Thresholds(2.0, 1.0)
 
@@ -200,3 +201,25 @@ def test_water_level_tracks_steady_qps_times_headroom():
         wl.request()
     assert wl.last_qps == pytest.approx(10.0, rel=0.02)
     assert wl.read() == pytest.approx(12.0, rel=0.02)
+
+
+def test_the_verdict_names_why_the_gate_stays_shut():
+    """Too few probes, a tail over its threshold, and decode still getting faster each
+    give a named reason and the figures; the gate and the breaker share the tail test."""
+    t = Thresholds(0.85, 2.1)
+    w = SlidingWindow(100)
+    assert judge(w, t, 1).message == "0 of the 1 probes needed are in the window"
+    for _ in range(10):
+        w.add(2.2)
+    v = judge(w, t, 3)
+    assert (v.open, v.reason) == (False, "readiness_thresholds_not_met") and "P90 2200.0 ms" in v.message
+    assert not t.tail_ok(2.2) and t.tail_ok(2.1)
+    w.clear()
+    for _ in range(4):
+        w.add(0.1)
+    decode = SlidingWindow(100)
+    for s in (0.04, 0.04, 0.01, 0.01):      # the older half 4x the newer
+        decode.add(s)
+    v = judge(w, t, 4, DecodeTest(decode, p90_max=1.0, ratio=1.5))
+    assert v.reason == "decode_not_converged" and "at most 1.5 x slower" in v.message
+    assert judge(w, t, 4, DecodeTest(decode, p90_max=1.0)).open     # no ratio to meet

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from warmup_agent.engines.text_prompts import TextPrompts
+from warmup_agent.readiness.verdict import decode_converged
 from warmup_agent.readiness.window import SlidingWindow
-from warmup_agent.stages.ready import decode_converged
 from warmup_agent.warmup import traffic
 
 

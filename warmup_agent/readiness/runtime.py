@@ -42,6 +42,7 @@ from exporter.recorder import Recorder, TaxStats, ThresholdStats, WindowStats, p
 from warmup_agent.readiness.breaker import Breaker, BreakerState
 from warmup_agent.readiness.first_user import FirstUserRequest, UserAnswer
 from warmup_agent.readiness.thresholds import Thresholds
+from warmup_agent.readiness.verdict import DecodeTest, Verdict, judge
 from warmup_agent.readiness.waterlevel import WaterLevel
 from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.states import State, StateMachine
@@ -131,15 +132,25 @@ class Readiness:
                 self.metrics.warmup_validation_checks_total.labels(check=check, result=result)
         self.metrics.warmup_water_level_requests_per_second.set_function(self.water.read)
 
-    def gate_profile_probes(self, alone: bool = False) -> int:
-        """The gate's probes speak the traffic profile (a server engine): they are paired
-        with controls and judged one by one, so fewer make the window
-        (readiness.min_probes_server instead of readiness.min_probes).  `alone`: the
-        first probe went without a control, because this server was measured before
-        (StageContext.first_probe_alone): that one probe makes the window.  Returns the
-        minimum now in force."""
-        self.thresholds.min_samples = 1 if alone else self._min_probes_server
-        return self.thresholds.min_samples
+    def gate_min_probes(self, profile_probes: bool, alone: bool = False) -> int:
+        """Probes the gate's window needs: readiness.min_probes, or, where probes speak the
+        traffic profile and are judged in pairs, readiness.min_probes_server; one where
+        the first probe went alone (this server was measured before)."""
+        if not profile_probes:
+            return self.thresholds.min_samples
+        return 1 if alone else self._min_probes_server
+
+    def verdict(self, min_probes: int, decode: DecodeTest | None = None) -> Verdict:
+        """Whether the gate opens now, and why not."""
+        with self._lock:
+            return judge(self.window, self.thresholds, min_probes, decode)
+
+    def probes_in_window(self) -> int:
+        return len(self.window)
+
+    def window_p50(self) -> float | None:
+        """The window's P50 (the performance baseline), None when every sample aged out."""
+        return self.window.quantile(0.5)
 
     # -- samples ---------------------------------------------------------------------
     def first_token(self, ttft: float) -> None:
@@ -160,7 +171,7 @@ class Readiness:
     def _observe(self, ttft: float) -> None:
         if self.breaker.state == BreakerState.HALF_OPEN:
             self.window.add(ttft)
-            self.breaker.half_open_probe(ttft > self.thresholds.p90)
+            self.breaker.half_open_probe(not self.thresholds.tail_ok(ttft))
             return
         if self.breaker.state == BreakerState.OPEN:
             return  # a request that started before the trip: the main path is frozen
@@ -169,7 +180,7 @@ class Readiness:
             self._publish_thresholds(refit=True)
         if self.breaker_enabled and self.sm.state == State.SERVING:
             p90 = self.window.quantile(0.9)
-            self.breaker.closed_sample(p90 is not None and p90 > self.thresholds.p90)
+            self.breaker.closed_sample(p90 is not None and not self.thresholds.tail_ok(p90))
 
     def thresholds_in_force(self) -> dict[str, float]:
         """{"p50": s, "p90": s}: the thresholds the gate and the breaker use now (the

@@ -36,12 +36,10 @@ class Thresholds:
     def p90(self) -> float:
         return self.current[0.9]
 
-    def met(self, window: Any) -> bool:
-        """Both percentiles of `window` at or under their thresholds, with enough samples."""
-        if len(window) < self.min_samples:
-            return False
-        q = window.quantiles((0.5, 0.9))
-        return bool(q) and q[0.5] <= self.p50 and q[0.9] <= self.p90
+    def tail_ok(self, p90: float) -> bool:
+        """The tail test the gate and the breaker share: a P90 (or one sample, half-open)
+        at or under the tail threshold."""
+        return p90 <= self.p90
 
     def sample_added(self, window: Any) -> bool:
         """Count one sample; every `every` samples re-fit from `window` (adaptive only).

@@ -1,50 +1,21 @@
-"""Stage 4, ready (PRIME -> SERVING): probe time to first token until it is stable,
-then validate, then serve.
-
-Probes go into the sliding window; the gate opens when at least
-readiness.min_probes are in and the window's P50 and P90 are at or under their
-thresholds (seed 000 §4.4: 850 ms and 2100 ms; see readiness/thresholds.py).
-Then the three-dimensional validation (structure, numerics, performance;
-readiness/validation.py) must pass, each failure a named reason.  Last, the
-weight fingerprint taken at PRELOAD must still match, or the agent fails
-instead of serving.
-"""
+"""Stage 4, ready (PRIME -> SERVING): probe time to first token until the gate's
+verdict (readiness/verdict.py) opens, validate (readiness/validation.py), then serve
+if the weight fingerprint taken at PRELOAD still matches."""
 from __future__ import annotations
 
 import logging
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 from exporter.recorder import CheckStats, Recorder, TaxStats
 from warmup_agent.readiness import cold_decode, validation
 from warmup_agent.readiness.probes import FirstRequest, Probe
-from warmup_agent.readiness.window import nearest_rank
+from warmup_agent.readiness.verdict import DecodeTest, Verdict
 from warmup_agent.stages.context import StageContext
 
 log = logging.getLogger(__name__)
-
-
-def decode_converged(window: Any, min_probes: int, p90_max: float, ratio: float) -> bool:
-    """Decode has converged: at least min_probes samples, the window's P90 time per
-    output token at or under `p90_max`, and decode no longer getting faster: over the
-    last min_probes samples, the median of the older half is at most `ratio` x the
-    median of the newer half.  Medians, not a P90/P50 spread: a healthy server on a
-    noisy host has a wide spread forever, but its cold phase ends."""
-    values = window.values()
-    # Convergence compares two halves; with no ratio to meet, min_probes samples will do.
-    if len(values) < max(min_probes, 1 if ratio == math.inf else 2):
-        return False
-    if nearest_rank(sorted(values), 0.9) > p90_max:
-        return False
-    if ratio == math.inf:
-        return True
-    recent = values[-max(min_probes, 2):]
-    half = len(recent) // 2
-    return statistics.median(recent[:half]) <= ratio * statistics.median(recent[half:])
 
 
 def run(ctx: StageContext, detail: dict) -> None:
@@ -57,7 +28,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
     # A first probe sent alone (prewarm: this server was measured before) makes the window.
     alone = profile_probes and ctx.first_probe_alone
-    min_probes = rd.gate_profile_probes(alone) if profile_probes else cfg.readiness.min_probes
+    min_probes = rd.gate_min_probes(profile_probes, alone)
     # Decode is gated only where probes time it (engines that speak the traffic profile).
     gate_decode = cfg.readiness.require_decode and profile_probes
     if not ctx.first_pairs and not alone:
@@ -67,17 +38,15 @@ def run(ctx: StageContext, detail: dict) -> None:
 
     pairs: list[dict] = []
 
-    def decode_ok() -> bool:
+    def verdict() -> Verdict:
         if not gate_decode:
-            return True
-        # The one cold-start measurement: a first probe that decoded no slower than its
-        # control (benefit.Controlled.cold compares TPOT too) has no cold decode left to
-        # wait for; only the absolute threshold remains.  Else decode must stop getting
-        # faster over the last probes.  A first probe sent alone was not judged: the
-        # remembered finding says decode does not pay at new lengths on this server.
+            return rd.verdict(min_probes)
+        # A first probe no slower than its control in decode (benefit.Controlled.cold)
+        # leaves no cold decode to wait for, nor does one sent alone (the remembered
+        # finding): only the absolute threshold remains.  Else decode must stop getting faster.
         warm = alone or (pairs and not pairs[-1]["cold"])
         ratio = math.inf if warm else cfg.readiness.tpot_convergence_ratio
-        return decode_converged(ctx.probe_log.decode, min_probes, cfg.readiness.tpot_p90_threshold_seconds, ratio)
+        return rd.verdict(min_probes, DecodeTest(ctx.probe_log.decode, cfg.readiness.tpot_p90_threshold_seconds, ratio))
     sent = len(ctx.probe_log.gate_probes)        # prewarm's first pairs, where it sent them
 
     def probe(max_tokens: int | None) -> None:
@@ -85,7 +54,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         ctx.checkpoint()
         ttft = ctx.probe(max_tokens=max_tokens)
         sent += 1
-        ctx.progress.probe(sent, len(ctx.readiness.window), rd.thresholds.min_samples, max_probes, ttft)
+        ctx.progress.probe(sent, rd.probes_in_window(), min_probes, max_probes, ttft)
 
     detail["first_pairs_from_prewarm"] = len(ctx.first_pairs)
     if not alone:
@@ -94,13 +63,14 @@ def run(ctx: StageContext, detail: dict) -> None:
     detail["first_probe_alone"] = alone
     ctx.first_pairs, ctx.first_probe_alone = [], False   # a re-warm's prewarm sends its own
     for _ in range(sent, max_probes):
-        if rd.thresholds.met(ctx.readiness.window) and decode_ok():
+        if verdict().open:
             break
         if cfg.readiness.probe_interval_seconds:
             time.sleep(cfg.readiness.probe_interval_seconds)
         probe(None)
-    if not (rd.thresholds.met(ctx.readiness.window) and decode_ok()):
-        fail_not_met(ctx, max_probes)
+    final = verdict()
+    if not final.open:
+        ctx.fail(final.reason, f"after {max_probes} probes {final.message}")
     freeze_first_request(ctx)
     # the gate's probes are probes[gate_first_probe:probes] of the record (prewarm's pair
     # stays before them where the gate sent a new first pair)
@@ -135,22 +105,6 @@ def freeze_first_request(ctx: StageContext) -> None:
                  f"whole-answer tax {c['total_tax']:.2f}x exported")
     if figures is not None:
         ctx.recorder.first_request(TaxStats(figures.ttft_tax, figures.total_tax))
-
-
-def fail_not_met(ctx: StageContext, max_probes: int) -> None:
-    """The gate did not open in max_probes probes: fail with the reason and the figures."""
-    cfg, rd = ctx.cfg, ctx.readiness
-    q = rd.window.quantiles((0.5, 0.9))
-    if rd.thresholds.met(rd.window):
-        t = ctx.probe_log.decode.quantiles((0.5, 0.9))
-        ctx.fail("decode_not_converged",
-                 f"after {max_probes} probes the time per output token is P50 {t.get(0.5, 0) * 1000:.2f} ms / "
-                 f"P90 {t.get(0.9, 0) * 1000:.2f} ms; needed P90 <= {cfg.readiness.tpot_p90_threshold_seconds * 1000:.0f} ms "
-                 f"and the older half of the last probes at most {cfg.readiness.tpot_convergence_ratio:g} x "
-                 f"slower than the newer half")
-    ctx.fail("readiness_thresholds_not_met",
-             f"after {max_probes} probes the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
-             f"thresholds {rd.thresholds.p50 * 1000:.0f} ms / {rd.thresholds.p90 * 1000:.0f} ms")
 
 
 def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], max_probes: int) -> list[dict]:
@@ -236,7 +190,7 @@ def validate(ctx: StageContext, detail: dict) -> None:
     # Last: a baseline is recorded only for a model that passed the other two.
     path = cfg.validation.baseline_file
     if path:
-        p50 = ctx.readiness.window.quantile(0.5)
+        p50 = ctx.readiness.window_p50()
         if p50 is None:   # readiness.window_seconds aged every sample out since the gate opened
             record(validation.Check("performance", "skipped", "no probe left in the window (readiness.window_seconds)"))
         else:

@@ -127,21 +127,24 @@ def sleeps_when_idle(kind: ServerKind | None, command: list[str] | None) -> bool
     """Whether the command makes its server sleep when idle (vLLM's sleep mode only sleeps when asked)."""
     if kind is None or kind.sleep_option is None or kind.wake_path is not None or not command:
         return False
+
+
+def model_in_command(command: list[str] | None) -> str | None:
+    """The model a server command names: `--model V`, else the word after the executable
+    of a server whose model is positional (`vllm serve DIR`, `transformers serve DIR`)."""
+    if not command:
+        return None
     for i, word in enumerate(command):
-        if word == kind.sleep_option or word.startswith(kind.sleep_option + "="):
-            value = word.split("=", 1)[1] if "=" in word else (command[i + 1] if i + 1 < len(command) else "")
-            try:
-                return int(value) >= 0
-            except ValueError:
-                return False
-    return False
-    for i, word in enumerate(command):
-        if word == kind.sleep_option or word.startswith(kind.sleep_option + "="):
-            if kind.name == "vllm":
-                return True
-            value = word.split("=", 1)[1] if "=" in word else (command[i + 1] if i + 1 < len(command) else "")
-            try:
-                return int(value) >= 0
-            except ValueError:
-                return False
-    return False
+        if word == "--model" and i + 1 < len(command):
+            return command[i + 1]
+        if word.startswith("--model="):
+            return word.split("=", 1)[1]
+    kind = kind_of_command(command)
+    if kind is None or kind.preset is None or kind.preset.model_flag:
+        return None
+    last = kind.preset.executable[-1]
+    names = [os.path.basename(w) for w in command]
+    if last not in names[:4]:
+        return None
+    i = names.index(last) + 1
+    return command[i] if i < len(command) and not command[i].startswith("-") else None

@@ -16,9 +16,9 @@ from warmup_agent import config
 
 PACKAGES = ("warmup_agent", "exporter")
 MAX_HELP_CHARS = 300
-#: The goal is 0.2 (issue 59; 0.311 when this test came); lower the ceiling as files are
+#: The goal is 0.2 (issue 59; 0.311 when this test came, 0.224 now); lower the ceiling as files are
 #: rewritten, never raise it.
-MAX_PROSE_RATIO = 0.305
+MAX_PROSE_RATIO = 0.225
 
 
 def prose_and_code_lines(source: str) -> tuple[int, int]:

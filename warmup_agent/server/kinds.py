@@ -127,6 +127,14 @@ def sleeps_when_idle(kind: ServerKind | None, command: list[str] | None) -> bool
     """Whether the command makes its server sleep when idle (vLLM's sleep mode only sleeps when asked)."""
     if kind is None or kind.sleep_option is None or kind.wake_path is not None or not command:
         return False
+    for i, word in enumerate(command):
+        if word == kind.sleep_option or word.startswith(kind.sleep_option + "="):
+            value = word.split("=", 1)[1] if "=" in word else (command[i + 1] if i + 1 < len(command) else "")
+            try:
+                return int(value) >= 0
+            except ValueError:
+                return False
+    return False
 
 
 def model_in_command(command: list[str] | None) -> str | None:

@@ -74,7 +74,10 @@ def _bench(tmp_path, *args, server: list[str], timeout: float = 120, popen: bool
     cmd = [sys.executable, "-m", "warmup_agent", "bench", "--no-progress", "--out", str(tmp_path / "out"),
            "--seed", "11", *args, "--", *server]
     if popen:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # SIGINT at its default, as under a terminal: a CI job run in the background
+        # inherits it ignored, and then Python raises no KeyboardInterrupt.
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

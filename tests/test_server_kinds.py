@@ -89,13 +89,15 @@ def test_each_presets_command_line_is_recognised_as_its_kind(name):
     assert kind_of_command(PRESETS[name].command("/models/m", 8000, "served")) is BY_NAME[name]
 
 
-def test_the_model_is_read_from_the_server_command_by_its_kind():
+def test_the_model_is_read_from_the_server_command_by_its_kind(tmp_path):
     """`transformers serve DIR` names its model positionally; without it the agent found
     no model name where /v1/models lists only the hub cache."""
-    from warmup_agent.server.kinds import model_in_command
-    assert model_in_command(["transformers", "serve", "/m", "--port", "1"]) == "/m"
-    assert model_in_command(["/usr/bin/vllm", "serve", "/m"]) == "/m"
+    from warmup_agent.server.command import model_in_command
+    m = str(tmp_path)
+    assert model_in_command(["transformers", "serve", m, "--port", "1"]) == m
+    assert model_in_command(["/usr/bin/vllm", "serve", m]) == m
     assert model_in_command(["python3", "-m", "vllm.entrypoints.openai.api_server", "--model=/m"]) == "/m"
+    assert model_in_command(["vllm", "serve", "Qwen/Qwen2-1.5B"]) is None     # a hub name: no local tokenizer
     assert model_in_command(["llama-server", "-m", "/m.gguf"]) is None       # a file, not a model directory
     assert model_in_command(["transformers", "serve", "--port", "1"]) is None
     assert model_in_command(None) is None

@@ -21,6 +21,26 @@ def option(command: list[str], name: str) -> str | None:
     return None
 
 
+def model_in_command(command: list[str] | None) -> str | None:
+    """The model a server command names: `--model V`, else the local directory after the
+    executable of a server whose model is positional (`vllm serve DIR`, `transformers
+    serve DIR`).  A positional hub name is not returned: it has no tokenizer here."""
+    if not command:
+        return None
+    named = option(command, "--model")
+    if named is not None:
+        return named
+    kind = kind_of_command(command)
+    if kind is None or kind.preset is None or kind.preset.model_flag:
+        return None
+    names = [os.path.basename(w) for w in command[:4]]
+    last = kind.preset.executable[-1]
+    if last not in names:
+        return None
+    i = names.index(last) + 1
+    return command[i] if i < len(command) and os.path.isdir(command[i]) else None
+
+
 def reach_host(host: str) -> str:
     """Where this machine reaches a listener bound to `host`: a wildcard on loopback, else `host`."""
     return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)

@@ -136,23 +136,3 @@ def sleeps_when_idle(kind: ServerKind | None, command: list[str] | None) -> bool
                 return False
     return False
 
-
-def model_in_command(command: list[str] | None) -> str | None:
-    """The model a server command names: `--model V`, else the word after the executable
-    of a server whose model is positional (`vllm serve DIR`, `transformers serve DIR`)."""
-    if not command:
-        return None
-    for i, word in enumerate(command):
-        if word == "--model" and i + 1 < len(command):
-            return command[i + 1]
-        if word.startswith("--model="):
-            return word.split("=", 1)[1]
-    kind = kind_of_command(command)
-    if kind is None or kind.preset is None or kind.preset.model_flag:
-        return None
-    last = kind.preset.executable[-1]
-    names = [os.path.basename(w) for w in command]
-    if last not in names[:4]:
-        return None
-    i = names.index(last) + 1
-    return command[i] if i < len(command) and not command[i].startswith("-") else None

@@ -15,12 +15,13 @@ from warmup_agent.server.command import (
     http_url,
     is_vllm,
     listen_address,
+    model_in_command,
     option,
     server_env,
     server_name_of,
     server_remedy,
 )
-from warmup_agent.server.kinds import kind_of_command, model_in_command
+from warmup_agent.server.kinds import kind_of_command
 
 if TYPE_CHECKING:
     from warmup_agent.config_sections import LoraSection, OpenaiSection, VllmSection
@@ -72,11 +73,7 @@ class ServerHandle:
 
     @property
     def model_option(self) -> str | None:
-        # A positional model counts only as a local directory: a hub name has no tokenizer here.
-        model = model_in_command(self.command)
-        if model is None or option(self.command or [], "--model") == model or os.path.isdir(model):
-            return model
-        return None
+        return model_in_command(self.command)
 
     def server_env(self) -> dict[str, str]:
         """The server's environment: ours plus the agent's cache directories."""

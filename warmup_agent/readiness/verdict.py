@@ -50,13 +50,14 @@ def decode_converged(window: SlidingWindow, min_probes: int, p90_max: float, rat
 def judge(window: SlidingWindow, thresholds: Thresholds, min_probes: int,
           decode: DecodeTest | None = None) -> Verdict:
     """The gate's verdict over `window`, needing at least `min_probes` samples."""
-    q = window.quantiles((0.5, 0.9))
-    if len(window) < min_probes or not q:
+    values = sorted(window.values())     # one read: a time-bounded window ages between reads
+    if not values or len(values) < min_probes:
         return Verdict(False, "readiness_thresholds_not_met",
-                       f"{len(window)} of the {min_probes} probes needed are in the window")
-    if not (q[0.5] <= thresholds.p50 and thresholds.tail_ok(q[0.9])):
+                       f"{len(values)} of the {min_probes} probes needed are in the window")
+    p50, p90 = nearest_rank(values, 0.5), nearest_rank(values, 0.9)
+    if not (p50 <= thresholds.p50 and thresholds.tail_ok(p90)):
         return Verdict(False, "readiness_thresholds_not_met",
-                       f"the time to first token is P50 {q[0.5] * 1000:.1f} ms / P90 {q[0.9] * 1000:.1f} ms; "
+                       f"the time to first token is P50 {p50 * 1000:.1f} ms / P90 {p90 * 1000:.1f} ms; "
                        f"thresholds {thresholds.p50 * 1000:.0f} ms / {thresholds.p90 * 1000:.0f} ms")
     if decode is not None and not decode_converged(decode.window, min_probes, decode.p90_max, decode.ratio):
         t = decode.window.quantiles((0.5, 0.9))

@@ -220,6 +220,8 @@ def main() -> int:
     ap.add_argument("--sigterm-timeout", type=float, default=30.0)
     ap.add_argument("--server-command", help="also run --engine openai supervising this server "
                                              "({model} and {port} are substituted)")
+    ap.add_argument("--model-from-command", action="store_true",
+                    help="the openai run gives no --model: the agent reads the model from the server command")
     ap.add_argument("--fp8", action="store_true", help="serve the model's FP8 checkpoint (made beside it, DIR-fp8) "
                                                        "with the torch engine")
     ap.add_argument("--evaluate", metavar="RESULT_JSON", help="only replay the recorded scrapes of a result")
@@ -259,7 +261,8 @@ def main() -> int:
         else:
             model = args.model
         server = shlex.split(args.server_command.format(model=model, port=sport))
-        runs["openai"] = one_run(args, "openai", ["--engine", "openai", "--model", model], server, out_dir)
+        agent_model = [] if args.model_from_command else ["--model", model]
+        runs["openai"] = one_run(args, "openai", ["--engine", "openai", *agent_model], server, out_dir)
     result = {**provenance(), **device, **summarise(runs), "runs": runs}
     write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("sigterm_exit_seconds", "sigterm_exit_code",

@@ -13,7 +13,7 @@
 # and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
 # JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
 # PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
-# parts: acceptance, acceptance-fp8, diag, diag-llamacpp (after llamacpp), diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-server-fresh, tests, fp8, server, llamacpp,
+# parts: acceptance (ACCEPTANCE_ARGS: more options), bench-tfserve (BENCH_STARTS, BENCH_SEED), acceptance-fp8, diag, diag-llamacpp (after llamacpp), diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-server-fresh, tests, fp8, server, llamacpp,
 # tfserve-cudnn, tfserve-default (issue 30: transformers serve with/without TORCH_CUDNN_SDPA_DEPRIORITIZED=1),
 # inproc-proxy (issue 41: warmup-agent run --engine torch --proxy-listen against transformers serve alone),
 # inproc (issue 25: `warmup-agent run --model DIR` polled from outside against a plain from_pretrained start,
@@ -43,10 +43,19 @@ mkdir -p ~/.cache/huggingface/hub /tmp/pt
 nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "GPUs", torch.cuda.device_count())'
 
 run_acceptance() {
-    timeout 170 python3 bench/gpu_acceptance.py --out "$OUT_DIR/gpu_acceptance_h200.json" --promtool /tmp/pt/promtool \
+    timeout 170 python3 bench/gpu_acceptance.py --out "$OUT_DIR/gpu_acceptance_h200.json" --promtool /tmp/pt/promtool ${ACCEPTANCE_ARGS:-} \
         --server-command "transformers serve {model} --host 127.0.0.1 --port {port} --device cuda" \
         > "$OUT_DIR/logs/acceptance.log" 2>&1
     echo "acceptance rc=$? at $(( $(date +%s) - T0 )) s"
+}
+run_bench_tfserve() {  # $1: seconds; issue 60's `warmup-agent bench` on transformers serve (BENCH_STARTS per condition)
+    local m; m=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.bench_gpu_server import make_model; print(make_model('/tmp/qwen2-1.5b-random-chat', 'cuda', qwen_chat=True))" | tail -n 1)
+    # SIGINT first at the cap, so the bench writes its partial JSON
+    timeout -s INT -k 20 "$1" python3 -m warmup_agent bench --starts ${BENCH_STARTS:-5} --seed ${BENCH_SEED:-4201} --no-progress \
+        --out "$OUT_DIR/bench_tfserve" -- transformers serve "$m" --host 127.0.0.1 --port {port} --device cuda \
+        > "$OUT_DIR/logs/bench_tfserve.out" 2>&1
+    echo "bench tfserve rc=$? at $(( $(date +%s) - T0 )) s"; tail -n 25 "$OUT_DIR/logs/bench_tfserve.out"
+    mv "$OUT_DIR/bench_tfserve/logs" "$OUT_DIR/logs/bench_tfserve_logs" 2>/dev/null
 }
 run_acceptance_fp8() {  # $1: seconds; the torch engine on the FP8 checkpoint (issue 16)
     timeout "$1" python3 bench/gpu_acceptance.py --fp8 --out "$OUT_DIR/gpu_acceptance_fp8_h200.json" \
@@ -169,7 +178,7 @@ if [ -n "${PARTS:-}" ]; then
         name=${part%%:*}; cap=${part#*:}; [ "$cap" = "$part" ] && cap=$(left)
         t=$(left); [ "$cap" -gt "$t" ] && cap=$t; [ "$cap" -lt 30 ] && { echo "$name: no time left"; continue; }
         case $name in
-            acceptance) run_acceptance ;; acceptance-fp8) run_acceptance_fp8 "$cap" ;;
+            acceptance) run_acceptance ;; bench-tfserve) run_bench_tfserve "$cap" ;; acceptance-fp8) run_acceptance_fp8 "$cap" ;;
             diag) run_diag "$cap" "" ;; tests) run_gpu_tests "$cap" ;; diag-prefill) run_diag_prefill "$cap" ;;
             diag-fresh) run_diag_fresh "$cap" ;; diag-server-fresh) run_diag_server_fresh "$cap" ;;
             # the diagnosis again with the cuDNN attention switch libtorch_cuda.so reads (issue 19's note)

@@ -108,7 +108,7 @@ def _warmed_round(cfg, scratch: str, model: str, steady_n: int) -> dict:
         if state != State.SERVING:
             raise SystemExit(f"agent did not reach SERVING: {agent.sm.failure_reason}: {agent.sm.failure_message}")
         out = _measure(eng, steady_n)
-        out.update(warmup_requests=agent.warmup_requests, probes=len(agent.probes))
+        out.update(warmup_requests=agent.driver.warmup_requests, probes=len(agent.probes))
         return out
     finally:
         eng.close()

@@ -1,16 +1,12 @@
 """Metrics of the two-tier kernel cache (warmup_agent/kernel_cache/).
 
-One "request" is one cache entry (a compiled artifact file) looked up in one
-tier while restoring: the local tier answers hit or miss, the shared tier
-(Redis) hit, miss, rejected (signature, digest or path check failed; the entry
-is never written locally) or error (Redis unreachable, slow or full).
+One "request" is one artifact file looked up in one tier while restoring.
 """
 from __future__ import annotations
 
 from exporter.metric_spec import MetricSpec
 
-# Lock waits: a loser waits for the winner's compile (seconds on a CPU, tens of
-# seconds on a GPU) up to kernel_cache.lock_wait_seconds (default 300 s).
+# Seconds; a loser waits for the winner's compile up to kernel_cache.lock_wait_seconds.
 LOCK_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 SPECS: tuple[MetricSpec, ...] = (

@@ -1,9 +1,7 @@
 """Collectors for values read at scrape time: process memory, NVML, the allocator.
 
-Like prometheus_client's ProcessCollector: dependencies injected through the
-constructor, fresh metric families on every collect(), and one failing section
-(an NVML call, a /proc read) never blanks the rest of the scrape.  Without a GPU
-the GPU families are simply absent.
+Dependencies are injected through the constructor, and one failing read never blanks
+the rest of the scrape.  Without a GPU the GPU families are absent.
 """
 from __future__ import annotations
 
@@ -42,13 +40,9 @@ _FROM_ENV = object()
 
 
 class NVMLCollector:
-    """Memory and utilisation from NVML for the GPUs this agent owns: those its
-    CUDA_VISIBLE_DEVICES names (every GPU when unset), mapped to physical devices
-    by index or UUID.  One agent per GPU on a node then exports each GPU once, so
-    `sum by (uuid)` over a node counts every GPU once (docs/metrics.md, "Per-GPU
-    series").  Labels: `gpu` = the physical NVML index (what nvidia-smi shows,
-    whatever CUDA_VISIBLE_DEVICES says), `uuid` = the GPU's UUID (stable across
-    restarts and re-ordering)."""
+    """Memory and utilisation of the GPUs this agent owns (its CUDA_VISIBLE_DEVICES,
+    or all), so one agent per GPU exports each GPU once.  Labels: `gpu`, the physical
+    NVML index; `uuid`, stable across restarts."""
 
     def __init__(self, nvml: Any = None, cuda_visible_devices: Any = _FROM_ENV) -> None:
         self._nvml = nvml
@@ -106,24 +100,12 @@ def _text(v: Any) -> str:
 
 
 class AllocatorCollector:
-    """gpu_fragmentation_rate from this process's PyTorch caching allocator, per
-    device it holds memory on: free bytes stranded in segments that still hold a
-    live allocation, over reserved bytes (warmup_agent.gpu.memory.
-    fragmentation_from_snapshot says why this definition).
+    """gpu_fragmentation_rate from this process's PyTorch caching allocator, per device
+    it reserves memory on (warmup_agent.gpu.memory.fragmentation_from_snapshot).
 
-    Where it comes from, per engine: `torch` on a GPU, the agent's own allocator
-    (weights, KV cache, activations, CUDA graphs); `vllm`, the same allocator
-    only when vLLM's engine core runs in the agent's process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0; not measured on a GPU) -- with vLLM's default engine-core process the agent's allocator
-    holds nothing and the figure is absent.  Absent with `openai` (the
-    server is another process: the agent's allocator holds no GPU memory, so a
-    figure would be a meaningless 0), on a CPU, and for any device on which the
-    allocator reserves nothing.
-
-    Labelled like the NVML series: gpu = physical NVML index, uuid = GPU UUID
-    (not torch's index, which is 0 in every process that sees one GPU).
-    `snapshot` and `gpu_labels` (torch index -> (NVML index, UUID)) are
-    injectable so the computation is tested on recorded snapshots."""
+    Only an engine whose model lives in this process has a figure; a device on which
+    this allocator reserves nothing is absent rather than a misleading 0.  Labelled
+    like the NVML series, not by torch's index (0 in every single-GPU process)."""
 
     def __init__(self, snapshot: Any = None, gpu_labels: Any = None) -> None:
         self._snapshot = snapshot
@@ -155,9 +137,8 @@ class AllocatorCollector:
 
 
 class _TorchGpuLabels:
-    """torch device index -> (physical NVML index, UUID), through the UUID torch
-    reports for the device; resolved once per device.  Without NVML the index
-    is "unknown" (the UUID still identifies the GPU)."""
+    """torch device index -> (NVML index, UUID), cached.  Without NVML the index is
+    "unknown"."""
 
     def __init__(self) -> None:
         self._cache: dict[int, tuple[str, str]] = {}

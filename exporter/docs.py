@@ -43,7 +43,7 @@ def _section(title: str, specs: Any) -> list[str]:
 
 
 def _per_gpu() -> list[str]:
-    """The labelling convention of per-GPU series (issue 15), with the metrics it covers."""
+    """The labelling convention of per-GPU series, with the metrics it covers."""
     follow = [s.name for s in catalogue.CATALOGUE if {"gpu", "uuid"} <= set(s.labels)]
     other = [s.name for s in catalogue.CATALOGUE if "gpu" in s.labels and "uuid" not in s.labels]
     lines = [

@@ -1,12 +1,8 @@
 """The engine's own /metrics, read at scrape time.
 
-vLLM already measures its queue, KV cache and latencies; we do not re-implement
-them.  At each scrape of the agent, `EngineMetricsCollector` fetches the
-engine's exposition, parses it with `prometheus_client.parser` into an
-`EngineStats` and exports the few numbers the agent's dashboards and
-/startupz need under `warmup_engine_*` (catalogue_engine.py).  An engine that
-does not answer yields `warmup_engine_up 0` and nothing else: it never blanks
-the rest of the agent's scrape.
+vLLM already measures its queue, KV cache and latencies, so the collector re-exports
+the few numbers the agent needs as `warmup_engine_*`.  An engine that does not
+answer yields `warmup_engine_up 0` and never blanks the rest of the scrape.
 """
 from __future__ import annotations
 
@@ -81,8 +77,7 @@ def fetch_engine_stats(url: str, timeout: float = 2.0) -> EngineStats:
 
 
 class EngineMetricsCollector:
-    """Register on the agent's registry: `registry.register(EngineMetricsCollector(url))`.
-    `url` may be a callable returning the current URL (None: no engine yet)."""
+    """`url` may be a callable returning the current URL (None: no engine yet)."""
 
     def __init__(self, url: Any, timeout: float = 2.0, fetch: Any = fetch_engine_stats) -> None:
         self._url = url

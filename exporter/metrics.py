@@ -1,10 +1,7 @@
 """The agent's own metrics (direct instrumentation), built from the catalogue.
 
-`AgentMetrics` owns a registry (a fresh one per agent, so tests never share
-state) and creates one prometheus_client object per catalogue entry whose
-source is "agent" or "static".  Values read at scrape time (NVML, allocator,
-process) come from collectors in exporter/collectors.py registered on the same
-registry.
+`AgentMetrics` owns a fresh registry per agent, so tests never share state.  Values
+read at scrape time come from exporter/collectors.py on the same registry.
 """
 from __future__ import annotations
 
@@ -21,10 +18,8 @@ _TYPES = {"counter": Counter, "gauge": Gauge, "histogram": Histogram, "info": In
 
 
 class AgentMetrics(MetricHandles):
-    """Each metric is a typed attribute (`metrics.warmup_state`, declared in the
-    generated metric_handles.py), which is how the agent's code reaches it (a test
-    scans warmup_agent/ for names as strings).  By name, for code that has the name
-    as data (the tests walking the catalogue): `metrics.get(name)`, `metrics[name]`."""
+    """Each metric is a typed attribute declared in the generated metric_handles.py;
+    `get(name)` and `[name]` serve code that has the name as data."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()

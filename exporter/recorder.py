@@ -22,7 +22,7 @@ imports them.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,109 @@ class LifeStats:
 
 RESTART_SIGNALS = ("start_time", "came_back", "supervisor")
 WAKE_CAUSES = ("request", "ahead", "other")
+
+
+# -- the state machine, the breaker, the watch probes ---------------------------------------
+@dataclass(frozen=True)
+class StateStats:
+    """The state machine (states.py): the state now; `before` when a transition
+    before -> state was applied, `rejected` when an illegal state -> rejected was
+    refused, `deadline_exceeded` when the state's deadline passed."""
+    state: str
+    before: str | None = None
+    rejected: str | None = None
+    deadline_exceeded: bool = False
+
+
+@dataclass(frozen=True)
+class FailureStats:
+    """A named failure (failures.REASONS): the run failed, or the supervised server crashed."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class BreakerStats:
+    """The fallback breaker (readiness/runtime.py): its state now (one of `states`) and
+    whether the main path is frozen; `before` when it moved before -> state, `trip`
+    (the cause) when that move was a trip from closed."""
+    state: str
+    states: Sequence[str]
+    main_frozen: bool
+    before: str | None = None
+    trip: str | None = None
+
+
+@dataclass(frozen=True)
+class ProbeFailureStats:
+    """A failed probe of the main engine, by cause (readiness/runtime.FAILURE_CAUSES)."""
+    cause: str
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage's duration, as it ended (pipeline.py)."""
+    stage: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ServingStats:
+    """The run reached SERVING, `time_to_ready_seconds` after its start."""
+    time_to_ready_seconds: float
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The kernel cache (kernel_cache/cache.py): lookups by (tier, result), entries
+    published or skipped (the reason), a lock waited on and for how long, an
+    invalidation applied, local entries evicted, bytes per tier, the shared tier's state."""
+    lookups: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    published: int = 0
+    publish_skipped: str | None = None
+    lock_waited: bool = False
+    lock_wait_seconds: float | None = None
+    invalidated: bool = False
+    evicted_local: int = 0
+    bytes_by_tier: Mapping[str, int] = field(default_factory=dict)
+    degraded: bool | None = None
+
+
+CACHE_RESULTS = {"local": ("hit", "miss"), "shared": ("hit", "miss", "rejected", "error")}
+
+
+@dataclass(frozen=True)
+class Known:
+    """Label values known before their first event.  `declare_series` starts their
+    series at 0 (Prometheus practice: increase() and absent() need the series before
+    the first event, and on-call reads these first)."""
+    states: Sequence[str] = ()
+    initial_state: str | None = None
+    failure_reasons: Sequence[str] = ()
+    illegal_transitions: Sequence[tuple[str, str]] = ()
+    breaker_moves: Sequence[tuple[str, str]] = ()
+    trip_causes: Sequence[str] = ()
+    probe_failure_causes: Sequence[str] = ()
+    checks: Sequence[str] = ()
+    check_results: Sequence[str] = ()
+    life: bool = False
+    kernel_cache: bool = False
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """warmup_build_info's labels."""
+    version: str
+    python: str
+    torch: str
+    engine: str
+
+
+@dataclass(frozen=True)
+class LiveGauges:
+    """Gauges read at scrape time: each callable returns the value then."""
+    memory_jitter: Callable[[], float] | None = None
+    cost: Callable[[], float] | None = None
+    water_level: Callable[[], float] | None = None
 
 
 # -- the stages -------------------------------------------------------------------------
@@ -156,11 +259,6 @@ class Recorder:
             m.warmup_first_token_latency_seconds.labels(kind=s.kind).observe(s.first_token_seconds)
         m.warmup_engine_seconds_total.labels(kind=s.kind).inc(s.engine_seconds)
 
-    def engine_seconds(self) -> float:
-        """Engine-seconds of all agent traffic so far (every kind), as counted by `batch`."""
-        return sum(s.value for m in self.metrics.warmup_engine_seconds_total.collect()
-                   for s in m.samples if s.name.endswith("_total"))
-
     def decode_window(self, s: WindowStats) -> None:
         for q, v in s.quantiles.items():
             self.metrics.warmup_time_per_output_token_window_seconds.labels(percentile=percentile_label(q)).set(v)
@@ -203,16 +301,115 @@ class Recorder:
         if s.wake_first_user_seconds is not None:
             m.warmup_wake_first_user_request_seconds.set(s.wake_first_user_seconds)
 
-    def declare_life(self) -> None:
-        """The life series at 0 from the start, so increase() works from the first event."""
+    # -- the state machine, the breaker, the watch probes -------------------------------
+    def state(self, s: StateStats) -> None:
         m = self.metrics
-        for signal in RESTART_SIGNALS:
-            m.warmup_server_restarts_total.labels(detected_by=signal)
-        for cause in WAKE_CAUSES:
-            m.warmup_server_wakes_total.labels(cause=cause)
-        m.warmup_server_sleeping.set(0)
-        m.warmup_wake_duration_seconds.set(0)
-        m.warmup_wake_first_user_request_seconds.set(0)
+        if s.rejected is not None:
+            m.warmup_illegal_transitions_total.labels(**{"from": s.state, "to": s.rejected}).inc()
+            return
+        if s.deadline_exceeded:
+            m.warmup_state_deadline_exceeded_total.labels(state=s.state).inc()
+            return
+        if s.before is not None:
+            m.warmup_state_transitions_total.labels(**{"from": s.before, "to": s.state}).inc()
+            m.warmup_state.labels(state=s.before).set(0)
+        m.warmup_state.labels(state=s.state).set(1)
+
+    def failure(self, s: FailureStats) -> None:
+        self.metrics.model_loading_failures_total.labels(reason=s.reason).inc()
+
+    def breaker(self, s: BreakerStats) -> None:
+        m = self.metrics
+        if s.before is not None:
+            m.warmup_breaker_transitions_total.labels(**{"from": s.before, "to": s.state}).inc()
+        if s.trip is not None:
+            m.warmup_breaker_trips_total.labels(reason=s.trip).inc()
+        for state in s.states:
+            m.warmup_breaker_state.labels(state=state).set(1 if state == s.state else 0)
+        m.warmup_fallback_active.set(1 if s.main_frozen else 0)
+
+    def probe_failure(self, s: ProbeFailureStats) -> None:
+        self.metrics.warmup_watch_probe_failures_total.labels(reason=s.cause).inc()
+
+    # -- the run ----------------------------------------------------------------------
+    def stage(self, s: StageStats) -> None:
+        self.metrics.model_loading_phase_duration_seconds.labels(phase=s.stage).set(s.seconds)
+        self.metrics.warmup_stage_duration_seconds.labels(stage=s.stage).observe(s.seconds)
+
+    def serving(self, s: ServingStats) -> None:
+        self.metrics.warmup_time_to_ready_seconds.set(s.time_to_ready_seconds)
+
+    def build(self, s: BuildInfo) -> None:
+        self.metrics.warmup_build_info.info({"version": s.version, "python": s.python, "torch": s.torch,
+                                             "engine": s.engine})
+
+    def requests_file(self, bad_lines: int) -> None:
+        """prewarm.requests_file: lines that could not be read."""
+        self.metrics.warmup_requests_file_bad_lines.set(bad_lines)
+
+    def live(self, s: LiveGauges) -> None:
+        m = self.metrics
+        if s.memory_jitter is not None:
+            m.warmup_memory_jitter_ratio.set_function(s.memory_jitter)
+        if s.cost is not None:
+            m.warmup_cost_ratio.set_function(s.cost)
+        if s.water_level is not None:
+            m.warmup_water_level_requests_per_second.set_function(s.water_level)
+
+    def cache(self, s: CacheStats) -> None:
+        m = self.metrics
+        for (tier, result), n in s.lookups.items():
+            if n:
+                m.warmup_kernel_cache_requests_total.labels(tier=tier, result=result).inc(n)
+        if s.published:
+            m.warmup_kernel_cache_publishes_total.inc(s.published)
+        if s.publish_skipped is not None:
+            m.warmup_kernel_cache_publish_skipped_total.labels(reason=s.publish_skipped).inc()
+        if s.lock_waited:
+            m.warmup_kernel_cache_lock_waits_total.inc()
+        if s.lock_wait_seconds is not None:
+            m.warmup_kernel_cache_lock_wait_seconds.observe(s.lock_wait_seconds)
+        if s.invalidated:
+            m.warmup_kernel_cache_invalidations_total.inc()
+        if s.evicted_local:
+            m.warmup_kernel_cache_evictions_total.labels(tier="local").inc(s.evicted_local)
+        for tier, n in s.bytes_by_tier.items():
+            m.warmup_kernel_cache_bytes.labels(tier=tier).set(n)
+        if s.degraded is not None:
+            m.warmup_kernel_cache_degraded.set(1 if s.degraded else 0)
+
+    # -- zero series --------------------------------------------------------------------
+    def declare_series(self, k: Known) -> None:
+        """Every series of `k` at 0 (see Known); the one place that sets up zero series."""
+        m = self.metrics
+        for state in k.states:
+            m.warmup_state.labels(state=state).set(1 if state == k.initial_state else 0)
+        for reason in k.failure_reasons:
+            m.model_loading_failures_total.labels(reason=reason)
+        for frm, to in k.illegal_transitions:
+            m.warmup_illegal_transitions_total.labels(**{"from": frm, "to": to})
+        for frm, to in k.breaker_moves:
+            m.warmup_breaker_transitions_total.labels(**{"from": frm, "to": to})
+        for cause in k.trip_causes:
+            m.warmup_breaker_trips_total.labels(reason=cause)
+        for cause in k.probe_failure_causes:
+            m.warmup_watch_probe_failures_total.labels(reason=cause)
+        for check in k.checks:
+            for result in k.check_results:
+                m.warmup_validation_checks_total.labels(check=check, result=result)
+        if k.life:
+            for signal in RESTART_SIGNALS:
+                m.warmup_server_restarts_total.labels(detected_by=signal)
+            for cause in WAKE_CAUSES:
+                m.warmup_server_wakes_total.labels(cause=cause)
+            m.warmup_server_sleeping.set(0)
+            m.warmup_wake_duration_seconds.set(0)
+            m.warmup_wake_first_user_request_seconds.set(0)
+        if k.kernel_cache:
+            for tier, results in CACHE_RESULTS.items():
+                for result in results:
+                    m.warmup_kernel_cache_requests_total.labels(tier=tier, result=result)
+            m.warmup_kernel_cache_degraded.set(0)
 
     # -- the stages ---------------------------------------------------------------------
     def reserve(self, s: ReserveStats) -> None:

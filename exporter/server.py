@@ -2,21 +2,16 @@
 
   /metrics        Prometheus exposition (agent metrics + scrape-time collectors)
   /healthz        200 while the agent is alive and not FAILED (livenessProbe)
-  /readyz         200 in SERVING, and while the server sleeps if readiness.ready_while_asleep (readinessProbe)
+  /readyz         200 in SERVING (readinessProbe)
   /startupz       JSON: state, current stage, elapsed, deadline, per-stage durations
   /               a landing page with links
-  POST /admin/rewarm   warm the engine again (SERVING/DEGRADED -> PRELOAD -> ... -> SERVING)
-  POST /admin/drain    move to DRAINING: /readyz answers 503 from now on (a preStop hook)
-  POST /admin/wake     wake a sleeping server and warm it ahead of traffic (SLEEPING -> PRELOAD
-                       -> ... -> SERVING); the answer says how long the latest wake took
+  POST /admin/rewarm   warm the engine again
+  POST /admin/drain    move to DRAINING, so /readyz answers 503 (a preStop hook)
+  POST /admin/wake     wake a sleeping server and warm it ahead of traffic
 
-TLS and basic auth come from a web config file in the Prometheus exporter
-toolkit's format (`exporter.web_config_file`, see warmup_agent/webconfig.py), or
-from the older `exporter.tls_*` / `exporter.basic_auth_*` keys; the CLI resolves
-them (webconfig.resolve) and hands the server the result.  Probe endpoints
-stay open under basic auth because the kubelet sends no credentials.  The admin
-endpoints exist only when `exporter.admin_token_file` is set (404 otherwise) and
-need `Authorization: Bearer <token>`; basic auth does not open them.
+Probe endpoints stay open under basic auth because the kubelet sends no credentials.
+The admin endpoints exist only with `exporter.admin_token_file` and need a bearer
+token; basic auth does not open them.
 """
 from __future__ import annotations
 
@@ -49,11 +44,9 @@ LANDING = """<!doctype html><html><head><title>warmup-agent</title></head><body>
 
 
 def listen_backlog() -> int:
-    """The listen backlog of the agent's servers (this one and the proxy): the kernel's
-    somaxconn, and at least 1024 (the kernel caps a larger request at somaxconn).
-    socketserver's default of 5 overflows when a warmup holds the GIL and scrapes or
-    probes arrive together, or a burst of users connects: the kernel drops the SYNs and
-    clients retry after 1 s, 3 s, 7 s (bench_load measured a p99 of 1 s from exactly that)."""
+    """The listen backlog of the agent's servers: somaxconn, and at least 1024.
+    socketserver's default of 5 overflows when a warmup holds the GIL and requests
+    arrive together; the kernel then drops SYNs and clients retry a second later."""
     try:
         with open("/proc/sys/net/core/somaxconn") as f:
             somaxconn = int(f.read().strip())
@@ -66,12 +59,9 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = listen_backlog()
     ssl_context: ssl.SSLContext | None = None
-    # Connections go to threads that wait for them (started with the server), and to a new
-    # thread only while all of those are busy (a slow scrape, a client that sends nothing
-    # holds one until Handler.timeout).  A thread started per request is placed behind every
-    # busy process for its first time slice: on a saturated machine that put 80-150 ms on
-    # the probes' p99 where a waiting thread answered in 2-17 ms (bench_proxy's load, both
-    # kinds of server side by side).
+    # Connections go to waiting worker threads, and to a new thread only while all are
+    # busy: a thread started per request waits behind every busy process for its first
+    # time slice, which shows in the probes' tail latency on a loaded machine.
     workers = 4
 
     def server_activate(self) -> None:
@@ -101,17 +91,15 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
-        # A bind that fails (port in use) closes the server before server_activate
-        # ran: there are no workers to stop then.
+        # A failed bind closes the server before server_activate ran: no workers then.
         queue = self.__dict__.get("_queue")
         if queue is not None:
             for _ in range(self.workers):
                 queue.put(None)
 
     def finish_request(self, request: Any, client_address: Any) -> Any:
-        # The TLS handshake runs here, in the connection's own thread: wrapping the
-        # listening socket instead would handshake inside accept(), and one client
-        # that connects and sends nothing would stall every other request.
+        # Handshake in the connection's thread: in accept(), one silent client would
+        # stall every other request.
         if self.ssl_context is None:
             return super().finish_request(request, client_address)
         request.settimeout(10)
@@ -128,8 +116,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class ServedAgent(Protocol):
-    """What the exporter needs of the agent, and all it may use: warmup_agent's
-    Agent is one; tests serve stand-ins."""
+    """All the exporter may use of the agent."""
 
     def status(self) -> dict: ...
 
@@ -144,13 +131,9 @@ class ServedAgent(Protocol):
 
 
 class ExporterServer:
-    """Serves `agent` (a ServedAgent: `.status()` returns a dict with "state")
-    and `registry` on host:port in a daemon thread.
-
-    `security` is the protection resolved from the config in one place
-    (warmup_agent.webconfig.resolve, called by the CLI); the keyword pieces
-    (`web_config`, `tls_cert`/`tls_key`, `basic_auth`, `admin_token`) build one
-    when it is not given.  The server never reads the config."""
+    """Serves `agent` and `registry` on host:port in a daemon thread.  `security`
+    comes from webconfig.resolve; without it the keyword pieces build one.  The
+    server never reads the config."""
 
     def __init__(self, agent: ServedAgent, registry: CollectorRegistry, host: str, port: int,
                  tls_cert: str | None = None, tls_key: str | None = None, basic_auth: tuple[str, str] | None = None,
@@ -190,16 +173,14 @@ class ExporterServer:
 
     # -- state changes ---------------------------------------------------------------------
     def rewarm(self) -> tuple[int, dict]:
-        """SERVING or DEGRADED -> PRELOAD, then the prewarm, solidify and ready stages
-        again in a thread (Agent.rewarm).  Anything else is a conflict."""
+        """Re-warm from SERVING or DEGRADED; anything else is a conflict."""
         if not self.agent.request_rewarm():
             state = self.agent.state_name
             return 409, {"error": f"re-warm needs SERVING or DEGRADED; state is {state}", "state": state}
         return 202, {"state": self.agent.state_name}
 
     def wake(self) -> tuple[int, dict]:
-        """SLEEPING -> a wake and its warm in a thread (202, with `warm_in_seconds`: the
-        latest wake's duration, null before one); SERVING: nothing to do (200); else 409."""
+        """Wake a sleeping server (202, with the latest wake's duration); 200 when SERVING."""
         started, warm_in = self.agent.request_wake()
         state = self.agent.state_name
         if started:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from exporter.metrics import AgentMetrics
+from exporter.recorder import Recorder
 from exporter.server import ExporterServer
 from tests.helpers.servers import http_get, wait_until
 from warmup_agent import config
@@ -148,7 +149,7 @@ def test_trip_freeze_half_open_reopen_close(agent):
 def test_user_samples_feed_the_breaker_but_not_the_probe_list(agent):
     probes = len(agent.probes)
     for _ in range(WINDOW):
-        agent.record_probe(DELAY, kind="user")
+        agent.context.record_probe(DELAY, kind="user")
     assert len(agent.probes) == probes
     assert agent.sm.state == State.DEGRADED
     assert agent.readiness.breaker.trips == 1
@@ -160,7 +161,7 @@ def test_breaker_disabled_never_degrades(embedded_model):
     a = Agent(cfg, TorchEngine(embedded_model, dtype=cfg["model.dtype"], device=cfg["model.device"]), metrics=AgentMetrics())
     assert a.run() == State.SERVING
     for _ in range(20):
-        a.record_probe(10.0)
+        a.context.record_probe(10.0)
     assert a.sm.state == State.SERVING and a.readiness.breaker.trips == 0
     a.stop()
 
@@ -238,9 +239,9 @@ def test_failure_causes(error, cause):
 def test_a_dead_server_trips_once_logs_once_and_counts_each_failed_probe(caplog):
     cfg = config.load(env={"WARMUP_AGENT_READINESS_WATCH_INTERVAL_SECONDS": "5"})
     metrics = AgentMetrics()
-    sm = StateMachine(metrics)
+    sm = StateMachine(Recorder(metrics))
     clock = FakeClock()
-    rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics, clock=clock)
+    rd = Readiness(cfg.readiness, cfg.breaker, sm, Recorder(metrics), clock=clock)
     for st in (State.PRELOAD, State.PRIME, State.SERVING):
         sm.transition(st)
     refused = EngineError("server_unreachable", "POST http://127.0.0.1:1/v1/completions: [Errno 111] Connection refused")
@@ -272,8 +273,8 @@ def serving_readiness() -> tuple[AgentMetrics, StateMachine, Readiness]:
     """A Readiness of the default config whose state machine is SERVING."""
     cfg = config.load(env={})
     metrics = AgentMetrics()
-    sm = StateMachine(metrics)
-    rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics)
+    sm = StateMachine(Recorder(metrics))
+    rd = Readiness(cfg.readiness, cfg.breaker, sm, Recorder(metrics))
     for st in (State.PRELOAD, State.PRIME, State.SERVING):
         sm.transition(st)
     return metrics, sm, rd

@@ -75,7 +75,7 @@ def test_a_server_engine_gets_its_collector_and_the_crash_callbacks(clean_env):
     connect_engine(engine, agent, registry)
     assert engine.metrics_url == "http://127.0.0.1:1/metrics"
     assert len(registry.collectors) == 1 and isinstance(registry.collectors[0], EngineMetricsCollector)
-    assert engine.on_server_exit == agent.on_engine_exit and engine.on_server_ready == agent.on_engine_ready
+    assert engine.server.on_server_exit == agent.on_engine_exit and engine.server.on_server_ready == agent.on_engine_ready
     assert engine.speaks_profile and engine.model_path is None   # no local model directory
 
 
@@ -97,10 +97,10 @@ def test_the_openai_engine_composes_its_parts_and_answers_for_them(clean_env):
         assert e.model == e.client.model == "m"
         e.model = "n"                     # the served name requests carry lives in the client
         assert e.client.model == "n"
-        assert e.apis == [] and e.concurrency == 1 and e.capabilities == {} and not e.token_id_prompts
+        assert e.apis == [] and e.concurrency == 1 and e.capabilities == {} and not e.discovery.token_id_prompts
         assert e.supervisor is None and e.server_start_seconds is None and e.server_name is None
         assert e.has_compile_artifacts()  # a server we did not start: we cannot tell
-        assert e.headers(True)["X-Warmup"] == "true"
+        assert e.client.headers(True)["X-Warmup"] == "true"
     finally:
         e.close()
 

@@ -110,6 +110,7 @@ def test_known_failure_reasons_and_illegal_transitions_are_zero_from_the_start(f
 def test_a_counted_failure_moves_its_zero_series(tmp_path):
     """The zero series are the same series a failure increments (not a second one)."""
     from exporter.metrics import AgentMetrics
+    from exporter.recorder import Recorder
     from warmup_agent.states import State, StateMachine
     m = AgentMetrics()
     from warmup_agent import config
@@ -119,7 +120,7 @@ def test_a_counted_failure_moves_its_zero_series(tmp_path):
         lock = None
     Agent(config.load(env={}), NoEngine(), metrics=m)
     assert m.registry.get_sample_value("model_loading_failures_total", {"reason": "weights_corrupt"}) == 0.0
-    sm = StateMachine(m)
+    sm = StateMachine(Recorder(m))
     sm.transition(State.SERVING)  # INIT -> SERVING: illegal
     sm.fail("weights_corrupt", "x")
     assert m.registry.get_sample_value("warmup_illegal_transitions_total", {"from": "INIT", "to": "SERVING"}) == 1.0

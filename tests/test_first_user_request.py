@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from exporter.metrics import AgentMetrics
+from exporter.recorder import Recorder
 from warmup_agent import config
 from warmup_agent.readiness.first_user import FirstUserRequest, UserAnswer
 from warmup_agent.readiness.runtime import Readiness
@@ -25,8 +26,8 @@ LATER = [(0.101, 0.101 + 15 * 0.0150, 16), (0.097, 0.097 + 63 * 0.0160, 64), (0.
 def serving(steady: int = 5, **env: str) -> tuple[Readiness, StateMachine, AgentMetrics]:
     cfg = config.load(env={"WARMUP_AGENT_READINESS_FIRST_USER_STEADY_REQUESTS": str(steady), **env})
     metrics = AgentMetrics()
-    sm = StateMachine(metrics)
-    rd = Readiness(cfg.readiness, cfg.breaker, sm, metrics)
+    sm = StateMachine(Recorder(metrics))
+    rd = Readiness(cfg.readiness, cfg.breaker, sm, Recorder(metrics))
     for s in (State.PRELOAD, State.PRIME, State.SERVING):
         assert sm.transition(s)
     return rd, sm, metrics

@@ -26,7 +26,7 @@ EXPORTER_MAY_IMPORT = {"warmup_agent.config", "warmup_agent.webconfig", "warmup_
 LAYERS: list[tuple[str, ...]] = [
     # the ground floor: imports nothing of the agent above it
     ("warmup_agent", "warmup_agent.errors", "warmup_agent.event_stream", "warmup_agent.failures",
-     "warmup_agent.periodic", "warmup_agent.config_sections", "warmup_agent.signals", "warmup_agent.atomic_file"),
+     "warmup_agent.periodic", "warmup_agent.config_sections", "warmup_agent.atomic_file"),
     # pure parts, each about one thing, that know nothing of the config or the engines
     ("warmup_agent.warmup", "warmup_agent.model", "warmup_agent.quantization", "warmup_agent.gpu",
      "warmup_agent.host", "warmup_agent.states"),
@@ -42,6 +42,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("warmup_agent.driver",),
     # what a person sees while the run goes on: the timeline, progress, traces
     ("warmup_agent.run.timeline", "warmup_agent.run.tracing", "warmup_agent.run.progress"),
+    # the profile warmup: drives the engine, the driver and the gate's probes, under the stages
+    ("warmup_agent.warmup.profile",),
     # the four stages, over the StageContext
     ("warmup_agent.stages",),
     # what is left of a run: its record (over the StageContext) and the report of it
@@ -159,3 +161,11 @@ def test_no_import_runs_back_up_the_layers():
     up = sorted(f"{m} -> {d}" for m, deps in g.items() if m.startswith("warmup_agent")
                 for d in deps if d.startswith("warmup_agent") and _layer(d) > _layer(m))
     assert up == []
+
+
+def test_at_most_twelve_top_level_modules():
+    """Issue 59: a newcomer reads the top of the package first; everything else is in a package
+    named for what it is about."""
+    top = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "warmup_agent", "*.py"))
+                 if os.path.basename(p) not in ("__init__.py", "__main__.py"))
+    assert len(top) <= 12, top

@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from exporter.metrics import AgentMetrics
+from exporter.recorder import Recorder
 from tests.helpers import servers
 from tests.helpers.paths import ROOT
 from tests.helpers.servers import Redis, free_port, wait_until
@@ -50,11 +51,11 @@ def make_pod(tmp_path, name, url, secret=SECRET, **overrides) -> KernelCache:
                         socket_timeout=overrides.pop("socket_timeout", 0.5),
                         retry_interval=overrides.pop("retry_interval", 0.0),
                         poll_interval=0.05, **overrides)
-    return KernelCache(settings, COMPONENTS, AgentMetrics())
+    return KernelCache(settings, COMPONENTS, Recorder(AgentMetrics()))
 
 
 def value(pod, name, **labels) -> float:
-    v = pod.metrics.registry.get_sample_value(name, labels)
+    v = pod.recorder.metrics.registry.get_sample_value(name, labels)
     return 0.0 if v is None else v
 
 
@@ -135,7 +136,7 @@ def test_other_namespace_sees_nothing(tmp_path, redis_server):
     a.publish()
     other = KernelCache(a.settings.__class__(**{**a.settings.__dict__, "root": str(tmp_path / "c")}),
                         nsmod.components({"hidden_size": 128, "layers": 2}, {"mode": "default"},
-                                         {**RUNTIME, "torch": "2.14.0"}), AgentMetrics())
+                                         {**RUNTIME, "torch": "2.14.0"}), Recorder(AgentMetrics()))
     assert other.namespace != a.namespace
     other.restore()
     assert local_files(other) == {}
@@ -238,7 +239,7 @@ def test_from_config(tmp_path, redis_server, clean_env):
                            "WARMUP_AGENT_KERNEL_CACHE_SECRET_FILE": str(key),
                            "WARMUP_AGENT_DATA_DIR": str(tmp_path / "data")})
     pod = KernelCache.from_config(cfg.kernel_cache, data_dir=cfg.data_dir, model=cfg.model, solidify=cfg.solidify,
-                                  metrics=AgentMetrics(), runtime=RUNTIME)
+                                  recorder=Recorder(AgentMetrics()), runtime=RUNTIME)
     assert pod.shared is not None and pod.settings.secret == SECRET
     assert pod.env() == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "data" / "kernel-cache" / pod.namespace / "inductor"),
                          "TRITON_CACHE_DIR": str(tmp_path / "data" / "kernel-cache" / pod.namespace / "triton"),

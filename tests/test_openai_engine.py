@@ -94,17 +94,17 @@ def test_agent_warms_the_server_then_serves(served):
     # agent request reached vLLM marked as ours (request id warmup-*), LoRA warmup included.
     # Default traffic profile: both APIs x (prefill grid: 2 lengths x batches 1 and 4,
     # greedy) + both APIs x (families greedy and sampled x batches 1 and 4, long answers).
-    assert eng.apis == ["chat", "completions"] and eng.token_id_prompts
+    assert eng.apis == ["chat", "completions"] and eng.discovery.token_id_prompts
     # Warmed by measured benefit: every request is one of the record's paths' calls,
     # the per-length test's or a decode-coverage tile's; every API and family was warmed.
     detail = agent.stages[1].detail
-    assert agent.warmup_requests == requests_in_record(detail, agent.stages[3].detail)
+    assert agent.driver.warmup_requests == requests_in_record(detail, agent.stages[3].detail)
     warmed = {p["path"].rsplit("/", 2)[0] for p in detail["paths"] if p["calls"]}
     assert {"chat/sampled", "chat/greedy", "completions/sampled", "completions/greedy"} <= warmed
     received = [l for l in lines.lines if "Received request " in l]
     marked = sum("Received request cmpl-warmup-" in l or "Received request chatcmpl-warmup-" in l for l in received)
     # + 3 questions asked of the server (chat? completions? token-id prompts?)
-    assert marked == agent.warmup_requests + len(agent.probes) + len(eng.adapters) + 3
+    assert marked == agent.driver.warmup_requests + len(agent.probes) + len(eng.adapters) + 3
     # Sampled requests reached vLLM as sampled, on both APIs.
     assert any("chatcmpl-warmup-" in l and "temperature=0.7" in l and "top_p=0.9" in l for l in received)
     assert any("Received request cmpl-warmup-" in l and "temperature=0.7" in l for l in received)
@@ -112,7 +112,7 @@ def test_agent_warms_the_server_then_serves(served):
     # last probe, with at least min_probes in a window under both thresholds.
     cfg = agent.cfg
     assert len(agent.probes) >= cfg["readiness.min_probes_server"]
-    q = agent.window.quantiles((0.5, 0.9))
+    q = agent.readiness.window.quantiles((0.5, 0.9))
     assert q[0.5] <= cfg["readiness.p50_threshold_seconds"] and q[0.9] <= cfg["readiness.p90_threshold_seconds"]
     states = [s for s, _ in agent.sm.history]
     assert states[-3:] == [State.PRELOAD, State.PRIME, State.SERVING]
@@ -137,7 +137,7 @@ def test_streams_and_measures_time_to_first_token(served):
 
 def test_warmup_requests_are_marked_and_probes_are_not(served):
     eng, _, lines = served
-    assert eng.headers(True)["X-Warmup"] == "true" and "X-Warmup" not in eng.headers(False)
+    assert eng.client.headers(True)["X-Warmup"] == "true" and "X-Warmup" not in eng.client.headers(False)
     start = len(lines.lines)
     eng.generate([_prompt(8), _prompt(8)], max_new_tokens=1, warmup=True)
     eng.generate([_prompt(8)], max_new_tokens=1, warmup=False)

@@ -20,7 +20,7 @@ from tests.helpers.engines import openai_engine
 from tests.helpers.servers import free_port, wait_until
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
-from warmup_agent.engines.openai.engine import fix_vllm_command, option
+from warmup_agent.server.command import fix_command, option
 from warmup_agent.server.supervisor import Supervisor
 
 # A tiny health server.  It starts a grandchild (`sleep`) to prove that the whole
@@ -197,7 +197,7 @@ def test_server_dies_with_the_agent_even_on_sigkill(tmp_path):
 
 
 def test_vllm_serve_is_rewritten_to_the_server_module():
-    cmd = fix_vllm_command(["vllm", "serve", "/models/x", "--port", "8001"])
+    cmd = fix_command(["vllm", "serve", "/models/x", "--port", "8001"])
     assert cmd[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
     assert cmd[4] == "/models/x" and option(cmd, "--port") == "8001"
-    assert fix_vllm_command(["python", "-m", "x"]) == ["python", "-m", "x"]
+    assert fix_command(["python", "-m", "x"]) == ["python", "-m", "x"]

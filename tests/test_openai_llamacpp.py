@@ -151,8 +151,8 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
     prefill no slower than their controls (the same lengths again, after the same
     predecessor): the profile's other lengths then get no call, each recorded as
     skipped with that reason (they got one call each before)."""
-    from warmup_agent.stages import prewarm as prewarm_stage
-    from warmup_agent.stages.prewarm import NEW_LENGTHS_WARM
+    from warmup_agent.warmup import profile as profile_warmup
+    from warmup_agent.warmup.profile import NEW_LENGTHS_WARM
     port, listen = free_port(), free_port()
     rec = tmp_path / "run.json"
     env = ls.server_env(str(tmp_path))
@@ -185,8 +185,8 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
     assert per_length["tested"] and "anchor_pair" not in per_length and len(per_length["lengths"]) in (1, 2)
     assert len(per_length["pairs"]) == len(per_length["lengths"])
     assert per_length["prefill_pays_each_new_length"] is False
-    reason = prewarm_stage.length_skip_reason(per_length)
-    assert reason in (NEW_LENGTHS_WARM, prewarm_stage.ONE_TIME_COST)
+    reason = profile_warmup.length_skip_reason(per_length)
+    assert reason in (NEW_LENGTHS_WARM, profile_warmup.ONE_TIME_COST)
     # llama-server times its own prefill (timings.prompt_ms), the first's and its control's: that clock decided
     assert len(per_length["server_prefill_ms"]) == len(per_length["pairs"])
     assert all(len(pair) == 2 and min(pair) > 0 for pair in per_length["server_prefill_ms"])

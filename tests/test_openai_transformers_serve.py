@@ -24,6 +24,7 @@ from warmup_agent import config
 from warmup_agent.pipeline import Agent
 from warmup_agent.stages import prewarm
 from warmup_agent.states import State
+from warmup_agent.warmup import profile as profile_warmup
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ts.available(), reason="needs transformers[serving] (make test-setup)")]
 
@@ -69,8 +70,8 @@ def test_reaches_serving_after_asking_what_the_server_answers(served):
     assert state == State.SERVING, (agent.sm.failure_reason, agent.sm.failure_message)
     assert eng.apis == ["chat", "completions"]
     assert eng.model == eng.model_dir               # served under the directory it was started on
-    assert not eng.token_id_prompts                 # "prompt must be a string"
-    assert "ignore_eos" in eng.rejected_fields      # "Unexpected fields in the request"
+    assert not eng.discovery.token_id_prompts                 # "prompt must be a string"
+    assert "ignore_eos" in eng.client.rejected_fields      # "Unexpected fields in the request"
     # Default profile, warmed by measured benefit: the other family and API at the
     # longest length and batch 2; each until warm.  Nothing skipped for the budget.  The
     # probe family's lengths (no anchor path any more) get no call, with what the
@@ -83,7 +84,7 @@ def test_reaches_serving_after_asking_what_the_server_answers(served):
         short = paths.pop(f"chat/sampled/batch1/len{n}")
         # the per-length test ran, so the profile's lengths are not worth a call, and the record says why
         assert short["result"] == "skipped" and short["calls"] == 0
-        assert short["reason"] == prewarm.length_skip_reason(detail["warmup"]["per_length"]) is not None
+        assert short["reason"] == profile_warmup.length_skip_reason(detail["warmup"]["per_length"]) is not None
     assert all(p["result"] in ("warm_on_first_call", "converged", "still_improving") and p["calls"] >= 1
                for p in paths.values())
     # every request sent is in the record: the paths' calls (batch 2 sends 2 at once),
@@ -91,7 +92,7 @@ def test_reaches_serving_after_asking_what_the_server_answers(served):
     # the predecessors replayed before controls and the settle waves (prewarm's, and the
     # ready stage's before SERVING)
     warmup = detail["warmup"]
-    assert agent.warmup_requests == requests_in_record(detail, agent.stages[-1].detail)
+    assert agent.driver.warmup_requests == requests_in_record(detail, agent.stages[-1].detail)
     assert warmup["per_length"]["tested"] and warmup["budget"]["seconds"] == 300
     profile = detail["profile"]
     assert profile["families"] == ["greedy", "sampled"] and profile["endpoints"] == ["chat", "completions"]
@@ -103,7 +104,7 @@ def test_every_agent_request_is_marked_on_the_wire(served):
     assert posts and all(p["warmup"] == "true" and p["request_id"].startswith("warmup-") for p in posts)
     # warmup + probes + 3 questions (chat? completions? token ids?) + the one retry
     # after the server refused ignore_eos.
-    assert len(posts) == agent.warmup_requests + len(agent.probes) + 3 + 1
+    assert len(posts) == agent.driver.warmup_requests + len(agent.probes) + 3 + 1
     # Both families reached the server as sent, on both APIs; a warmup call answers
     # prewarm.warm_answer_tokens (2: the fewest that take the decode path).
     bodies = [json.loads(p["body"]) for p in posts]
@@ -212,7 +213,7 @@ def agent_warmup(served) -> dict:
 def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
     eng, agent, _, _, _ = served
     reg = agent.metrics.registry
-    tpots = agent.tpot_window.values()
+    tpots = agent.probe_log.decode.values()
     gate = agent.stages[-1].detail["probes"]
     assert len(tpots) == len(agent.probes) == gate >= 2
     for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
@@ -230,11 +231,11 @@ def test_exported_decode_window_and_taxes_are_the_exact_figures(served):
     # A probe's times against the wall clock around it: the first token comes
     # before the end, the end before the call returned; TPOT is the rest per token.
     t0 = time.perf_counter()
-    ttft = agent.probe()
+    ttft = agent.context.probe()
     wall = time.perf_counter() - t0
     total = agent.probe_totals[-1]
     assert 0 < ttft < total <= wall
-    assert agent.tpot_window.values()[-1] == pytest.approx((total - ttft) / 3, rel=1e-9)   # 4 tokens out
+    assert agent.probe_log.decode.values()[-1] == pytest.approx((total - ttft) / 3, rel=1e-9)   # 4 tokens out
 
 
 def test_outside_clients_first_chat_request_is_answered(served):
@@ -336,7 +337,7 @@ def test_probes_after_serving_ask_for_one_token(served):
     assert len(after) >= 2, "the watch sent probes"
     assert all(b["max_tokens"] == 1 for b in after), [b["max_tokens"] for b in after]
     # The probes before SERVING asked for readiness.probe_max_tokens (decode timed).
-    assert agent.tpot_window.quantiles((0.5,)), "the gate's probes timed decode"
+    assert agent.probe_log.decode.quantiles((0.5,)), "the gate's probes timed decode"
 
 
 def test_startupz_and_metrics_say_what_was_warmed_and_the_per_length_finding(served):
@@ -407,7 +408,7 @@ def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path
         short = [p for p in detail["paths"] if p["reason"] != "budget"]
         assert sorted(int(p["path"].rsplit("/len", 1)[1]) for p in short) == sorted(LENGTHS)
         assert len({p["path"].rsplit("/len", 1)[0] for p in short}) == 1       # one path: the probes'
-        assert all(p["reason"] == prewarm.length_skip_reason(per_length) is not None for p in short)
+        assert all(p["reason"] == profile_warmup.length_skip_reason(per_length) is not None for p in short)
         assert all(p["result"] == "skipped" and p["reason"] == "budget" and p["calls"] == 0
                    for p in detail["paths"] if p not in short)
         assert all(p["calls"] == 0 for p in short) and len(detail["paths"]) > len(short)
@@ -418,7 +419,7 @@ def test_a_budget_that_runs_out_skips_paths_and_the_probes_still_decide(tmp_path
         replayed = sum(p["replayed_requests"] for p in ready["first_probe_pairs"])
         assert detail["warmup"]["settle_requests"] == 0 and ready["settle_requests"] == 1 and replayed >= 1
         assert detail["warmup"]["settled_by_discovery"] is True
-        assert agent.warmup_requests == requests_in_record(detail, ready) == 1 + replayed
+        assert agent.driver.warmup_requests == requests_in_record(detail, ready) == 1 + replayed
         # no anchor pair: the probe pair alone cannot say that decode pays per length; a
         # second pair follows only where the first was cold
         assert per_length["tested"] and "anchor_pair" not in per_length

@@ -2,7 +2,7 @@
 
 The per-length test runs here on scripted calls: the times H200 tfserve defaults run 6
 (bench/results/gpu_server_tfserve_default_h200_run6.json, start 0) and tfserve + switch
-run 8 (start 4) measured, handed to `_ProfileWarmup.per_length_test` by a scripted
+run 8 (start 4) measured, handed to `ProfileWarmup.per_length_test` by a scripted
 `send` instead of a server (the real-server path is tests/test_openai_transformers_serve.py;
 on the CPU no server here pays per length)."""
 from __future__ import annotations
@@ -14,17 +14,17 @@ from types import SimpleNamespace
 from exporter.metrics import AgentMetrics
 from exporter.recorder import Recorder
 from warmup_agent.kernel_cache.shared_findings import SharedFindings
-from warmup_agent.stages.prewarm import (
+from warmup_agent.warmup import benefit, findings
+from warmup_agent.warmup.benefit import Call
+from warmup_agent.warmup.profile import (
     EACH_NEW_LENGTH_PAYS,
     SETTLE_PROMPT_TOKENS,
-    _ProfileWarmup,
+    ProfileWarmup,
     length_skip_reason,
     per_length_line,
     remedy_for,
     settle_prompt_tokens,
 )
-from warmup_agent.warmup import benefit, findings
-from warmup_agent.warmup.benefit import Call
 
 
 def test_the_line_names_the_first_tokens_only_when_given():
@@ -36,12 +36,12 @@ def test_the_line_names_the_first_tokens_only_when_given():
 
 
 def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None = None,
-                    model: str = "qwen2-1.5b", redis_url: str | None = None) -> tuple[_ProfileWarmup, list[int]]:
-    """A _ProfileWarmup whose gate probe pairs (StageContext.probe_pair, scripted here)
+                    model: str = "qwen2-1.5b", redis_url: str | None = None) -> tuple[ProfileWarmup, list[int]]:
+    """A ProfileWarmup whose gate probe pairs (StageContext.probe_pair, scripted here)
     answer `probe_pairs` in turn: a first and its control (the same length again).
     `data_dir`: where prewarm.remember_findings keeps its file (None: the key is off).
     Returns it and the prompt lengths of the probes sent, in order."""
-    w = object.__new__(_ProfileWarmup)
+    w = object.__new__(ProfileWarmup)
     metrics = AgentMetrics()
     sent: list[int] = []
     script = list(probe_pairs)
@@ -135,7 +135,7 @@ def test_concurrent_requests_and_their_controls_pay_the_same_so_nothing_is_cold(
 
 
 def test_what_the_per_length_test_says_about_warming_the_profiles_lengths():
-    from warmup_agent.stages.prewarm import EACH_NEW_LENGTH_PAYS, NEW_LENGTHS_WARM, ONE_TIME_COST, length_skip_reason
+    from warmup_agent.warmup.profile import EACH_NEW_LENGTH_PAYS, NEW_LENGTHS_WARM, ONE_TIME_COST, length_skip_reason
     assert length_skip_reason({"tested": False}) is None          # not measured: warm them
     assert length_skip_reason({"tested": True, "prefill_pays": False}) == NEW_LENGTHS_WARM
     assert length_skip_reason({"tested": True, "prefill_pays": True, "prefill_pays_each_new_length": False}) == ONE_TIME_COST
@@ -224,7 +224,7 @@ def test_a_probes_control_follows_the_settle_request_again():
     predecessor's slot (H200, run at 544597f: the control paid as much as the first and
     the pair said "not cold" where users met 1.3-1.6x).  So the settle request is re-sent
     before the control, even though it is no harder a predecessor than a probe."""
-    from warmup_agent.stages.prewarm import SETTLE_PROMPT_TOKENS
+    from warmup_agent.warmup.profile import SETTLE_PROMPT_TOKENS
     w, _ = scripted_warmup([(call(45.0, 3.0, 266), call(44.0, 3.0, 266))])
     resent: list[list[int]] = []
     w.send_requests = lambda reqs, label: resent.append([r.prompt_tokens for r in reqs])
@@ -248,7 +248,7 @@ def test_a_fresh_length_that_paid_in_prefill_gets_a_ladder_before_the_second():
     (rungs up to the profile's longest prompt, one request each, one at a time) and the
     settle request go before the second fresh length, whose first and control then both
     follow the settle request (replayed)."""
-    from warmup_agent.stages.prewarm import LADDER_FIRST, SETTLE_PROMPT_TOKENS, ladder_lengths
+    from warmup_agent.warmup.profile import LADDER_FIRST, SETTLE_PROMPT_TOKENS, ladder_lengths
     assert ladder_lengths(310) == [48, 72, 108, 162, 243] and ladder_lengths(47) == []
     w, sent = scripted_warmup([(call(60.0, 3.0, 266), call(41.0, 3.0, 266)), (call(42.0, 3.0, 223), call(41.0, 3.0, 223))])
     w.pc.length_ladder = True
@@ -287,7 +287,7 @@ def test_the_settle_request_is_long_enough_to_take_the_least_recently_used_slot(
     with every slot: a 27-token settle request (0.156 shared) waited 19-23 ms for the
     server to save the last long request's slot (H200 run 9).  So the settle request is
     at least SETTLE_OPENING_SHARE times the opening, and never under 64 tokens."""
-    from warmup_agent.stages.prewarm import SETTLE_OPENING_SHARE
+    from warmup_agent.warmup.profile import SETTLE_OPENING_SHARE
     assert settle_prompt_tokens(None) == SETTLE_PROMPT_TOKENS == 64
     assert settle_prompt_tokens(SimpleNamespace(opening_tokens=lambda: 5)) == 64
     long_system_prompt = SimpleNamespace(opening_tokens=lambda: 30)

@@ -84,7 +84,7 @@ def test_warmup_traffic_covers_the_grid_and_is_counted(served):
     replayed = sum(p["replayed_requests"] for p in pairs)
     calls += sum(1 for p in pairs if p["replayed_requests"])
     prompts += replayed
-    assert agent.warmup_requests == prompts
+    assert agent.driver.warmup_requests == prompts
     assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "warmup"}) == prompts
     assert agent.metrics.registry.get_sample_value("warmup_requests_total", {"kind": "probe"}) == len(agent.probes)
     assert agent.metrics.registry.get_sample_value("warmup_first_token_latency_seconds_count", {"kind": "warmup"}) == calls

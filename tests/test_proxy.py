@@ -155,8 +155,8 @@ def test_serving_streams_pass_through_unchanged_and_feed_the_window(vllm, embedd
         assert finish(ev_via) == finish(ev_direct) == "length"
         # The user request's time to first token went into the readiness window, and sits
         # between the engine's own measurement and what the client saw.
-        assert len(agent.window) == 1 and agent.probes == []
-        recorded = agent.window.values()[0]
+        assert len(agent.readiness.window) == 1 and agent.probes == []
+        recorded = agent.readiness.window.values()[0]
         assert ttft_engine <= recorded <= via[3]
         assert reg(agent, "warmup_proxy_first_token_seconds_count", {"route": "main"}) == 1
         assert reg(agent, "warmup_proxy_first_token_seconds_sum", {"route": "main"}) == recorded
@@ -177,7 +177,7 @@ def test_non_streaming_and_errors_pass_through(vllm, embedded_model):
         assert [c["text"] for c in v["choices"]] == [c["text"] for c in d["choices"]] and v["usage"] == d["usage"]
         bad = {**COMPLETION, "model": "no-such-model"}
         assert post(proxy.port, "/v1/completions", bad)[0] == post(port, "/v1/completions", bad)[0] == 404
-        assert len(agent.window) == 0                      # not streamed: no time to first token
+        assert len(agent.readiness.window) == 0                      # not streamed: no time to first token
         assert reg(agent, "warmup_proxy_requests_total", {"route": "main", "code": "404"}) == 1
         code, body = http_get(f"http://127.0.0.1:{proxy.port}/v1/models")
         assert code == 200 and json.loads(body)["data"][0]["id"] == vllm_server.SERVED_NAME
@@ -196,7 +196,7 @@ def test_warming_goes_to_the_fallback_and_never_to_the_main_engine(vllm, embedde
         assert standin.requests == []
         assert reg(agent, "warmup_proxy_requests_total", {"route": "fallback", "code": "200"}) == 1
         assert reg(agent, "warmup_proxy_first_token_seconds_count", {"route": "fallback"}) == 1
-        assert len(agent.window) == 0                      # the fallback is another engine
+        assert len(agent.readiness.window) == 0                      # the fallback is another engine
         # SERVING: the same request now reaches the main engine (here the stand-in).
         assert agent.sm.transition(State.SERVING)
         status, _, body, _ = post(proxy.port, "/v1/completions", COMPLETION)
@@ -220,7 +220,7 @@ def test_warmup_marked_requests_reach_the_main_engine_and_no_user_metric(vllm, e
         after = {s.name: s.value for m in agent.metrics.registry.collect() if m.name.startswith("warmup_proxy")
                  for s in m.samples}
         assert after == user_before == {}                                   # no user series at all
-        assert len(agent.window) == 0
+        assert len(agent.readiness.window) == 0
         assert agent.readiness.water._last_second < 0                       # not counted as user QPS
         # The same request without the marker is a user request: rejected while warming.
         assert post(proxy.port, "/v1/completions", COMPLETION)[0] == 503
@@ -236,7 +236,7 @@ def test_no_fallback_answers_503_with_retry_after(embedded_model, standin):
         assert post(proxy.port, "/v1/completions", COMPLETION)[0] == 200
         # Real user samples over the tail threshold trip the breaker: DEGRADED, main frozen.
         for _ in range(10):
-            agent.record_probe(5.0, kind="user")
+            agent.context.record_probe(5.0, kind="user")
         assert agent.sm.state == State.DEGRADED
         status, headers, body, _ = post(proxy.port, "/v1/completions", COMPLETION)
         assert status == 503

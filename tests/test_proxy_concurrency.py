@@ -304,7 +304,7 @@ def test_an_engine_in_this_process_serves_through_the_proxy_and_users_answers_re
         assert len(answers) == 1
         ttft, total, tokens = answers[0]
         assert 0 < ttft and ttft + 0.09 <= total <= elapsed and tokens == 3
-        assert len(agent.window) == 1                   # streamed: the time to first token fed the window
+        assert len(agent.readiness.window) == 1                   # streamed: the time to first token fed the window
         # Non-streamed answers count too; warmup-marked requests never do.
         assert post(proxy.port, {**CHAT, "stream": False})[0] == 200 and len(answers) == 2
         assert post(proxy.port, CHAT, headers={"X-Warmup": "true"})[0] == 200 and len(answers) == 2

@@ -64,7 +64,7 @@ def test_users_answers_reach_the_agents_metrics_window_and_gate(embedded_model, 
         assert all(0 < ttft <= total and tokens == standin.chunks for ttft, total, tokens in answers), answers
         assert sample(agent, "warmup_proxy_requests_total", {"route": "main", "code": "200"}) == 3
         assert sample(agent, "warmup_proxy_first_token_seconds_count", {"route": "main"}) == 3
-        assert len(agent.window) == 3                    # streamed first tokens fed the window
+        assert len(agent.readiness.window) == 3                    # streamed first tokens fed the window
     finally:
         proxy.stop()
     assert proxy.proc is not None and proxy.proc.returncode == 0

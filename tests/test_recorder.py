@@ -21,14 +21,21 @@ from exporter.recorder import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Modules of a probe's road that write no metric of their own any more.
-THROUGH_THE_RECORDER = sorted(glob.glob(os.path.join(ROOT, "warmup_agent", "stages", "*.py"))) + [
-    os.path.join(ROOT, "warmup_agent", "driver.py")]
-# readiness/runtime.py writes its breaker gauges and counters itself still; the
-# gauges a probe's time to first token feeds are the recorder's.
-PROBE_FED = {"warmup_first_token_window_seconds", "warmup_readiness_threshold_seconds",
-             "warmup_readiness_threshold_refits_total", "warmup_first_user_request_tax_ratio",
-             "warmup_first_user_request_total_tax_ratio"}
+#: The proxy's two metrics are written where the proxy runs (its own process or thread,
+#: proxy/routing.py) and replayed from its reports (proxy/process.py); nothing else
+#: writes a metric outside the recorder.
+OWN_WRITERS = ("exporter/recorder.py", "warmup_agent/proxy/")
+
+
+def metric_writers() -> list[str]:
+    """Every file of warmup_agent/ and exporter/ that may not name a metric handle."""
+    out = []
+    for pkg in ("warmup_agent", "exporter"):
+        for path in sorted(glob.glob(os.path.join(ROOT, pkg, "**", "*.py"), recursive=True)):
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            if not rel.startswith(OWN_WRITERS):
+                out.append(rel)
+    return out
 
 
 def handles_named(source: str, names: frozenset[str]) -> list[str]:
@@ -43,13 +50,32 @@ def test_the_scan_sees_a_handle():
                          names) == ["1: warmup_paths"]
 
 
-def test_no_stage_and_not_the_driver_names_a_metric():
+def test_only_the_recorder_names_a_metric():
     names = frozenset(metric_handles.NAMES)
     found = []
-    for path in THROUGH_THE_RECORDER:
-        found += [f"{os.path.relpath(path, ROOT)}:{hit}" for hit in handles_named(open(path, encoding="utf-8").read(), names)]
-    runtime = os.path.join(ROOT, "warmup_agent", "readiness", "runtime.py")
-    found += [f"readiness/runtime.py:{hit}" for hit in handles_named(open(runtime, encoding="utf-8").read(), PROBE_FED)]
+    for rel in metric_writers():
+        found += [f"{rel}:{hit}" for hit in handles_named(open(os.path.join(ROOT, rel), encoding="utf-8").read(), names)]
+    assert found == []
+
+
+def test_the_fence_covers_the_agent():
+    writers = metric_writers()
+    for rel in ("warmup_agent/pipeline.py", "warmup_agent/states.py", "warmup_agent/readiness/runtime.py",
+                "warmup_agent/kernel_cache/cache.py", "warmup_agent/cli.py", "exporter/server.py"):
+        assert rel in writers
+    assert not any(w.startswith("warmup_agent/proxy/") or w == "exporter/recorder.py" for w in writers)
+
+
+def test_no_metric_is_read_back_as_state():
+    """Program state lives in the program (the driver counts its own engine-seconds);
+    the recorder only writes, and nothing outside the exporter reads the registry."""
+    def reads(rel: str, attrs: tuple[str, ...]) -> list[str]:
+        src = open(os.path.join(ROOT, rel), encoding="utf-8").read()
+        return [f"{rel}:{n.lineno}" for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Attribute) and n.attr in attrs]
+    found = reads("exporter/recorder.py", ("collect", "get_sample_value", "_value", "samples"))
+    for rel in metric_writers():
+        if rel.startswith("warmup_agent/"):
+            found += reads(rel, ("get_sample_value",))
     assert found == []
 
 
@@ -83,3 +109,57 @@ def test_records_become_the_same_samples():
     assert get("warmup_per_length_decode_ratio") == 1.6 and get("warmup_paths", {"result": "converged"}) == 4
     r.check(CheckStats("numerics", "passed"))
     assert get("warmup_validation_checks_total", {"check": "numerics", "result": "passed"}) == 1
+
+
+def test_state_breaker_and_cache_records_become_samples():
+    from exporter.recorder import (
+        BreakerStats,
+        CacheStats,
+        FailureStats,
+        Known,
+        ProbeFailureStats,
+        ServingStats,
+        StageStats,
+        StateStats,
+    )
+    m = AgentMetrics()
+    r = Recorder(m)
+    get = m.registry.get_sample_value
+    r.declare_series(Known(states=("INIT", "PRELOAD"), initial_state="INIT", failure_reasons=("oom",),
+                           illegal_transitions=[("INIT", "SERVING")], trip_causes=("slow",),
+                           probe_failure_causes=("timeout",), kernel_cache=True))
+    assert get("warmup_state", {"state": "INIT"}) == 1 and get("warmup_state", {"state": "PRELOAD"}) == 0
+    assert get("model_loading_failures_total", {"reason": "oom"}) == 0
+    assert get("warmup_illegal_transitions_total", {"from": "INIT", "to": "SERVING"}) == 0
+    assert get("warmup_kernel_cache_requests_total", {"tier": "shared", "result": "rejected"}) == 0
+    r.state(StateStats("PRELOAD", before="INIT"))
+    r.state(StateStats("PRELOAD", rejected="INIT"))
+    r.state(StateStats("PRELOAD", deadline_exceeded=True))
+    r.failure(FailureStats("oom"))
+    assert get("warmup_state", {"state": "INIT"}) == 0 and get("warmup_state", {"state": "PRELOAD"}) == 1
+    assert get("warmup_state_transitions_total", {"from": "INIT", "to": "PRELOAD"}) == 1
+    assert get("warmup_illegal_transitions_total", {"from": "PRELOAD", "to": "INIT"}) == 1
+    assert get("warmup_state_deadline_exceeded_total", {"state": "PRELOAD"}) == 1
+    assert get("model_loading_failures_total", {"reason": "oom"}) == 1
+    states = ("closed", "open", "half_open")
+    r.breaker(BreakerStats("open", states, True, before="closed", trip="slow"))
+    r.probe_failure(ProbeFailureStats("timeout"))
+    assert get("warmup_breaker_trips_total", {"reason": "slow"}) == 1
+    assert get("warmup_breaker_transitions_total", {"from": "closed", "to": "open"}) == 1
+    assert [get("warmup_breaker_state", {"state": s}) for s in states] == [0, 1, 0]
+    assert get("warmup_fallback_active") == 1 and get("warmup_watch_probe_failures_total", {"reason": "timeout"}) == 1
+    r.breaker(BreakerStats("closed", states, False))      # a reset: no transition counted
+    assert [get("warmup_breaker_state", {"state": s}) for s in states] == [1, 0, 0]
+    assert get("warmup_breaker_transitions_total", {"from": "open", "to": "closed"}) is None
+    r.stage(StageStats("reserve", 0.5))
+    r.serving(ServingStats(2.5))
+    assert get("model_loading_phase_duration_seconds", {"phase": "reserve"}) == 0.5
+    assert get("warmup_stage_duration_seconds_sum", {"stage": "reserve"}) == 0.5
+    assert get("warmup_time_to_ready_seconds") == 2.5
+    r.cache(CacheStats(lookups={("local", "hit"): 3}, published=2, evicted_local=1, bytes_by_tier={"local": 10},
+                       degraded=True, lock_wait_seconds=0.25))
+    assert get("warmup_kernel_cache_requests_total", {"tier": "local", "result": "hit"}) == 3
+    assert get("warmup_kernel_cache_publishes_total") == 2
+    assert get("warmup_kernel_cache_evictions_total", {"tier": "local"}) == 1
+    assert get("warmup_kernel_cache_bytes", {"tier": "local"}) == 10 and get("warmup_kernel_cache_degraded") == 1
+    assert get("warmup_kernel_cache_lock_wait_seconds_sum") == 0.25

@@ -83,7 +83,7 @@ def _engine_would_start(argv: list[str], environ: dict[str, str]) -> tuple[list[
                       flags={"data_dir": args.data_dir, "engine": "openai"})
     command = [a for a in args.server_command if a != "--"]
     engine = openai_engine(cfg, server_command=command, base_env=dict(environ))
-    return engine.server_command(), server_process.final_env(engine.server_env())
+    return engine.server.server_command(), server_process.final_env(engine.server.server_env())
 
 
 @pytest.mark.parametrize("case", ["flags", "env", "file", "file_and_flag", "lora"])

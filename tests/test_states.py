@@ -4,6 +4,7 @@ import itertools
 import pytest
 
 from exporter.metrics import AgentMetrics
+from exporter.recorder import Recorder
 from warmup_agent.states import SEED_ILLEGAL, TRANSITIONS, State, StateMachine
 
 
@@ -18,7 +19,7 @@ class FakeClock:
 
 
 def machine_in(state: State, metrics=None, deadlines=None, clock=None) -> StateMachine:
-    sm = StateMachine(metrics, deadlines=deadlines, clock=clock or FakeClock())
+    sm = StateMachine(Recorder(metrics) if metrics is not None else None, deadlines=deadlines, clock=clock or FakeClock())
     path = {State.INIT: [], State.PRELOAD: [State.PRELOAD], State.PRIME: [State.PRELOAD, State.PRIME],
             State.SERVING: [State.PRELOAD, State.PRIME, State.SERVING],
             State.SLEEPING: [State.PRELOAD, State.PRIME, State.SERVING, State.SLEEPING]}[state]

@@ -342,8 +342,9 @@ def test_a_request_closed_before_it_runs_never_runs(backend, engine):
 def test_user_batches_and_the_agents_calls_share_the_engine_lock(backend, engine):
     """The driver takes the engine's lock, and a user batch waits while the agent holds it."""
     from exporter.metrics import AgentMetrics
+    from exporter.recorder import Recorder
     from warmup_agent.driver import EngineDriver
-    driver = EngineDriver(engine, AgentMetrics(), 8)
+    driver = EngineDriver(engine, Recorder(AgentMetrics()), 8)
     assert driver.lock is engine.lock is backend.batcher.lock
     result = {}
 

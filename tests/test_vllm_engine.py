@@ -48,7 +48,7 @@ AGENT = textwrap.dedent("""
         res = eng.generate([[5] * 10, [7] * 20], max_new_tokens=3)
         facts = eng.facts()
         print("RESULT " + json.dumps({
-            "state": state.name, "failure": agent.sm.failure_message, "warmup_requests": agent.warmup_requests,
+            "state": state.name, "failure": agent.sm.failure_message, "warmup_requests": agent.driver.warmup_requests,
             "probes": len(agent.probes), "seen": seen, "adapters": list(eng.adapters),
             "results": [[r.prompt_tokens, r.output_tokens, r.first_token_seconds, r.total_seconds] for r in res],
             "kv_blocks": facts.extra.get("kv_cache_blocks"), "block_size": facts.extra.get("kv_block_size"),

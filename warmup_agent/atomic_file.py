@@ -1,14 +1,8 @@
 """Whole files or none: write a temporary file beside the target, then rename it in place.
 
-The one way the agent replaces a file of its own (the run record, the validation
-baseline, the server findings, a model's tokenizer config, a kernel cache file):
-a reader sees the old file or the new one, never half of one.  A write that fails
-(an object JSON cannot serialize, a full disk, an interrupt) removes its temporary
-file and raises again, so each caller keeps its own error handling and log lines.
-
-The ground floor: imports only the standard library.  No fsync, as none of the
-writers it replaced had one: the rename is atomic against other processes, not
-against a power cut.
+A reader sees the old file or the new one, never half of one.  A failed write removes
+its temporary file and raises again.  No fsync: the rename is atomic against other
+processes, not against a power cut.  Imports only the standard library.
 """
 from __future__ import annotations
 
@@ -21,9 +15,8 @@ __all__ = ["write_bytes_atomic", "write_json_atomic"]
 
 
 def _open_temporary(directory: str, prefix: str, suffix: str, perms: int) -> tuple[int, str]:
-    """A new file of a name unused in `directory`, opened for writing, created with
-    `perms` (less the umask, as open() does).  Named from os.urandom, which costs no
-    import (`secrets` and `tempfile` import `random`)."""
+    """Create a new file in `directory` with `perms` (less the umask).  Named from
+    os.urandom, which costs no import, unlike `tempfile`."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     for _ in range(100):
         tmp = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}{suffix}")
@@ -38,8 +31,7 @@ def _write_atomic(path: str, write: Any, binary: bool, mode: int | None, prefix:
     directory = os.path.dirname(path) or "."
     if prefix is None:
         prefix = f".{os.path.basename(path)}."
-    # mode None: the permissions open(path, "w") would give (0o666 less the umask);
-    # otherwise created private and set to `mode` once written.
+    # With a mode, create private and chmod once written.
     fd, tmp = _open_temporary(directory, prefix, ".tmp", 0o666 if mode is None else 0o600)
     try:
         with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -56,14 +48,12 @@ def _write_atomic(path: str, write: Any, binary: bool, mode: int | None, prefix:
 
 
 def write_bytes_atomic(path: str, data: bytes, *, mode: int | None = None, prefix: str | None = None) -> None:
-    """Replace `path` with `data`.  `mode`: the file's permissions (default: what
-    open() gives a new file); `prefix`: the temporary file's name starts so
-    (default `.<name>.`), for directories whose readers skip names of their own."""
+    """Replace `path` with `data`.  `prefix` names the temporary file (default
+    `.<name>.`), for directories whose readers skip names of their own."""
     _write_atomic(path, lambda f: f.write(data), True, mode, prefix)
 
 
 def write_json_atomic(path: str, obj: Any, *, mode: int | None = None, prefix: str | None = None,
                       **json_kwargs: Any) -> None:
-    """Replace `path` with `obj` as JSON (UTF-8); `json_kwargs` go to json.dump
-    (indent, sort_keys, default...).  `mode` and `prefix` as for write_bytes_atomic."""
+    """Replace `path` with `obj` as UTF-8 JSON; `json_kwargs` go to json.dump."""
     _write_atomic(path, lambda f: json.dump(obj, f, **json_kwargs), False, mode, prefix)

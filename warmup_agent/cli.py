@@ -209,14 +209,14 @@ def _make_agent(cfg: Config, engine: Engine, progress: Progress) -> Agent:
     prometheus_client.disable_created_metrics()
     metrics = AgentMetrics()
     register_default_collectors(metrics.registry)
-    if cfg.requests_check is not None:
-        metrics.warmup_requests_file_bad_lines.set(cfg.requests_check.bad_count)
     from warmup_agent.run import tracing
     from warmup_agent.server.procstart import process_started
     tracing.setup(cfg.tracing)   # start-up traces: NOOP (no OpenTelemetry import) unless tracing.enabled
     # The clock starts at process start: a first run's imports and embedded model
     # creation are part of the time to SERVING (the "startup" stage).
     agent = Agent(cfg, engine, metrics=metrics, progress=progress, process_started=process_started())
+    if cfg.requests_check is not None:
+        agent.recorder.requests_file(cfg.requests_check.bad_count)
     connect_engine(engine, agent, metrics.registry)
     return agent
 
@@ -301,9 +301,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             # Still warming: a server that is starting would otherwise be waited for
             # up to openai.ready_timeout_seconds before the drain could finish.
             engine.interrupt()
-    # Not a bare signal.signal + Event.wait: see warmup_agent/signals.py for why
+    # Not a bare signal.signal + Event.wait: see warmup_agent/host/signals.py for why
     # that never drained on the GPU hosts.
-    from warmup_agent.signals import SignalWatcher
+    from warmup_agent.host.signals import SignalWatcher
     signals = SignalWatcher(on_signal).install()
 
     try:

@@ -16,6 +16,7 @@ It owns
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -26,15 +27,16 @@ from exporter.recorder import BatchStats, Recorder
 from warmup_agent.warmup.traffic import PromptFactory, TrafficProfile, WarmRequest, probe_request
 
 if TYPE_CHECKING:  # types only
-    from exporter.metrics import AgentMetrics
     from warmup_agent.engines.base import Engine, RequestResult
 
 
 class EngineDriver:
-    def __init__(self, engine: Engine, metrics: AgentMetrics, probe_prompt_length: int):
+    def __init__(self, engine: Engine, recorder: Recorder, probe_prompt_length: int):
         self.engine = engine
         #: Where its batches' stats become metrics (exporter/recorder.py).
-        self.recorder = Recorder(metrics)
+        self.recorder = recorder
+        #: Engine-seconds of agent traffic by kind (warmup_cost_ratio, the traces).
+        self.seconds_by_kind: collections.defaultdict[str, float] = collections.defaultdict(float)
         #: The engine lock (see the module docstring).  An engine that serves users in
         #: process too (the torch engine: engines/torch/batcher.py) owns it, so its users'
         #: batches and the agent's calls take turns; otherwise the driver's own.
@@ -68,7 +70,7 @@ class EngineDriver:
             busy = time.perf_counter() - t0
         self.last_results = results
         ttft = max(r.first_token_seconds for r in results)
-        self.recorder.batch(BatchStats(kind, busy, requests=len(batch), first_token_seconds=ttft))
+        self._count(BatchStats(kind, busy, requests=len(batch), first_token_seconds=ttft))
         if kind == "warmup":
             self.warmup_requests += len(batch)
         return results
@@ -83,11 +85,15 @@ class EngineDriver:
             yield
             busy = time.perf_counter() - t0
         if kind is not None:
-            self.recorder.batch(BatchStats(kind, busy))
+            self._count(BatchStats(kind, busy))
 
-    def engine_seconds(self) -> float:
-        """Engine-seconds of all agent traffic so far (every kind)."""
-        return self.recorder.engine_seconds()
+    def _count(self, s: BatchStats) -> None:
+        self.seconds_by_kind[s.kind] += s.engine_seconds
+        self.recorder.batch(s)
+
+    def engine_seconds(self, kind: str | None = None) -> float:
+        """Engine-seconds of agent traffic so far: of one kind, or of every kind."""
+        return self.seconds_by_kind.get(kind, 0.0) if kind is not None else sum(self.seconds_by_kind.values())
 
     def probe_prompt(self) -> list[int]:
         """A different prompt of readiness.probe_prompt_length tokens for every probe."""

@@ -1,14 +1,6 @@
-"""The ground floor of the agent's failures: a named reason and one line.
+"""The agent's failures: a named reason (warmup_agent/failures.py) and a one-line message.
 
-Everything that fails a warmup for a reason a person can act on says two things:
-`reason`, a name from warmup_agent/failures.py (the label of
-`model_loading_failures_total{reason}` and the run record's `failure_reason`),
-and `message`, one line for the user (never a traceback).  `ReasonedError` is
-that shape; the concrete errors derive from it.
-
-This module imports nothing of the agent, so any layer may raise these: the GPU
-helpers (gpu/loader.py, gpu/deadline.py), the server supervisor, the model
-directory checks and the engines all import from here, not from the engines.
+This module imports nothing of the agent, so any layer may raise these.
 """
 from __future__ import annotations
 
@@ -23,12 +15,8 @@ class ReasonedError(Exception):
 
 
 class EngineError(ReasonedError):
-    """A failure of the model or engine with a named reason (goes into
-    model_loading_failures_total{reason}).  `message` is one line for the user.
-    Also importable from warmup_agent.engines.base and warmup_agent.engines."""
+    """A failure of the model or engine."""
 
 
 class AgentFailure(ReasonedError):
-    """The warmup failed (or stopped: reason "draining") with a named reason; the
-    state machine is FAILED or DRAINING.  Raised by the stages through
-    StageContext.fail/checkpoint/move; also importable from warmup_agent.pipeline."""
+    """The warmup failed, or stopped (reason "draining")."""

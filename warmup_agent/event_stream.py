@@ -1,7 +1,5 @@
-"""The JSON events of an OpenAI-style event stream (server-sent events), read one way
-for every stream the agent reads: its warmup requests and probes
-(engines/openai/client.py) and the users'-path request before SERVING
-(proxy/user_path.py).  On the ground floor of the layers, so both may import it."""
+"""The JSON events of an OpenAI-style event stream, read one way for every stream the
+agent reads.  It imports nothing above errors.py, so any layer may use it."""
 from __future__ import annotations
 
 import json
@@ -11,13 +9,9 @@ from warmup_agent.errors import EngineError
 
 
 class EventStream:
-    """The JSON events of an OpenAI-style event stream (`data: {...}` lines), read
-    from `lines` up to `data: [DONE]`; `done` says whether [DONE] came.  An error
-    event (`{"error": ...}`, what vLLM and llama-server send when a request fails
-    mid-stream) raises EngineError("request_failed") with `where` in its message; a
-    data line that is not JSON raises ValueError.  The one reader of the agent's
-    streams: its warmup requests and probes (StreamingClient) and the users'-path
-    request before SERVING (proxy/user_path.py)."""
+    """The `data: {...}` events of `lines` up to `data: [DONE]`; `done` says whether
+    it came.  An error event, what servers send when a request fails mid-stream,
+    raises EngineError; a data line that is not JSON raises ValueError."""
 
     def __init__(self, lines: Iterable[bytes], where: str):
         self.lines, self.where, self.done = lines, where, False

@@ -1,11 +1,8 @@
 """Every named reason a warmup can fail with: the `reason` label values of
 `model_loading_failures_total`.
 
-The agent exports each of them as 0 from start-up (pipeline.Agent), as
-Prometheus practice asks for known label values: `increase()` then sees the
-first failure, and an alert on an absent series cannot mistake "no failures"
-for "no agent".  tests/test_startup_series.py scans the source for the reasons
-the code can raise and fails when one is missing here.
+Each is exported as 0 from start-up, so `increase()` sees the first failure.  A test
+fails when the code raises a reason missing here.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""One background loop: call a function every `interval` seconds on a daemon thread.
+"""Call a function every `interval` seconds on a daemon thread.
 
-The memory sampler, the GPU-ramp sampler and the state deadline watchdog each
-need this loop; it used to be written out in each of them.  The first call comes
-one interval after start() (callers that want a sample at once take it
-themselves), and stop() is prompt: the wait is on an Event, not a sleep.
-
-`fn` handles its own errors: an exception ends the loop (threading's excepthook
-logs it), which is what each caller had before this helper existed.
+The first call comes one interval after start(), and stop() is prompt: the wait is on
+an Event, not a sleep.  `fn` handles its own errors; an exception ends the loop.
 """
 from __future__ import annotations
 
@@ -16,8 +11,7 @@ from typing import Callable
 
 class Periodic:
     def __init__(self, interval: float, fn: Callable[[], object], name: str):
-        """interval: seconds between calls; name: the thread's name (it shows in
-        py-spy, faulthandler and thread dumps)."""
+        """interval: seconds between calls; name: the thread's name."""
         self.interval, self._fn, self.name = interval, fn, name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -33,8 +27,8 @@ class Periodic:
             self._fn()
 
     def stop(self, timeout: float = 1.0) -> None:
-        """Ask the loop to end and wait up to `timeout` seconds for a call in
-        progress to finish.  Safe before start() and from inside `fn`."""
+        """End the loop, waiting up to `timeout` s for a call in progress.  Safe before
+        start() and from inside `fn`."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():

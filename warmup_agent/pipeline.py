@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Literal
 
 from exporter.metrics import AgentMetrics
-from exporter.recorder import LifeStats, Recorder
+from exporter.recorder import BuildInfo, FailureStats, Known, LifeStats, LiveGauges, Recorder, ServingStats, StageStats
 from warmup_agent import __version__
 from warmup_agent.config import Config
 from warmup_agent.driver import EngineDriver
@@ -29,7 +29,6 @@ from warmup_agent.readiness.breaker import BreakerState
 from warmup_agent.readiness.life import ServerLife
 from warmup_agent.readiness.probes import ProbeLog
 from warmup_agent.readiness.runtime import Readiness, failure_cause
-from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.run import tracing
 from warmup_agent.run.progress import Progress, coldstart
 from warmup_agent.run.record import RunRecord, StageTiming
@@ -60,9 +59,11 @@ class Agent:
         self.cfg = cfg
         self.engine = engine
         self.metrics = metrics or AgentMetrics()
+        #: The one writer of the agent's metrics (exporter/recorder.py).
+        self.recorder = Recorder(self.metrics)
         self.progress = progress or Progress(enabled=False)
         self.clock = clock
-        self.sm = StateMachine(self.metrics, clock=clock, deadlines={
+        self.sm = StateMachine(self.recorder, clock=clock, deadlines={
             State.INIT: cfg.deadlines.init_seconds,
             State.PRELOAD: preload_deadline(cfg.deadlines, cfg.openai, cfg.engine,
                                             preload_set=cfg.sources.get("deadlines.preload_seconds") != "default"),
@@ -70,18 +71,18 @@ class Agent:
         })
         # Readiness owns the time-to-first-token window, the thresholds, the breaker
         # and the water level, and alone sets their gauges (zero series from the start).
-        self.readiness = Readiness(cfg.readiness, cfg.breaker, self.sm, self.metrics, clock=clock)
+        self.readiness = Readiness(cfg.readiness, cfg.breaker, self.sm, self.recorder, clock=clock)
         # Every probe, the decode window beside the first token (issue 19), and the
         # first-request figures computed once from them (readiness/probes.py).
         self.probe_log = ProbeLog(cfg.readiness.window_size)
-        self.driver = EngineDriver(engine, self.metrics, cfg.readiness.probe_prompt_length)
+        self.driver = EngineDriver(engine, self.recorder, cfg.readiness.probe_prompt_length)
         self.memory = MemorySampler()
         # What the stages see and share (stages/context.py); lives as long as the agent.
         settings = StageSettings(prewarm=cfg.prewarm, readiness=cfg.readiness, validation=cfg.validation,
                                  model=cfg.model, solidify=cfg.solidify, reserve=cfg.reserve, gpu=cfg.gpu,
                                  kernel_cache=cfg.kernel_cache, data_dir=cfg.data_dir, engine=cfg.engine)
         self.context = StageContext(settings, engine, self.driver, self.sm, self.readiness, self.probe_log,
-                                    Recorder(self.metrics), self.progress)
+                                    self.recorder, self.progress)
         self.tracing = tracing.active()   # start-up traces (run/tracing.py); NOOP unless the CLI set one up
         self.run_record = RunRecord(self.context, clock, lambda: self.tracing.trace_id)
         self._boundary = self.started
@@ -123,28 +124,6 @@ class Agent:
     def probe_totals(self) -> list[float]:
         """Whole-answer time of every probe so far, in order."""
         return self.probe_log.totals
-
-    @property
-    def window(self) -> SlidingWindow:
-        """The readiness window of time-to-first-token samples (owned by `readiness`)."""
-        return self.readiness.window
-
-    @property
-    def tpot_window(self) -> SlidingWindow:
-        """Time per output token of the probes (owned by the probe log)."""
-        return self.probe_log.decode
-
-    @property
-    def warmup_requests(self) -> int:
-        return self.driver.warmup_requests
-
-    def probe(self, decode: bool = True, max_tokens: int | None = None) -> float:
-        """One readiness probe, recorded (StageContext.probe)."""
-        return self.context.probe(decode, max_tokens)
-
-    def record_probe(self, ttft: float, kind: str = "probe") -> None:
-        """One time-to-first-token sample (StageContext.record_probe): the proxy's user requests."""
-        self.context.record_probe(ttft, kind)
 
     # -- the pipeline ----------------------------------------------------------------------
     def run(self) -> State:
@@ -197,7 +176,7 @@ class Agent:
             ready.run(self.context, timing.detail)
             if self.sm.state == State.SERVING:
                 self.run_record.serving_at = serving_at = self.clock()
-                self.metrics.warmup_time_to_ready_seconds.set(serving_at - self.started)
+                self.recorder.serving(ServingStats(serving_at - self.started))
 
     @contextlib.contextmanager
     def _stage(self, name: str, phase: int) -> Iterator[StageTiming]:
@@ -224,8 +203,7 @@ class Agent:
             timing.end = end - self.started
             duration = timing.end - timing.start   # timing.duration, now that it has ended
             self._boundary = end
-            self.metrics.model_loading_phase_duration_seconds.labels(phase=name).set(duration)
-            self.metrics.warmup_stage_duration_seconds.labels(stage=name).observe(duration)
+            self.recorder.stage(StageStats(name, duration))
             self.progress.stage_finished(name, duration, ok=timing.status == "ok")
             coldstart("completed" if timing.status == "ok" else "failed", name, phase,
                       duration=round(duration, 6), state=self.sm.state.name)
@@ -235,7 +213,7 @@ class Agent:
     def on_engine_exit(self, returncode: int) -> None:
         """The supervised server died: readiness goes false at once (PRELOAD)."""
         log.warning("engine server exited with code %s: back to PRELOAD until it is warm again", returncode)
-        self.metrics.model_loading_failures_total.labels(reason="server_crashed").inc()
+        self.recorder.failure(FailureStats("server_crashed"))
         if not self.sm.state.terminal:
             self._engine_crashed = True
             self.sm.transition(State.PRELOAD)
@@ -245,7 +223,7 @@ class Agent:
         (The supervisor also calls this at the first start, which run() handles.)"""
         if self._engine_crashed:
             self._engine_crashed = False
-            self.context.recorder.life(LifeStats(restart="supervisor"))
+            self.recorder.life(LifeStats(restart="supervisor"))
             self._start_rewarm()
 
     def request_rewarm(self) -> bool:
@@ -432,22 +410,11 @@ class Agent:
 
     # -- reporting ---------------------------------------------------------------------------
     def _init_metrics(self) -> None:
-        torch_version = _module_version("torch")
-        self.metrics.warmup_build_info.info({
-            "version": __version__, "python": platform.python_version(), "torch": torch_version,
-            "engine": self.cfg.engine})
-        # Known label values at 0 from the start (Prometheus practice): on-call reads
-        # these first, and increase() or an absent() alert needs the series before the
-        # first event, not from it.
-        from warmup_agent.failures import REASONS
-        from warmup_agent.states import illegal_pairs
-        for reason in REASONS:
-            self.metrics.model_loading_failures_total.labels(reason=reason)
-        for frm, to in illegal_pairs():
-            self.metrics.warmup_illegal_transitions_total.labels(**{"from": frm.name, "to": to.name})
-        self.context.recorder.declare_life()
-        self.metrics.warmup_memory_jitter_ratio.set_function(self.memory.ratio)
-        self.metrics.warmup_cost_ratio.set_function(self.cost_ratio)
+        self.recorder.build(BuildInfo(__version__, platform.python_version(), _module_version("torch"),
+                                      self.cfg.engine))
+        # The state machine and readiness declare their own series; the server's life here.
+        self.recorder.declare_series(Known(life=True))
+        self.recorder.live(LiveGauges(memory_jitter=self.memory.ratio, cost=self.cost_ratio))
 
     def cost_ratio(self) -> float:
         up = self.clock() - self.started

@@ -20,10 +20,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from exporter.recorder import FailureStats, Known, StateStats
+from warmup_agent.failures import REASONS
 from warmup_agent.periodic import Periodic
 
 if TYPE_CHECKING:
-    from exporter.metrics import AgentMetrics
+    from exporter.recorder import Recorder
 
 log = logging.getLogger("warmup_agent.states")
 
@@ -85,9 +87,9 @@ class StateMachine:
     from a daemon thread so a stuck stage cannot hold the pod forever.
     """
 
-    def __init__(self, metrics: AgentMetrics | None = None, deadlines: dict[State, float] | None = None,
+    def __init__(self, recorder: Recorder | None = None, deadlines: dict[State, float] | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self._metrics = metrics
+        self._recorder = recorder
         self._deadlines = {s: d for s, d in (deadlines or {}).items() if d and d > 0}
         self._clock = clock
         self._lock = threading.RLock()
@@ -99,7 +101,10 @@ class StateMachine:
         self.fingerprint: str | None = None   # weight fingerprint taken at PRELOAD
         self._listeners: list[Callable[[State, State], None]] = []
         self._watchdog: Periodic | None = None
-        self._publish()
+        if recorder is not None:
+            recorder.declare_series(Known(
+                states=STATE_NAMES, initial_state=State.INIT.name, failure_reasons=tuple(REASONS),
+                illegal_transitions=[(frm.name, to.name) for frm, to in illegal_pairs()]))
 
     def begin(self, at: float) -> None:
         """The warmup starts now: INIT (and its deadline) counts from `at`."""
@@ -112,12 +117,13 @@ class StateMachine:
     def on_change(self, fn: Callable[[State, State], None]) -> None:
         self._listeners.append(fn)
 
-    def _publish(self) -> None:
-        if self._metrics is None:
+    def _record(self, s: StateStats | FailureStats) -> None:
+        if self._recorder is None:
             return
-        gauge = self._metrics.warmup_state
-        for s in State:
-            gauge.labels(state=s.name).set(1 if s == self.state else 0)
+        if isinstance(s, StateStats):
+            self._recorder.state(s)
+        else:
+            self._recorder.failure(s)
 
     # -- transitions -----------------------------------------------------------------
     def can(self, to: State) -> bool:
@@ -130,17 +136,12 @@ class StateMachine:
             frm = self.state
             if to not in TRANSITIONS[frm]:
                 log.warning("illegal state transition %s -> %s rejected", frm.name, to.name)
-                if self._metrics is not None:
-                    self._metrics.warmup_illegal_transitions_total.labels(
-                        **{"from": frm.name, "to": to.name}).inc()
+                self._record(StateStats(frm.name, rejected=to.name))
                 return False
             self.state = to
             self.entered_at = self._clock()
             self.history.append((to, self.entered_at))
-            if self._metrics is not None:
-                self._metrics.warmup_state_transitions_total.labels(
-                    **{"from": frm.name, "to": to.name}).inc()
-            self._publish()
+            self._record(StateStats(to.name, before=frm.name))
         log.info("state %s -> %s", frm.name, to.name)
         for fn in self._listeners:
             fn(frm, to)
@@ -154,8 +155,7 @@ class StateMachine:
                 return
             self.failure_reason = reason
             self.failure_message = message or reason
-            if self._metrics is not None:
-                self._metrics.model_loading_failures_total.labels(reason=reason).inc()
+            self._record(FailureStats(reason))
             self.transition(State.FAILED)
 
     def record_fingerprint(self, fingerprint: str) -> None:
@@ -187,8 +187,7 @@ class StateMachine:
                 return None
             state = self.state
             reason = f"{state.name.lower()}_deadline_exceeded"
-            if self._metrics is not None:
-                self._metrics.warmup_state_deadline_exceeded_total.labels(state=state.name).inc()
+            self._record(StateStats(state.name, deadline_exceeded=True))
             self.fail(reason, f"{state.name} took longer than its deadline of {self._deadlines[state]:g} s")
             return reason
 

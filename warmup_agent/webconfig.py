@@ -9,14 +9,9 @@
     basic_auth_users:
       prometheus: $2b$12$...           # bcrypt hash (htpasswd -nBC 12 prometheus)
 
-Same file as node_exporter's `--web.config.file`, so a team that already has one
-can reuse it.  Passwords are stored only as bcrypt hashes.  Every problem is a
-`ConfigError` with one line naming the file, the key and what was expected.
-
-`resolve` is the one place the exporter's protection is worked out from the
-`exporter.*` keys (this file, the older tls_*/basic_auth_* keys, the admin
-token), like node_exporter resolving its web config in `main`: the exporter's
-server receives the result, a `ServerSecurity`, and never sees the config.
+The same file as node_exporter's `--web.config.file`.  Every problem is a one-line
+`ConfigError`.  `resolve` works out the exporter's protection from the `exporter.*`
+keys; the server receives the resulting `ServerSecurity` and never sees the config.
 """
 from __future__ import annotations
 
@@ -37,9 +32,7 @@ from warmup_agent.config import ConfigError
 if TYPE_CHECKING:  # types only
     from warmup_agent.config_sections import ExporterSection
 
-# exporter-toolkit names -> Python's verify modes.  RequestClientCert and
-# RequireAnyClientCert (a certificate asked for but not verified) have no
-# equivalent in Python's ssl module; we refuse them rather than guess.
+# RequestClientCert and RequireAnyClientCert have no ssl-module equivalent: refused.
 CLIENT_AUTH = {
     "NoClientCert": ssl.CERT_NONE,
     "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
@@ -82,8 +75,7 @@ def _unknown(where: str, name: str, known: tuple[str, ...]) -> ConfigError:
 
 
 def load(path: str) -> WebConfig:
-    """Parse and check the web config file (files exist, hashes are bcrypt, the
-    certificate and key load).  Raises ConfigError with one line."""
+    """Parse and check the web config file, down to loading the certificate."""
     key = "exporter.web_config_file"
 
     def err(msg: str) -> ConfigError:
@@ -154,12 +146,8 @@ def load(path: str) -> WebConfig:
 
 
 class BasicAuth:
-    """Checks `Authorization: Basic ...` against bcrypt hashes.
-
-    bcrypt is slow on purpose (tens of ms at cost 10); Prometheus scraping every
-    few seconds, and load tests at hundreds of requests a second, would spend
-    their time in it.  Like the exporter toolkit, successful checks are cached
-    by a keyed digest of (user, password); the cache never holds a password."""
+    """Checks `Authorization: Basic ...` against bcrypt hashes.  bcrypt is slow on
+    purpose, so successful checks are cached by a keyed digest, never the password."""
 
     def __init__(self, users: dict[str, bytes]):
         self.users = users
@@ -228,9 +216,7 @@ class Authenticator(Protocol):
 
 @dataclass(frozen=True)
 class ServerSecurity:
-    """How the exporter's server is protected, resolved: the TLS context (None:
-    plain HTTP), the basic-auth check (None: open) and the admin token (None: the
-    admin endpoints answer 404)."""
+    """The exporter's protection; None for plain HTTP, no auth, no admin endpoints."""
     tls: ssl.SSLContext | None = None
     auth: Authenticator | None = None
     admin_token: str | None = None
@@ -238,8 +224,7 @@ class ServerSecurity:
     @classmethod
     def of(cls, web_config: WebConfig | None = None, tls_cert: str | None = None, tls_key: str | None = None,
            basic_auth: tuple[str, str] | None = None, admin_token: str | None = None) -> ServerSecurity:
-        """From the pieces: a web config, and/or the older certificate pair and
-        (user, password); the older keys win where both are given."""
+        """From a web config and/or the older keys, which win where both are given."""
         ctx: ssl.SSLContext | None = None
         auth: Authenticator | None = None
         if web_config is not None:
@@ -264,9 +249,7 @@ def read_secret(path: str, key: str) -> str:
 
 
 def resolve(ec: ExporterSection) -> ServerSecurity:
-    """The exporter's protection from the `exporter.*` keys: the basic-auth password
-    file is read, the web config file loaded (refused beside the older tls_* or
-    basic_auth_* keys), the admin token read."""
+    """The exporter's protection from the `exporter.*` keys, reading every file named."""
     basic_auth = None
     if ec.basic_auth_username and ec.basic_auth_password_file:   # config.load wants both or neither
         basic_auth = (ec.basic_auth_username, read_secret(ec.basic_auth_password_file, "exporter.basic_auth_password_file"))

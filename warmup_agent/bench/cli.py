@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from warmup_agent.bench.traffic import CONDITIONS, Traffic, TrafficError, load_requests_file
 from warmup_agent.run.progress import Progress
-from warmup_agent.server.command import fix_vllm_command, option, reach_host
+from warmup_agent.server.command import fix_command, option, reach_host
 from warmup_agent.server.kinds import kind_of_command
 
 # The measuring modules (urllib.request, matplotlib) load in main(): `warmup-agent run`
@@ -157,7 +157,7 @@ def main(args: Any) -> int:
         return EXIT_USAGE
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     traffic = Traffic(seed, max_context=args.max_context, max_tokens=args.max_tokens, file_bodies=bodies)
-    setup.command = fix_vllm_command(command)   # `vllm serve` as the agent would start it
+    setup.command = fix_command(command)   # `vllm serve` as the agent would start it
     head = {"tool": "warmup-agent bench", "server": server_label(command),
             "server_command": command, "conditions": conds, "starts_per_condition": args.starts,
             "seed": seed, "traffic": {"source": args.requests_file or "built-in mix", "steady": args.steady,

@@ -1,8 +1,5 @@
-"""The one engine interface: stages drive every engine (torch, vllm, openai) through `Engine`.
-
-What only some engines can do is declared here too, with a default meaning "not
-this engine", so callers never probe an engine with hasattr/getattr.
-"""
+"""The engine interface.  Optional capabilities default to "not this engine", so callers
+never probe an engine with hasattr."""
 from __future__ import annotations
 
 import abc
@@ -48,7 +45,7 @@ class RequestResult:
     total_seconds: float             # until the last token
     prompt_tokens: int
     output_tokens: int
-    #: The server's own prefill time where it reports one (llama-server), free of HTTP noise.
+    #: The server's own prefill time, where it reports one.
     server_prefill_seconds: float | None = None
 
 
@@ -62,12 +59,8 @@ class SolidifyReport:
 
 
 class Engine(abc.ABC):
-    """Abstract engine.  Call order: load_tokenizer, load_weights, then any of
-    generate/solidify/weight_fingerprint, finally close.
-
-    The non-abstract members are optional capabilities: their defaults say "this
-    engine cannot", which makes the calling code skip that step.
-    """
+    """Call order: load_tokenizer, load_weights, then any of generate, solidify and
+    weight_fingerprint, finally close."""
 
     name: str = "abstract"
 
@@ -83,8 +76,7 @@ class Engine(abc.ABC):
         """The local model directory, which reserve checks; None: reserve skips the checks."""
         return None
 
-    #: The lock the agent's driver shares with users served in this process; None: the
-    #: driver makes its own.
+    #: The lock shared with users served in this process; None: the driver makes its own.
     lock: threading.Lock | None = None
 
     def openai_backend(self) -> Backend | None:
@@ -117,8 +109,7 @@ class Engine(abc.ABC):
         """Reserve and touch `nbytes` of device memory; return the bytes reserved."""
         return 0
 
-    #: True when the engine takes whole traffic-profile requests (generate_requests), so
-    #: prewarm warms the profile rather than the token-id grid.
+    #: True when the engine takes traffic-profile requests (generate_requests).
     speaks_profile: bool = False
     #: Exact-length text prompts, needed to learn a profile from prewarm.requests_file.
     text: TextPrompts | None = None
@@ -145,7 +136,7 @@ class Engine(abc.ABC):
 
     @property
     def server_name(self) -> str | None:
-        """The server's kind from its command line ("llama.cpp", "vllm", ...), for remedies."""
+        """The server's kind from its command line ("llamacpp", "vllm", ...: a name of server/kinds.py), for remedies."""
         return None
 
     @property
@@ -169,8 +160,7 @@ class Engine(abc.ABC):
         """One batch of traffic-profile requests, sent at once (only when `speaks_profile`)."""
         raise NotImplementedError(f"engine {self.name} does not speak the traffic profile")
 
-    #: True when load_weights is a server's start-up: prewarm then loads the tokenizer
-    #: first and samples the GPU ramp only once the server is healthy.
+    #: True when load_weights starts a server.
     loads_by_starting_server: bool = False
 
     def prestart(self) -> None:

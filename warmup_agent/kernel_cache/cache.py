@@ -1,7 +1,7 @@
 """KernelCache: the facade the solidify stage and the CLI use.
 
     cache = KernelCache.from_config(cfg.kernel_cache, data_dir=..., model=cfg.model, solidify=cfg.solidify,
-                                    metrics=metrics)
+                                    recorder=recorder)
     os.environ.update(cache.env())       # before the engine compiles anything
     cache.restore()                      # fill the local tier from Redis
     model = cache.compile_once("solidify", compile_and_run_shapes)
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
+from exporter.recorder import CacheStats, Known
 from warmup_agent.kernel_cache import namespace as nsmod
 from warmup_agent.kernel_cache import shared as shared_mod
 from warmup_agent.kernel_cache.local import ENV_VARS, KINDS, LocalTier, safe_relpath
@@ -29,9 +30,7 @@ from warmup_agent.kernel_cache.shared import CHANNEL, REDIS_ERRORS, SharedTier, 
 from warmup_agent.kernel_cache.signing import entry_key, load_secret, sign, verify
 
 if TYPE_CHECKING:
-    from prometheus_client import Counter, Gauge, Histogram
-
-    from exporter.metrics import AgentMetrics
+    from exporter.recorder import Recorder
     from warmup_agent.config_sections import KernelCacheSection, ModelSection, SolidifySection
 
 log = logging.getLogger("warmup_agent.kernel_cache")
@@ -40,9 +39,6 @@ T = TypeVar("T")
 # One pipeline round trip carries at most this many bytes (keeps each request
 # well inside the socket timeout on a pod network).
 BATCH_BYTES = 8 << 20
-
-_RESULTS = {"local": ("hit", "miss"), "shared": ("hit", "miss", "rejected", "error")}
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -94,19 +90,20 @@ def _batches(items: Any, size_of: Any) -> Any:
 
 
 class KernelCache:
-    def __init__(self, settings: Settings, components: dict, metrics: AgentMetrics | None = None, namespace: str | None = None,
-                 announce_off: bool = True):
+    def __init__(self, settings: Settings, components: dict, recorder: Recorder | None = None,
+                 namespace: str | None = None, announce_off: bool = True):
         self.settings = settings
         self.components = components
         self.namespace = namespace or nsmod.namespace_key(components)
-        self.metrics = metrics
+        self.recorder = recorder   # None: no metrics (the kernel-cache CLI)
         self.local = LocalTier(settings.root, self.namespace, settings.max_local_bytes)
-        self.counts: collections.Counter = collections.Counter()   # also for stats() without metrics
+        self.counts: collections.Counter = collections.Counter()   # stats(), with or without metrics
         self._logged: set = set()
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self.subscribed = threading.Event()
-        self._init_metrics()
+        if recorder is not None:
+            recorder.declare_series(Known(kernel_cache=True))
 
         self.shared: SharedTier | None = None
         self.off_reason = ""
@@ -123,7 +120,7 @@ class KernelCache:
             self._log_once("off", logging.WARNING, "kernel cache: shared tier off (%s); using the local tier only",
                            self.off_reason)
         if self.shared is None:
-            self._gauge(lambda m: m.warmup_kernel_cache_degraded, 1)
+            self._record(CacheStats(degraded=True))
 
     @property
     def _tier(self) -> SharedTier:
@@ -140,7 +137,7 @@ class KernelCache:
     # --- construction -----------------------------------------------------------
     @classmethod
     def from_config(cls, kc: KernelCacheSection, *, data_dir: str, model: ModelSection, solidify: SolidifySection,
-                    metrics: AgentMetrics | None = None, model_config: Any = None, compile_options: dict | None = None,
+                    recorder: Recorder | None = None, model_config: Any = None, compile_options: dict | None = None,
                     runtime: dict | None = None, namespace: str | None = None,
                     announce_off: bool = True) -> "KernelCache":
         """Build from the `kernel_cache.*` section (`kc`); `data_dir` holds the local tier
@@ -167,7 +164,7 @@ class KernelCache:
             socket_timeout=kc.socket_timeout_seconds,
             retry_interval=kc.retry_interval_seconds,
             lock_ttl=kc.lock_ttl_seconds, lock_wait=kc.lock_wait_seconds)
-        return cls(settings, nsmod.components(model_config, compile_options, runtime), metrics, namespace, announce_off)
+        return cls(settings, nsmod.components(model_config, compile_options, runtime), recorder, namespace, announce_off)
 
     # --- engines ---------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -269,7 +266,7 @@ class KernelCache:
             if known.get(rel) == digest:
                 continue
             if st.st_size > s.max_entry_bytes:
-                self._inc(lambda m: m.warmup_kernel_cache_publish_skipped_total, {"reason": "too_large"})
+                self._record(CacheStats(publish_skipped="too_large"))
                 self._log_once(("too_large", kind), logging.WARNING,
                                "kernel cache: not publishing %s entry %r: %d bytes > kernel_cache.max_entry_bytes (%d) (logged once)",
                                kind, rel, st.st_size, s.max_entry_bytes)
@@ -297,7 +294,7 @@ class KernelCache:
             except SharedUnavailable:
                 break
             written += count
-        self._inc(lambda m: m.warmup_kernel_cache_publishes_total, n=written)
+        self._record(CacheStats(published=written))
         self.counts["published"] += written
         return written
 
@@ -351,7 +348,7 @@ class KernelCache:
                     return self._compile_as_winner(fn, lock_key, done_key, token)
                 if waited_since is None:
                     waited_since = time.monotonic()
-                    self._inc(lambda m: m.warmup_kernel_cache_lock_waits_total)
+                    self._record(CacheStats(lock_waited=True))
                     self.counts["lock_waits"] += 1
                     log.info("kernel cache: another pod is compiling %r; waiting up to %.0f s", key, s.lock_wait)
                 if time.monotonic() >= deadline:
@@ -385,7 +382,7 @@ class KernelCache:
 
     def _end_wait(self, since: Any) -> None:
         if since is not None:
-            self._observe(lambda m: m.warmup_kernel_cache_lock_wait_seconds, time.monotonic() - since)
+            self._record(CacheStats(lock_wait_seconds=time.monotonic() - since))
 
     # --- invalidation --------------------------------------------------------------
     def invalidate(self, all_namespaces: bool = False) -> int:
@@ -466,7 +463,7 @@ class KernelCache:
 
     def _apply_invalidation(self, target: str) -> None:
         removed = self.local.clear()
-        self._inc(lambda m: m.warmup_kernel_cache_invalidations_total)
+        self._record(CacheStats(invalidated=True))
         self.counts["invalidations"] += 1
         log.warning("kernel cache: namespace %s invalidated; removed %d local files", target, removed)
         self._after_change(evict=False)
@@ -528,20 +525,18 @@ class KernelCache:
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _after_change(self, evict: bool = True) -> None:
-        if evict:
-            removed = self.local.evict()
-            if removed:
-                self._inc(lambda m: m.warmup_kernel_cache_evictions_total, {"tier": "local"}, len(removed))
-                self.counts["evictions"] += len(removed)
-        self._gauge(lambda m: m.warmup_kernel_cache_bytes, self.local.total_bytes(), {"tier": "local"})
+        evicted = len(self.local.evict()) if evict else 0
+        self.counts["evictions"] += evicted
+        sizes = {"local": self.local.total_bytes()}
         if self.shared is not None:
             try:
-                self._gauge(lambda m: m.warmup_kernel_cache_bytes, self._shared_usage()[1], {"tier": "shared"})
+                sizes["shared"] = self._shared_usage()[1]
             except SharedUnavailable:
                 pass
+        self._record(CacheStats(evicted_local=evicted, bytes_by_tier=sizes))
 
     def _on_shared_change(self, degraded: bool, reason: str) -> None:
-        self._gauge(lambda m: m.warmup_kernel_cache_degraded, 1 if degraded else 0)
+        self._record(CacheStats(degraded=degraded))
         if degraded:
             log.warning("kernel cache: shared tier unavailable (%s); continuing on the local tier, retrying every %.0f s",
                         reason, self.settings.retry_interval)
@@ -555,32 +550,11 @@ class KernelCache:
 
     def _request(self, tier: str, result: str, n: int = 1) -> None:
         self.counts[f"{tier}/{result}"] += n
-        self._inc(lambda m: m.warmup_kernel_cache_requests_total, {"tier": tier, "result": result}, n)
+        self._record(CacheStats(lookups={(tier, result): n}))
 
-    def _init_metrics(self) -> None:
-        if self.metrics is None:
-            return
-        for tier, results in _RESULTS.items():
-            for result in results:
-                self.metrics.warmup_kernel_cache_requests_total.labels(tier=tier, result=result)
-        self._gauge(lambda m: m.warmup_kernel_cache_degraded, 0)
-
-    # The metrics are optional (the kernel-cache CLI runs without them): each helper
-    # takes the metric as a typed pick, `lambda m: m.warmup_kernel_cache_bytes`, which
-    # runs only when there are metrics.
-    def _inc(self, pick: Callable[[AgentMetrics], Counter], labels: dict | None = None, n: float = 1) -> None:
-        if self.metrics is not None and n:
-            m = pick(self.metrics)
-            (m.labels(**labels) if labels else m).inc(n)
-
-    def _gauge(self, pick: Callable[[AgentMetrics], Gauge], value: float, labels: dict | None = None) -> None:
-        if self.metrics is not None:
-            m = pick(self.metrics)
-            (m.labels(**labels) if labels else m).set(value)
-
-    def _observe(self, pick: Callable[[AgentMetrics], Histogram], value: float) -> None:
-        if self.metrics is not None:
-            pick(self.metrics).observe(value)
+    def _record(self, s: CacheStats) -> None:
+        if self.recorder is not None:
+            self.recorder.cache(s)
 
 
 def _redacted(url: str | None) -> str | None:

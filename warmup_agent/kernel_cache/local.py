@@ -1,11 +1,9 @@
 """The local tier: one directory per cache kind, bounded in size by LRU eviction.
 
-Layout: <root>/<namespace>/<kind>/..., where kind is inductor, triton or vllm.
-The engines write there directly (their own cache formats); this module only
-lists, reads, writes (atomically) and evicts files.  Recency is the later of a
-file's access and modification times: the agent touches every file it restores
-or finds already present, and the kernel updates atime on reads (relatime: at
-least once a day), so files in use stay young.
+Layout: <root>/<namespace>/<kind>/...  The engines write there in their own formats;
+this module only lists, reads, writes and evicts files.  Recency is the later of
+atime and mtime: the agent touches every file it restores or finds, so files in use
+stay young.
 """
 from __future__ import annotations
 
@@ -106,11 +104,7 @@ class LocalTier:
 
     def _all_entries(self) -> Any:
         """(recency, size, namespace, kind, relpath) for every file under the root.
-
-        Other namespaces (left by an older version of the stack, or another
-        model sharing the directory) count toward the bound too; unused, they
-        are the oldest and go first: that is how stale namespaces expire here.
-        """
+        Other namespaces count toward the bound too, so stale ones go first."""
         for ns in os.listdir(self.root):
             if not os.path.isdir(os.path.join(self.root, ns)):
                 continue
@@ -119,7 +113,7 @@ class LocalTier:
                     yield max(st.st_atime, st.st_mtime), st.st_size, ns, kind, rel
 
     def evict(self) -> list[tuple[str, str, str]]:
-        """Remove least recently used files until the root fits max_bytes; return (namespace, kind, relpath) removed."""
+        """Remove least recently used files until the root fits max_bytes; return those removed."""
         entries = sorted(self._all_entries())
         total = sum(e[1] for e in entries)
         removed = []

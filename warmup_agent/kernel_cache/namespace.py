@@ -1,9 +1,8 @@
 """The namespace key: everything that makes a compiled artifact invalid elsewhere.
 
-Two pods share entries only when their namespaces are equal: same torch,
-triton and vLLM versions, CUDA version, GPU compute capability (None on CPU),
-model config and compile options.  A version change gives a new namespace, so
-stale artifacts are never served; the old namespace simply expires (TTL).
+Pods share entries only when their versions, compute capability, model config and
+compile options all match.  A version change gives a new namespace, so stale
+artifacts are never served; the old one expires.
 """
 from __future__ import annotations
 

@@ -7,13 +7,10 @@ Keys (prefix default "warmup:kc", ns = namespace key):
   {prefix}:{ns}:lock:{key}     the compile lock (SET NX PX), value = owner token
   {prefix}:{ns}:done:{key}     set by the winner after its publish
   {prefix}:namespaces          sorted set: namespace -> last publish time
-Every key of a namespace carries the TTL; publishing refreshes it, so a
-namespace nobody uses any more (an old version) expires.
+Publishing refreshes the TTL on every key of a namespace, so an unused one expires.
 
-Every call goes through `call()`: a Redis error (refused, reset, socket
-timeout, OOM when full, read-only replica) marks the tier degraded and raises
-SharedUnavailable; for retry_interval seconds afterwards calls fail at once,
-so a slow or dead Redis costs one timeout per interval, not one per entry.
+A Redis error marks the tier degraded, and calls then fail at once for
+retry_interval seconds: a dead Redis costs one timeout per interval, not per entry.
 """
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ log = logging.getLogger("warmup_agent.kernel_cache")
 
 CHANNEL = "kernel_schema_change"  # seed 000 §4.3, kept verbatim
 
-# Compare-and-delete: release the lock only if we still own it (it may have
-# expired and been taken by another pod meanwhile).
+# Compare-and-delete: the lock may have expired and been taken by another pod.
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
 
 

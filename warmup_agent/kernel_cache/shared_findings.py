@@ -1,18 +1,12 @@
-"""The server findings shared by every pod, through the kernel cache's Redis (issue 40).
+"""The server findings shared by every pod, through the kernel cache's Redis.
 
-The chart gives each pod an emptyDir data directory, so `<data_dir>/server-findings.json`
-(warmup/findings.py) is empty in every new pod: a freshly scaled pod, the case this
-agent is for, would measure the whole per-length test again (docs/benchmarks.md).  The
-answer is the server's, not the pod's, so where the kernel cache has a shared tier
-(kernel_cache.redis_url and its secret), the findings go there too: one Redis hash,
-`{kernel_cache.key_prefix}:findings`, a field per server key (findings.server_key), each
-value a JSON entry signed with the kernel cache's HMAC secret.  Without the secret
-nothing is shared, as for compiled kernels: an unsigned entry written by anyone who can
-reach Redis would decide what every pod measures.
+A new pod's data directory is empty, so without this a freshly scaled pod would
+measure the per-length test again, though the answer is the server's, not the pod's.
+The findings live in one hash, `{key_prefix}:findings`, a field per server key, each
+entry signed with the kernel cache's HMAC secret.  Without the secret nothing is
+shared: an unsigned entry would let anyone who reaches Redis decide what pods measure.
 
-Trouble with Redis is never a failed start: a refused connection, a timeout or an entry
-whose signature does not verify is one warning line, and the start measures (or reads
-its own file) as before.
+Trouble with Redis is one warning line, never a failed start.
 """
 from __future__ import annotations
 
@@ -42,8 +36,7 @@ class SharedFindings:
 
     @classmethod
     def from_config(cls, kc: KernelCacheSection) -> SharedFindings | None:
-        """The shared store where the kernel cache shares too (a Redis URL, a secret, the
-        `redis` extra installed); None otherwise."""
+        """The store, where there is a Redis URL, a secret and the `redis` extra."""
         if not kc.redis_url:
             return None
         secret, _ = load_secret(kc.secret, kc.secret_file)

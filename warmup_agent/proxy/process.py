@@ -1,26 +1,18 @@
-"""The proxy in a process of its own, where the main engine is an HTTP server (issue 41).
+"""The proxy in a process of its own, where the main engine is an HTTP server.
 
-In the agent's process the proxy's event loop and the agent's threads (the exporter's
-/readyz and /metrics, the watch probes, the samplers) took turns at one GIL: under
-users' load the pod's endpoints waited behind the relay, and the relay behind every
-/metrics scrape.  Here the agent keeps the listening socket (bound at start-up, so an
-address in use fails at once, and kept across a restart of the child) and runs
-`python -m warmup_agent.proxy.child` with it; the child is an ordinary RoutingProxy
-whose gate and metrics are stand-ins:
+In the agent's process the relay and the agent's threads (/readyz, /metrics, watch
+probes) share one GIL, so under load each waits behind the other.  Here the agent
+keeps the listening socket (kept across a restart of the child) and runs
+`python -m warmup_agent.proxy.child` with it, an ordinary RoutingProxy whose gate and
+metrics are stand-ins:
 
-  - what the gate says (state, main engine open, the breaker's freeze) is published by
-    the agent into a small shared memory (`SharedGate`) on every change of state (every
-    breaker step is one), and at least every PUBLISH_SECONDS; the child reads it per
-    request;
-  - what the proxy reports (requests by route and code, first-token times, the users'
-    requests and answers, its log records) is batched by the child every
-    FLUSH_SECONDS and sent on a pipe; a thread of the agent applies it to the real
-    metrics and gate, so every exported figure is the same as in process, applied at
-    most FLUSH_SECONDS (plus a read) later.
+  - the agent publishes the gate's facts into shared memory (`SharedGate`) on every
+    change and at least every PUBLISH_SECONDS; the child reads them per request;
+  - the child batches what the proxy reports every FLUSH_SECONDS onto a pipe, and an
+    agent thread applies it to the real metrics and gate.
 
-The child exits when the agent closes its end of a lifeline pipe (stop(), or the agent
-dying); a child that dies is started again on the same socket.  With an engine in the
-agent's process (the torch engine) the proxy stays in process: the engine is there.
+The child exits when the agent closes a lifeline pipe; a child that dies is restarted
+on the same socket.  With an engine in the agent's process the proxy stays there too.
 """
 from __future__ import annotations
 
@@ -390,12 +382,9 @@ def child_main(args: dict) -> int:
 
 def from_config(agent: RoutedAgent, pc: ProxySection, openai_url: str | None = None,
                 local_backend: Backend | None = None) -> RoutingProxy | ProxyProcess | None:
-    """The proxy the `proxy.*` section asks for (None when proxy.listen is empty), not
-    started.  The main engine: proxy.upstream_url, else `local_backend` (an engine in
-    this process, e.g. the torch engine's openai_backend()), else `openai_url` (the openai
-    engine's server: openai.url or the supervised command's address, server/preflight.py).  An HTTP main engine
-    gets a proxy process of its own (ProxyProcess); an engine in this process, a proxy
-    in this process.  Raises ConfigError (one line) for a missing upstream or an
+    """The proxy the `proxy.*` section asks for, not started; None without proxy.listen.
+    The main engine is proxy.upstream_url, else `local_backend`, else `openai_url`; an
+    HTTP one gets a ProxyProcess.  Raises ConfigError for a missing upstream or an
     address in use."""
     from warmup_agent.config import ConfigError
     if not pc.listen:

@@ -1,38 +1,22 @@
 """Cold-start-aware routing: an OpenAI-compatible reverse proxy in front of the engine.
 
-    client -> proxy -> main engine       when SERVING and the breaker is closed
-                    -> fallback upstream  while warming, DEGRADED or FAILED, if configured
-                    -> 503 + Retry-After  otherwise (Retry-After: the seconds left in
-                                          the breaker's freeze, or proxy.retry_after_seconds)
+    client -> proxy -> main engine        when SERVING and the breaker is closed
+                    -> fallback upstream  while not, if configured
+                    -> 503 + Retry-After  otherwise
 
-`/v1/completions` and `/v1/chat/completions` (POST) and `/v1/models` (GET) are
-proxied; a streamed response (SSE, chunked) is passed through chunk by chunk,
-unchanged.  Requests carrying the warmup marker (`X-Warmup: true`, what the
-agent's own engines send) always go to the main engine -- the engine being
-warmed is the one that must see them -- and never reach the user-facing
-counters, the window or the water level.
+Completions, chat completions and `/v1/models` are proxied; streams pass through chunk
+by chunk, unchanged.  Requests with `X-Warmup: true` (the agent's own) always go to the
+main engine and never reach the user-facing counters, the window or the water level.
 
-For user requests routed to the main engine with `"stream": true`, the time to
-the first streamed byte is recorded into the readiness window (the same one the
-probes use), so real traffic feeds the breaker; every user request the main
-engine answers with 200 (streamed or not) is reported to the gate as
-`user_answer(ttft, total, output_tokens)`: the users' real first request.  Its tokens
-are its usage's, or for a stream without usage the content chunks counted from a copy
-of the body as it passes (stream_tokens.py); the client's bytes are never changed.
+A user's streamed request to the main engine feeds its time to first byte into the
+readiness window, and every 200 from the main engine is reported to the gate as
+`user_answer`.  The client's bytes are never changed.
 
-The stack is asynchronous (aiohttp's server, on uvloop where it is installed), on its
-own event loop in its own thread; where the main engine is an HTTP server that thread
-is in a process of its own (process.py), so that the relay and the agent's exporter
-(/readyz, /metrics) never wait for one GIL.  Where the main engine is:
-  - an HTTP server: `UpstreamBackend` (upstream.py), pooled keep-alive connections whose
-    answers' bytes go from the upstream socket's callback to the client's transport;
-  - in this process (the torch engine): any `Backend`, handed to `from_config`.
-A client that goes away cancels its upstream request (the upstream connection
-is closed, the local backend's iterator closed); request bodies are bounded
-(413); an upstream that sends nothing for proxy.timeout_seconds (neither its
-answer's head nor the next chunk) is answered 504 (or, mid-stream, ends the
-stream with an error event).  All answers the proxy makes itself are OpenAI
-error bodies: {"error": {"message", "type", "param", "code"}}.
+The proxy runs on its own event loop in its own thread (in its own process, process.py,
+where the main engine is an HTTP server) so the relay and the exporter never share a GIL.
+A client that goes away cancels its upstream request; an upstream silent for
+proxy.timeout_seconds gets a 504 (or, mid-stream, an error event).  Every answer the
+proxy makes itself is an OpenAI error body.
 """
 from __future__ import annotations
 
@@ -92,8 +76,7 @@ class Gate(Protocol):
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         """A user request the main engine answered with 200: seconds to its first body
-        chunk and to the end of its body, and its output tokens where known (its usage,
-        or a stream's counted chunks); the users' real first request."""
+        chunk and to its end, and its output tokens where known."""
 
 
 class RoutedAgent(Protocol):
@@ -110,27 +93,23 @@ class RoutedAgent(Protocol):
 
 @dataclass
 class BackendResponse:
-    """One answer of a backend: its status, its headers (content-type; a Content-Length
-    makes the proxy send one, else the answer is chunked) and its body chunks as they
-    come (SSE events for a stream), each relayed at once.  Closing `body` (aclose)
-    cancels the work behind it: the proxy does so when the client goes away."""
+    """One answer of a backend.  Without a Content-Length header the answer is chunked;
+    closing `body` cancels the work behind it."""
     status: int
     headers: dict[str, str]
     body: AsyncIterator[bytes]
 
 
 class Backend(Protocol):
-    """Where the proxy sends a request: an HTTP upstream (UpstreamBackend) or an engine
-    in this process.  Called on the proxy's event loop.  Raise BackendUnavailable (or
-    OSError) for 502, TimeoutError for 504; anything else is a 500 with its message."""
+    """Where the proxy sends a request, called on the proxy's event loop.  Raise
+    BackendUnavailable or OSError for 502, TimeoutError for 504; anything else is a 500."""
 
     async def request(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> BackendResponse: ...
 
     async def close(self) -> None: ...
 
 
-# A backend's own timeouts (asyncio.TimeoutError is TimeoutError from 3.11 on), and with
-# the cancel that the sweep or a client that went away sends.
+# asyncio.TimeoutError is TimeoutError only from 3.11 on.
 _TIMEOUTS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)
 _CANCELLED_OR_TIMEOUTS: tuple[type[BaseException], ...] = (asyncio.CancelledError, *_TIMEOUTS)
 
@@ -171,14 +150,9 @@ def _name(backend: Any) -> str:
 
 
 class RoutingProxy:
-    """The proxy for `agent`: its readiness gate (a `Gate`) and its metrics.
-
-    upstream_url: the main engine, a base URL or a Backend; fallback_url: a smaller
-    model server (URL or Backend) or None; listen: (host, port), port 0 for any free
-    port (bound here, so an address in use fails at once).  start() runs it on its
-    own event loop in its own thread; stop() ends it and closes every backend.
-    tune_gc: the garbage collector's settings for a process that only relays (_tune_gc),
-    restored by stop(); from_config sets it where the main engine is an HTTP server."""
+    """The proxy for `agent`.  upstream_url and fallback_url are base URLs or Backends;
+    `listen` is bound here so an address in use fails at once.  tune_gc applies
+    _tune_gc until stop(), for a process that only relays."""
 
     def __init__(self, agent: RoutedAgent, upstream_url: str | Backend, fallback_url: str | Backend | None = None,
                  listen: tuple[str, int] | socket.socket = ("127.0.0.1", 0), metrics: AgentMetrics | None = None,
@@ -241,9 +215,7 @@ class RoutingProxy:
 
     async def _serve(self) -> None:
         from aiohttp import web
-        # The low-level server: three paths need no router or application.  handler_cancellation:
-        # a client that disconnects cancels its handler at once, and with it the upstream
-        # request; no access log (a line per request).
+        # handler_cancellation: a client that disconnects cancels its upstream request.
         server = web.Server(self._handle, handler_cancellation=True, access_log=None)
         self._runner = web.ServerRunner(server, shutdown_timeout=5.0)
         await self._runner.setup()
@@ -251,8 +223,7 @@ class RoutingProxy:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
-        """Time out answers whose backend sent nothing for proxy.timeout_seconds: one pass
-        over the requests in flight a few times per timeout, instead of a timer per chunk."""
+        """Time out stalled answers: one pass a few times per timeout, not a timer per chunk."""
         loop = asyncio.get_running_loop()
         every = min(1.0, max(0.02, self.timeout / 5))
         idle_at = loop.time() + 5.0
@@ -349,8 +320,7 @@ class RoutingProxy:
         route = self.route(warmup)
         if not warmup:
             self.gate.user_request()
-        # Metrics are recorded before the client can have the whole answer, so a
-        # client (or test) that read the response sees them.
+        # Count before the client has the answer, so a client that read it sees the count.
         if route == "rejected":
             retry = self.retry_after()
             self._count(route, 503, warmup)
@@ -399,8 +369,8 @@ class RoutingProxy:
 
     async def _relay(self, request: web.BaseRequest, answer: BackendResponse, route: str, backend: Backend, warmup: bool,
                      t0: float, watch: _Watch, stream: bool, answered: bool) -> web.StreamResponse:
-        """Pass status, headers and body through, each chunk as it comes.  The response
-        head waits for the first chunk, so an upstream that stalls before it is a clean 504."""
+        """Relay each chunk as it comes.  The head waits for the first chunk, so an
+        upstream that stalls before it is a clean 504."""
         body = answer.body
         headers = dict(answer.headers)
         length = None
@@ -477,15 +447,12 @@ class RoutingProxy:
     async def _relay_upstream(self, request: web.BaseRequest, method: str, body: bytes, headers: dict[str, str],
                               route: str, backend: UpstreamBackend, warmup: bool, t0: float,
                               watch: _Watch) -> web.StreamResponse:
-        """An HTTP upstream's answer, relayed by its connection (upstream.py): the head
-        waits for the first body byte (an upstream that stalls before it is a clean 504);
-        then every byte goes from the upstream connection's callback to the client's
-        transport, while this task waits for the end (or for the client to drain)."""
+        """Relay an HTTP upstream's answer: after the first body byte, bytes go from the
+        upstream socket's callback straight to the client's transport."""
         conn: UpstreamConnection | None = None
         resp: web.StreamResponse | None = None
         first: float | None = None
         sse = False
-        # A user's streamed request to the main engine: its tokens are counted as they pass.
         streamed = _is_stream(body)
         count = streamed and not warmup and route == "main" and method == "POST"
         try:
@@ -552,15 +519,14 @@ class RoutingProxy:
                 conn.finish()                # to the pool when it ended cleanly, else aborted
 
     def _first_token(self, route: str, ttft: float) -> None:
-        """A user request's time to first token: histogram, and the readiness window."""
+        """Record a user request's time to first token."""
         self.metrics.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
         if route == "main":
             self.gate.first_token(ttft)    # the window and the breaker; never the probe log
 
     def _user_answer(self, ttft: float, total: float, tail: bytes, streamed: StreamTokens | None = None) -> None:
-        """A user request the main engine answered with 200 (the users' real first request).
-        Its output tokens: its usage's completion_tokens where it has one, else, for a
-        stream, the tokens counted as it passed (stream_tokens.py), else unknown."""
+        """Report a 200 from the main engine, with its usage's completion_tokens or the
+        stream's counted tokens."""
         if streamed is not None:
             tokens: int | None = streamed.tokens
         else:
@@ -579,15 +545,10 @@ class RoutingProxy:
 # -- helpers ----------------------------------------------------------------------------------
 
 def _tune_gc() -> tuple[int, int, int]:
-    """The collector's settings for a process whose work is relaying requests (the main
-    engine elsewhere): what exists now is frozen out of the collections, and the young
-    generation is collected after 50,000 net allocations instead of 700.  The proxy
-    allocates many short-lived objects per chunk; with the defaults the agent spent
-    0.4-0.6 s of every 5 s in the collector at 256 streams (pauses up to 210 ms), and
-    raising the threshold took the proxy's TTFB p99 from 273-367 ms to 105-118 ms and
-    its requests/s from 592-798 to 845-885 in the same run (bench_proxy's 256-stream
-    cell).  Not with an engine in this process (tensors in reference cycles would wait
-    longer for their memory).  Returns the thresholds to restore."""
+    """Freeze what exists and collect the young generation far less often; returns the
+    thresholds to restore.  The relay allocates many short-lived objects per chunk and
+    the default collector pauses showed in its tail latency (docs/readiness.md).  Not
+    for a process with an engine: tensors in cycles would wait longer for their memory."""
     import gc
     before = gc.get_threshold()
     gc.collect()
@@ -597,8 +558,7 @@ def _tune_gc() -> tuple[int, int, int]:
 
 
 class _Watch:
-    """One request in flight, as the sweep sees it: whether it waits on its backend, the
-    chunks it got, and since when nothing came."""
+    """One request in flight, as the sweep sees it."""
     __slots__ = ("task", "waiting", "chunks", "seen", "since", "stalled")
 
     def __init__(self, task: asyncio.Task[Any]):
@@ -661,8 +621,7 @@ def _hang_up(request: web.BaseRequest) -> None:
 
 
 async def _pump(conn: UpstreamConnection, request: web.BaseRequest, watch: _Watch) -> None:
-    """Waits while the upstream connection relays its answer to the client, until it
-    ends; a slow client makes the upstream wait (its reads paused) until it drains."""
+    """Wait for the relay to end; a slow client pauses the upstream's reads until it drains."""
     while True:
         watch.waiting = True
         try:

@@ -1,16 +1,10 @@
-"""The output tokens of a streamed answer that carries no usage (issue 61).
+"""The output tokens of a streamed answer that carries no usage.
 
-Most clients stream chat without `stream_options.include_usage`, and then no server
-says how many tokens it sent.  The proxy reads a copy of the answer's body as it
-relays it (the bytes the client gets are never touched) and counts the content
-chunks of its server-sent events: one per choice whose delta carries a content
-string (chat) or that carries a text string (completions).  Servers stream one token
-a chunk; llama.cpp streams a token past the tokenizer's vocabulary as a chunk with
-empty text, so chunks are counted, not text.  Not counted: the opening chunk that
-only says the role (vLLM's carries an empty content), the closing one that only says
-why the answer ended (an empty delta, or an empty text with a finish_reason), usage
-and error events, and `[DONE]`.  Where a usage event comes (the client asked for it),
-its completion_tokens is the answer's count.
+Most clients stream without `stream_options.include_usage`, so the proxy counts the
+content chunks in a copy of the body as it relays it.  Servers stream one token a
+chunk, and some send a token as a chunk with empty text, so chunks are counted, not
+text.  Not counted: the opening role-only chunk, the closing finish_reason-only one,
+usage and error events, and `[DONE]`.  A usage event, where one comes, wins.
 """
 from __future__ import annotations
 
@@ -35,9 +29,7 @@ def _is_token(choice: object) -> bool:
 
 
 class StreamTokens:
-    """Counts the tokens of an SSE body fed to it in pieces however they split
-    (`feed`); `count` is the tokens so far, `usage` the completion_tokens of a usage
-    event (None until one came); `tokens` the answer's: its usage, else the count."""
+    """Counts the tokens of an SSE body fed in pieces, however they split."""
 
     __slots__ = ("_buf", "count", "usage")
 

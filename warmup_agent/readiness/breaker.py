@@ -1,22 +1,15 @@
-"""The fallback breaker (seed 000 §4.4, seed 003): closed -> open -> half-open -> closed.
+"""The fallback breaker: closed -> open -> half-open -> closed.
 
-  closed     every sample goes into the window; the window's P90 over the tail
-             threshold on `trip_after` consecutive samples trips the breaker
-             (cause "slow"), and so do `fail_after` failed probes in a row (cause
-             the failure's reason: unreachable, timeout, server_error, bad_answer).
-  open       main path frozen: fallback active, no probes and no user traffic to
-             the main engine.  The freeze is `open_seconds`, or the one the owner
-             gave for the failure (readiness.runtime re-probes an unreachable
-             server at the next watch interval).
-  half_open  after the freeze, probes go to the main engine again; each is judged
-             alone against the tail threshold (the window still holds the slow
-             samples that tripped it, so it starts empty).  `half_open_probes`
-             good probes in a row close the breaker; one slow or failed probe
-             re-opens it.
+  closed     the window's P90 over the tail threshold on `trip_after` consecutive
+             samples trips it (cause "slow"), and so do `fail_after` failed probes in
+             a row (cause: the failure's reason).
+  open       the main path is frozen for `open_seconds`, or the failure's own freeze.
+  half_open  probes reach the main engine again, each judged alone (the window still
+             holds the samples that tripped it); `half_open_probes` good ones in a
+             row close the breaker, one bad one re-opens it.
 
-The breaker only decides; its owner (readiness.runtime) moves the state machine
-(SERVING -> DEGRADED on trip, DEGRADED -> SERVING on close) and exports it.
-Time comes from an injected clock, so the logic is tested without sleeping.
+The breaker only decides; readiness.runtime moves the state machine and exports it.
+The clock is injected so tests need not sleep.  State changes hold a lock.
 """
 from __future__ import annotations
 
@@ -77,8 +70,7 @@ class Breaker:
             return self.state
 
     def closed_sample(self, p90_over: bool) -> bool:
-        """While closed: one sample was added and the window's P90 is (not) over the
-        tail threshold.  Returns True if this evaluation tripped the breaker."""
+        """Judge one closed-state sample; returns True if it tripped the breaker."""
         with self._lock:
             if self.state != BreakerState.CLOSED:
                 return False
@@ -96,10 +88,7 @@ class Breaker:
         self._move(BreakerState.OPEN)
 
     def failure(self, cause: str, freeze: float | None = None) -> BreakerState:
-        """A probe of the main engine failed (no answer, an error status, a broken
-        stream) with the named `cause`.  Closed: `fail_after` in a row trip the
-        breaker; half-open: re-opens it.  `freeze`: how long this failure freezes
-        the main path (default open_seconds)."""
+        """Count a failed probe.  `freeze` overrides open_seconds for this failure."""
         with self._lock:
             freeze = self.open_seconds if freeze is None else freeze
             if self.state == BreakerState.CLOSED:
@@ -111,8 +100,7 @@ class Breaker:
             return self.state
 
     def half_open_now(self) -> bool:
-        """Open -> half-open before the freeze ends (the owner saw the engine answer
-        again).  Returns whether it moved."""
+        """Open -> half-open before the freeze ends; returns whether it moved."""
         with self._lock:
             if self.state != BreakerState.OPEN:
                 return False
@@ -120,8 +108,7 @@ class Breaker:
             return True
 
     def reset(self) -> bool:
-        """Closed at once, without a transition (a re-warm judges the engine afresh).
-        Returns whether it was not closed."""
+        """Close at once without a transition (a re-warm); returns whether it was not closed."""
         with self._lock:
             was = self.state != BreakerState.CLOSED
             self.state = BreakerState.CLOSED
@@ -129,7 +116,7 @@ class Breaker:
             return was
 
     def half_open_probe(self, over: bool) -> BreakerState:
-        """While half-open: one probe of the main engine, over the threshold or not."""
+        """Judge one half-open probe."""
         with self._lock:
             if self.state != BreakerState.HALF_OPEN:
                 return self.state

@@ -1,30 +1,19 @@
-"""The whole answer a first user meets on a server that pays per decode length (issue 30).
+"""The whole answer a first user meets on a server that pays per decode length.
 
-Such a server (transformers serve with PyTorch's cuDNN attention) pays extra on
-every decode step at a sequence length no earlier request reached.  The first
-readiness probe meets all such steps of its own answer, and answering warms them,
-so the user who comes after it meets fewer: only the steps that neither the warmup
-nor the probes reached.  The first probe's own whole-answer tax therefore overstates
-the user's (docs/benchmarks.md, "Figures behind the code").
+Such a server pays extra on each decode step at a sequence length no earlier request
+reached.  The first probe meets all such steps of its answer and warms them, so the
+user after it meets fewer, and the probe's own whole-answer tax overstates the user's.
+Where prewarm found that decode pays per length, the tax is predicted instead:
 
-So where prewarm's per-length test found that decode pays per length, the
-whole-answer tax is predicted from what was measured and what was decoded:
-  step cost    (first probe's decode time - its tokens after the first x the
-               steady time per token) / the probe's steps that no warmup request
-               had reached
-  unreached    for each of the profile's prompt lengths (the quantiles that stand
-               for its traffic), the steps an answer as long as the first probe's
-               meets that neither the warmup nor the gate's probes reached; their mean
-  tax          (steady whole answer + the first probe's extra time to first
-               token + step cost x mean unreached steps) / steady whole answer
-The mean over the profile, because the figure stands for the first request a
-user sends, and that lands where the traffic does.  The worst of the profile's
-lengths is recorded beside it.  In run 3 start 0 the profile's lengths meet
-0, 22, 33, 1, 20 and 40 unreached steps (mean 19); the user's 243 met 20.
+  step cost  (first probe's extra decode time over steady) / its unreached steps
+  unreached  per profile prompt length, the steps of an answer as long as the first
+             probe's that neither the warmup nor the probes reached; their mean
+  tax        (steady whole answer + extra time to first token
+              + step cost x mean unreached) / steady whole answer
 
-A decode step is counted at the sequence length it attends over: an answer of
-`tokens` tokens to a `prompt`-token prompt decodes tokens 2.. at lengths
-prompt + 1 .. prompt + tokens - 1 (its first token comes from the prefill).
+The mean over the profile, because a user's first request lands where the traffic
+does.  A `prompt`-token prompt answered with `tokens` tokens decodes at sequence
+lengths prompt + 1 .. prompt + tokens - 1; the first token comes from the prefill.
 """
 from __future__ import annotations
 
@@ -55,10 +44,8 @@ def unreached(prompt: int, tokens: int, seen: set[int]) -> int:
 
 def first_answer(fr: FirstRequest, probe_prompt: int, warmup: Ranges, probes: Ranges,
                  lengths: Sequence[int]) -> dict | None:
-    """The predicted whole-answer tax (module doc), with what it was made of; None
-    where it cannot be predicted: no steady level, a one-token first probe, no
-    profile lengths, a probe whose steps the warmup had all reached, or one that
-    decoded no slower than steady (then the probe's own figure stands)."""
+    """The predicted whole-answer tax and its parts; None where the probe's own figure
+    stands (no steady level, nothing unreached, or no decode slower than steady)."""
     measured = fr.measured_total_tax
     if measured is None or fr.steady_total_seconds is None or fr.steady_ttft_seconds is None \
             or fr.output_tokens < 2 or not lengths:

@@ -1,25 +1,16 @@
-"""The users' real first request: computed once, here (issue 41).
+"""The users' real first request, computed once, here.
 
-The proxy reports every user request the main engine answered with status 200
-(`Readiness.user_answer`): time to the first body chunk, time to the end of the
-body, and the answer's output tokens where it knows them.  The first answer
-after a gate opened (PRIME -> SERVING; a re-warm's gate starts again) is held;
-the `steady_requests` users' answers after it are its steady level:
+The first 200 the main engine gives a user after a gate opens is held, and the
+`steady_requests` answers after it are its steady level:
 
-  first user request tax (TTFT)   first TTFT / median TTFT of the answers after it
-  whole-answer tax                first whole answer / (steady TTFT +
-                                  (first's tokens - 1) x median time per output
-                                  token of the answers after it)
+  first user request tax (TTFT)  first TTFT / median later TTFT
+  whole-answer tax               first whole answer / (steady TTFT + (first's tokens - 1)
+                                 x median later time per output token)
 
-The steady level is the users' own later answers, not the probes': the same
-traffic, through the same proxy, so the figure is what an outside client
-measures as "first request over steady", and a user whose prompts are longer
-than the probes' does not read as a cold start.  The whole answer is compared
-at the first answer's own length (answers differ in length), from the later
-answers' decode rate: (whole - TTFT) / (tokens - 1).  The proxy knows the tokens
-from an answer's usage, or for a stream without usage from its content chunks
-(proxy/stream_tokens.py).  Without token counts the whole-answer figure is not
-computed (None; the gauge stays 0), rather than dividing answers of different lengths.
+The steady level is the users' own later answers, not the probes', so the figure is
+what an outside client measures and a user with long prompts does not read as a cold
+start.  Without token counts the whole-answer tax is None rather than a comparison of
+answers of different lengths.
 """
 from __future__ import annotations
 
@@ -72,8 +63,7 @@ def figures(first: UserAnswer, later: list[UserAnswer]) -> FirstUserFigures:
 
 
 class FirstUserRequest:
-    """One gate's users' first request: held, then compared once `steady_requests`
-    answers after it are in.  Not thread-safe (Readiness holds a lock)."""
+    """One gate's first user request.  Not thread-safe; Readiness holds a lock."""
 
     def __init__(self, steady_requests: int = 5) -> None:
         self.steady_requests = steady_requests
@@ -82,7 +72,7 @@ class FirstUserRequest:
         self.figures: FirstUserFigures | None = None
 
     def add(self, answer: UserAnswer) -> FirstUserFigures | None:
-        """One user answer; the figures when this one completed them (once)."""
+        """Add one user answer; returns the figures once, when this one completes them."""
         if self.figures is not None:
             return None
         if self.first is None:

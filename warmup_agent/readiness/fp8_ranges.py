@@ -1,29 +1,15 @@
-"""FP8 range validation (seed 003 §3, "混合精度下的特殊处理"), part of the numerics
-dimension of the three-dimensional validation.
-
-When a model runs in FP8 the seed asks for warmup data that covers:
+"""FP8 range validation: the seed's warmup cases through each FP8 layer's own
+quantize/dequantize path, with the model's scales.
 
     range              min        max       cases   checked against
-    activations        -12.8      +12.7     50      each FP8 layer's input quantization
-    weights            -0.00392   +0.00391  30      each FP8 layer's weight block scales
-    attention_scores   0          1         20      the attention probabilities' FP8 scale
+    activations        -12.8      +12.7     50      each layer's input quantization
+    weights            -0.00392   +0.00391  30      each layer's weight block scales
+    attention_scores   0          1         20      the attention-probability scale
 
-Every case goes through the quantized layer's own quantize/dequantize path
-(warmup_agent/quantization/fp8_math.py, the functions its forward pass uses) with the
-model's scales:
-  activations       the layer's activation quantization: dynamic per token and
-                    128-wide group (scale = group max / 448, the 50 cases share a
-                    group), or the checkpoint's static activation_scale;
-  weights           each case against every block's weight_scale_inv of every
-                    layer (a case x block pair is one value checked);
-  attention_scores  e4m3 at the checkpoint's attention scale when it has one,
-                    else at unit scale (what FP8 attention kernels use for
-                    probabilities in [0, 1]); once per model.
-Two measurements per range: saturated values (|x / scale| > 448: the cast clamps
-them) and the round-trip error, max |dequantize(quantize(x)) - x| over the cases
-divided by the range's largest |x|.  A scale too small saturates; a scale too
-large pushes the cases into e4m3's subnormals and loses them (error).  For a
-scale that fits, the error stays under 2^-4 (three mantissa bits).
+Two measurements per range: saturated values (|x / scale| > 448, which the cast clamps)
+and the round-trip error, max |dequantize(quantize(x)) - x| / the range's largest |x|.
+A scale too small saturates; one too large loses the cases in e4m3's subnormals.  A
+scale that fits keeps the error under 2^-4 (three mantissa bits).
 """
 from __future__ import annotations
 
@@ -96,9 +82,8 @@ def _note(res: RangeResult, layer: str, sat: int, err: float) -> None:
 
 
 def activations(layer: Any, r: Range) -> Any:
-    """(values, saturated, error) of the 50 cases through `layer`'s input quantization.
-    The cases fill one token's input vector (tiled across K, so every 128-wide
-    group sees the whole range): a dynamic group scale is then the range's peak / 448."""
+    """(values, saturated, error) of the cases through `layer`'s input quantization,
+    tiled so every 128-wide group sees the whole range."""
     x = cases(r, layer.weight.device)
     k = layer.in_features
     tokens = math.ceil(x.numel() / k)                 # one token unless K is smaller than the case count
@@ -112,7 +97,7 @@ def activations(layer: Any, r: Range) -> Any:
 
 
 def weights(layer: Any, r: Range) -> Any:
-    """(values, saturated, error) of the 30 cases against every block scale of `layer`."""
+    """(values, saturated, error) of the cases against every block scale of `layer`."""
     x = cases(r, layer.weight.device)[:, None]
     s = layer.weight_scale_inv.float().reshape(1, -1)
     sat = int(q.saturated_mask(x, s).sum())
@@ -120,9 +105,7 @@ def weights(layer: Any, r: Range) -> Any:
 
 
 def attention_scale(model: Any) -> Any:
-    """The checkpoint's FP8 attention-probability scale, if any (none in transformers'
-    fp8 layout; compressed-tensors/modelopt KV-cache schemes carry k/v scales, not
-    a probability scale)."""
+    """The checkpoint's FP8 attention-probability scale and its name, or unit scale."""
     for name, p in model.named_parameters():
         if name.endswith(("attn.prob_scale", "attn.p_scale")):
             return p.detach().float().reshape(-1)[0], name

@@ -1,21 +1,14 @@
-"""The server's life after SERVING: restarts, hangs, sleep and wake (DESIGN.md,
-"The pod's whole life").
+"""The server's life after SERVING: restarts, hangs, sleep and wake.
 
-Every watch interval the agent asks `ServerLife.watch()` what to do before it
-probes.  The answer comes from reads that give the server no task
-(server/signals.py): its health endpoint, its sleep state and which process
-listens.  A probe is a task: it resets a sleeping server's idle timer.
+Every watch interval `ServerLife.watch()` says what to do, from reads that give the
+server no task (a probe is a task: it resets a sleeping server's idle timer):
 
   PROBE    awake, same process: probe as usual.
-  WAIT     send nothing now: the server sleeps, or it sleeps when idle and is
-           watched by reads alone, or it is unreachable and not back yet.
-  REWARM   cold: a new process (its start time changed, or it was unreachable
-           and answers again), or it woke.  The agent warms it before SERVING.
+  WAIT     send nothing now: asleep, watched by reads alone, or unreachable.
+  REWARM   cold: a new process, or it woke.  The agent warms it before SERVING.
 
-Sleep is a state of the pod (SLEEPING), not an outage: while asleep nothing is
-probed, `/readyz` answers as readiness.ready_while_asleep says, and a wake (a
-user's request, `POST /admin/wake`, or a client the agent does not see) is
-warmed before the pod is SERVING again.
+Sleep is a state of the pod (SLEEPING), not an outage: nothing is probed, and a wake
+is warmed before the pod is SERVING again.
 """
 from __future__ import annotations
 
@@ -26,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from exporter.recorder import LifeStats, Recorder
+from exporter.recorder import Known, LifeStats, Recorder
 from warmup_agent.readiness.breaker import Breaker, BreakerState
 from warmup_agent.states import State, StateMachine
 
@@ -59,10 +52,8 @@ class Wake:
 
 
 class ServerLife:
-    """`sleeps_when_idle`: the server sleeps after an idle time (llama-server
-    --sleep-idle-seconds): no probes at all, reads only.  `has_fallback`: users go
-    to proxy.fallback_url while the server wakes; without one, users' requests
-    reach the sleeping server (which wakes on them, where its kind does)."""
+    """`sleeps_when_idle`: the server sleeps after an idle time, so it is watched by
+    reads only.  Without `has_fallback`, users' requests reach the sleeping server."""
 
     def __init__(self, signals: ServerSignals, sm: StateMachine, readiness: Judge, recorder: Recorder,
                  sleeps_when_idle: bool, ready_while_asleep: bool, has_fallback: bool,
@@ -81,9 +72,9 @@ class ServerLife:
         self.last_wake_seconds: float | None = None
         self._asleep_at: float | None = None
         self._lock = threading.Lock()
-        #: Set by the agent: start a re-warm now (a wake that must not wait for the next tick).
+        #: Set by the agent: start a re-warm now, not at the next tick.
         self.start_rewarm: Callable[[str], None] = lambda why: None
-        recorder.declare_life()
+        recorder.declare_series(Known(life=True))
         sm.on_change(self._state_moved)
 
     # -- what the proxy and /readyz ask ---------------------------------------------------
@@ -101,7 +92,7 @@ class ServerLife:
         return self.wake is not None and state in (State.PRELOAD, State.PRIME) and self.users_wake_it
 
     def ready(self) -> bool:
-        """/readyz beyond SERVING: asleep (or warming after a wake) where the operator keeps the pod ready."""
+        """/readyz beyond SERVING: asleep or waking, where readiness.ready_while_asleep."""
         state = self.sm.state
         if state == State.SLEEPING:
             return self.ready_while_asleep
@@ -115,7 +106,6 @@ class ServerLife:
         self._count_asleep()
         cause = self.signals.health()
         if cause is not None:
-            # The health read is the watch's first look: its failure is the probe's.
             self.readiness.probe_failure(cause, f"GET {self.signals.url}{self.signals.health_path}: {_WORDS[cause]}")
             return "wait"
         restart = self._restarted()
@@ -142,8 +132,7 @@ class ServerLife:
         return "probe"
 
     def _restarted(self) -> str | None:
-        """How a restart shows, or None: a changed start time, else a server that was
-        unreachable and answers again (a process that stopped listening is gone)."""
+        """How a restart shows: "start_time", "came_back" (answering after unreachable) or None."""
         now = self.signals.identity()
         before = self.identity
         if self.identity is None:
@@ -192,8 +181,7 @@ class ServerLife:
         return True
 
     def wake_server(self) -> None:
-        """Before the wake's warm: the kind's wake call where it has one (vLLM's
-        /wake_up); a server that wakes on a request is woken by the warm's first one."""
+        """Call the kind's wake endpoint, if any, before the wake's warm."""
         if self.wake is not None:
             self.signals.wake()
 
@@ -203,8 +191,7 @@ class ServerLife:
             self.start_rewarm("wake")
 
     def user_answer(self, ttft: float) -> None:
-        """A user request answered by the main server: the first since the wake started
-        is the users' first request after it."""
+        """Record the first user answer since the wake started."""
         with self._lock:
             if not self._awaiting_user:
                 return

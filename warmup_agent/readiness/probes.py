@@ -1,41 +1,20 @@
-"""The probe log: every readiness probe, and the first-request figures computed
-once, here, from them (issues 30, 40).
+"""The probe log: every readiness probe, and the first-request figures computed from
+them once, here.  docs/readiness.md describes the figures in full.
 
-The gate's first probe stands for the pod's first user request, and its control
-(the same shape, a fresh prompt, sent after the same predecessor: the ready stage
-re-sends the last warmup requests first where they were longer or more at once)
-says which part of it the server pays anyway (benefit.Controlled): on llama.cpp a
-request right after a much longer one, or after concurrent ones, pays 60-100 ms
-more in its slot, warm or not.  The probes after the control give the steady level.
-  first-request tax (TTFT)  1 + (first probe's TTFT - its control's, never below 0)
-                            / steady TTFT,
-                            the steady TTFT being the median of the probes after
-                            the first (the control among them)
-  whole-answer tax          the same on the whole answer, over the steady whole
-                            answer of the same length: the median of the later
-                            probes' whole answers when they have as many output
-                            tokens, else steady TTFT + (tokens - 1) x median steady
-                            time per output token
-Where a first probe was cold beyond its control, the gate sends another pair.  The
-figures are the last pair's (the first probe paid a one-time cost for everyone: a
-user meets the state after it), except where prewarm's per-length test found that
-each new prompt length pays once: then a user's first request, at a length no
-request reached, meets what the first pair's first probe met, and the figures stay
-the first pair's.
-A start that skipped the pairs because this server was measured before
-(warmup/findings.py) exports what the second fresh length paid then, over its
-control: 1 + the remembered excess (`FirstRequest.new_length`); its own first probe
-holds the start's one-time costs too, which no user meets.
-Such a start sends its first probe alone (no control, no later probe before SERVING:
-stages/prewarm.py, first_probe_alone), so it has no steady level of its own; its figures
-need none.
-Without a control (a gate of one probe), the first probe over the steady level.
-On a server that pays per decode length, the whole-answer tax is the one a
-user's first request meets after the probes have warmed their own lengths
-(warmup_agent/readiness/cold_decode.py); `measured_total_tax` keeps the first probe's.
-The figures are frozen when the gate opens (`freeze`): probes after SERVING
-(one token each, to keep the window fresh) do not change what the first
-request met.  With a single probe there is no steady level and both are None.
+The gate's first probe stands for the pod's first user request.  Its control (same
+shape, fresh prompt, same predecessor) says which part of that the server pays anyway,
+warm or not:
+
+  first-request tax (TTFT)  1 + max(0, first TTFT - control TTFT) / steady TTFT
+  whole-answer tax          the same on the whole answer, over the steady whole answer
+                            of the same number of output tokens
+
+The steady level is the median of the probes after the first.  Without a control the
+tax is the first probe over the steady level.  A start that skipped the pairs because
+the server was measured before exports 1 + the remembered excess (`new_length`).
+
+The figures are frozen when the gate opens (`freeze`): later watch probes do not change
+what the first request met.
 """
 from __future__ import annotations
 
@@ -58,14 +37,12 @@ class FirstRequest:
     prompt_tokens: int
     steady_ttft_seconds: float | None
     steady_total_seconds: float | None
-    #: A server that pays per decode length: the first user's whole answer predicted
-    #: (cold_decode.first_answer's dict, its "total_tax" and what it was made of).
+    #: cold_decode.first_answer's prediction, on a server that pays per decode length.
     cold_decode: dict | None = None
     #: The first probe's control (same shape, same predecessor); None: not sent.
     control: Call | None = None
-    #: Where this start skipped the second fresh length (warmup/findings.py): what it paid
-    #: beyond its control when the server was measured ({"ttft", "total": fractions of the
-    #: control's times, "measured_at"}): the exported taxes are 1 + those.
+    #: Remembered excess over the control ({"ttft", "total", "measured_at"}, fractions)
+    #: where this start skipped the second fresh length; the taxes are 1 + those.
     new_length: dict | None = None
 
     @property
@@ -93,8 +70,8 @@ class FirstRequest:
 
     @property
     def total_tax(self) -> float | None:
-        """The exported whole-answer tax: the cold-decode prediction where there is one,
-        the remembered new-length excess where the second pair was skipped."""
+        """The exported whole-answer tax: the cold-decode prediction, else the remembered
+        excess, else the measured tax."""
         if self.cold_decode:
             return self.cold_decode["total_tax"]
         if self.new_length is not None:
@@ -103,8 +80,7 @@ class FirstRequest:
 
 
 def first_request(probes: list[Probe], first: int = 0, control: int | None = None) -> FirstRequest | None:
-    """The first-request figures of `probes`: probes[first] against the probes after
-    it, and against probes[control] (its control) when given."""
+    """probes[first] against the probes after it, and against probes[control] if given."""
     if len(probes) <= first:
         return None
     head, later = probes[first], probes[first + 1:]
@@ -124,9 +100,8 @@ def first_request(probes: list[Probe], first: int = 0, control: int | None = Non
 
 
 class ProbeLog:
-    """Every probe, in order (a re-warm's too); the decode window (time per output
-    token of the probes that decoded); the first-request figures of the current
-    gate: from its first probe (`restart`) to the one that opened it (`freeze`)."""
+    """Every probe in order, the decode window, and the first-request figures of the
+    current gate (from `restart` to `freeze`)."""
 
     def __init__(self, decode_window_size: int = 100) -> None:
         self.probes: list[Probe] = []
@@ -142,8 +117,8 @@ class ProbeLog:
         self.probes.append(probe)
 
     def add_decode(self, probe: Probe) -> bool:
-        """Put a probe's time per output token, the interval between streamed tokens,
-        into the decode window; False (nothing added) for a one-token answer."""
+        """Add a probe's time per output token to the decode window; False for a
+        one-token answer."""
         if probe.output_tokens <= 1:
             return False
         self.decode.add((probe.total - probe.ttft) / (probe.output_tokens - 1))
@@ -158,21 +133,18 @@ class ProbeLog:
         self._new_length = None
 
     def pair(self, first: int, control: int) -> Controlled:
-        """The gate's probes `first` and `control` (indices within gate_probes) are a
-        first and its control, and the first-request figures are theirs."""
+        """Make gate_probes[first] and [control] the pair the figures come from."""
         self._pair = (first, control)
         probes = self.gate_probes
         return Controlled(probes[first], probes[control])
 
     def remembered_new_length(self, excess: dict) -> None:
-        """This gate skipped the second fresh length (warmup/findings.py): its figures are
-        1 + `excess` (FirstRequest.new_length), not its first pair's."""
+        """Take the figures from a remembered `excess` (FirstRequest.new_length)."""
         self._new_length = dict(excess)
 
     def freeze(self, cold_decode: Callable[[FirstRequest, list[Probe]], dict | None] | None = None) -> FirstRequest | None:
-        """Fix the first-request figures to the gate's probes so far (the gate opened).
-        `cold_decode(figures, gate probes)`: on a server that pays per decode length,
-        the first user's whole answer predicted from them (readiness/cold_decode.py)."""
+        """Fix the figures to the gate's probes so far.  `cold_decode(figures, probes)`
+        predicts the first user's whole answer where the server pays per decode length."""
         self._frozen_at = len(self.probes)
         figures = self._figures()
         if figures is not None and cold_decode is not None:

@@ -38,7 +38,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable
 
-from exporter.recorder import Recorder, TaxStats, ThresholdStats, WindowStats, percentile_label
+from exporter.recorder import (
+    BreakerStats,
+    Known,
+    LiveGauges,
+    ProbeFailureStats,
+    TaxStats,
+    ThresholdStats,
+    WindowStats,
+    percentile_label,
+)
 from warmup_agent.readiness.breaker import Breaker, BreakerState
 from warmup_agent.readiness.first_user import FirstUserRequest, UserAnswer
 from warmup_agent.readiness.thresholds import Thresholds
@@ -48,7 +57,7 @@ from warmup_agent.readiness.window import SlidingWindow
 from warmup_agent.states import State, StateMachine
 
 if TYPE_CHECKING:
-    from exporter.metrics import AgentMetrics
+    from exporter.recorder import Recorder
     from warmup_agent.config_sections import BreakerSection, ReadinessSection
     from warmup_agent.readiness.life import ServerLife
 
@@ -59,6 +68,7 @@ log = logging.getLogger("warmup_agent.readiness")
 TRIP_CAUSES = ("slow", "unreachable", "timeout", "server_error", "bad_answer")
 #: Why a probe failed (warmup_watch_probe_failures_total{reason}).
 FAILURE_CAUSES = TRIP_CAUSES[1:]
+BREAKER_STATES = tuple(s.value for s in BreakerState)
 _HTTP_5XX = re.compile(r"\bHTTP 5\d\d\b")
 
 
@@ -79,13 +89,12 @@ def failure_cause(error: BaseException) -> tuple[str, str]:
 
 
 class Readiness:
-    def __init__(self, rc: ReadinessSection, bc: BreakerSection, sm: StateMachine, metrics: AgentMetrics,
+    def __init__(self, rc: ReadinessSection, bc: BreakerSection, sm: StateMachine, recorder: Recorder,
                  clock: Callable[[], float] = time.monotonic):
         self.sm = sm
-        self.metrics = metrics
-        #: Where a sample's window, the thresholds and the first user's figures become
-        #: metrics (exporter/recorder.py).
-        self.recorder = Recorder(metrics)
+        #: Where the window, the thresholds, the breaker and the first user's figures
+        #: become metrics (exporter/recorder.py).
+        self.recorder = recorder
         # "the last N probes or the last T seconds" (window_seconds 0: the last N only)
         self.window = SlidingWindow(rc.window_size, rc.window_seconds, clock)
         self.thresholds = Thresholds(
@@ -115,22 +124,15 @@ class Readiness:
         #: The server's restarts, sleep and wake (life.py); the agent sets it for a server engine.
         self.life: ServerLife | None = None
         sm.on_change(self._state_moved)
+        recorder.declare_series(Known(
+            trip_causes=TRIP_CAUSES,
+            breaker_moves=(("closed", "open"), ("open", "half_open"), ("half_open", "open"), ("half_open", "closed")),
+            probe_failure_causes=FAILURE_CAUSES,
+            checks=("structure", "numerics", "performance"), check_results=("passed", "failed", "skipped", "recorded")))
         self._publish_breaker()
         self._publish_thresholds()
-        self.metrics.warmup_fallback_active.set(0)
-        # Zero series for every breaker step and validation outcome, so rate() and
-        # increase() work from the first event (and the series exist before one).
-        for frm, to in (("closed", "open"), ("open", "half_open"), ("half_open", "open"), ("half_open", "closed")):
-            self.metrics.warmup_breaker_transitions_total.labels(**{"from": frm, "to": to})
-        for cause in TRIP_CAUSES:
-            self.metrics.warmup_breaker_trips_total.labels(reason=cause)
-        for cause in FAILURE_CAUSES:
-            self.metrics.warmup_watch_probe_failures_total.labels(reason=cause)
         self._publish_first_user(None)
-        for check in ("structure", "numerics", "performance"):
-            for result in ("passed", "failed", "skipped", "recorded"):
-                self.metrics.warmup_validation_checks_total.labels(check=check, result=result)
-        self.metrics.warmup_water_level_requests_per_second.set_function(self.water.read)
+        recorder.live(LiveGauges(water_level=self.water.read))
 
     def gate_min_probes(self, profile_probes: bool, alone: bool = False) -> int:
         """Probes the gate's window needs: readiness.min_probes, or, where probes speak the
@@ -283,7 +285,7 @@ class Readiness:
 
     def count_probe_failure(self, cause: str) -> None:
         """A failed probe, counted by its cause; the one place that counts them."""
-        self.metrics.warmup_watch_probe_failures_total.labels(reason=cause).inc()
+        self.recorder.probe_failure(ProbeFailureStats(cause))
 
     def probe_failure(self, cause: str, message: str) -> str:
         """A failed probe with its named cause (FAILURE_CAUSES) and one-line message."""
@@ -323,13 +325,13 @@ class Readiness:
     def _breaker_moved(self, frm: BreakerState, to: BreakerState) -> None:
         sm = self.sm
         b = self.breaker
-        self.metrics.warmup_breaker_transitions_total.labels(**{"from": frm.value, "to": to.value}).inc()
         cause = b.cause or "slow"
         # A dead server is probed again every watch interval: open -> half-open -> open
         # with the same cause is one condition going on, logged once (at the trip).
         quiet = cause in ("unreachable", "timeout")
-        if to == BreakerState.OPEN and frm == BreakerState.CLOSED:
-            self.metrics.warmup_breaker_trips_total.labels(reason=cause).inc()
+        tripped = to == BreakerState.OPEN and frm == BreakerState.CLOSED
+        self._publish_breaker(frm, cause if tripped else None)
+        if tripped:
             self._tripped_at = self._clock()
             self._last_cause = cause
             log.warning("breaker tripped (%s): %s; %s", cause, self._why(cause), self._next_probe_words())
@@ -350,7 +352,6 @@ class Readiness:
             self._tripped_at = None
             if sm.state == State.DEGRADED:
                 sm.transition(State.SERVING)
-        self._publish_breaker()
 
     _last_cause = "slow"
 
@@ -366,10 +367,9 @@ class Readiness:
             return "the pod is out of its Service; the main engine is probed again every watch interval"
         return f"main path frozen for {freeze:g} s, then half-open probes"
 
-    def _publish_breaker(self) -> None:
-        for s in BreakerState:
-            self.metrics.warmup_breaker_state.labels(state=s.value).set(1 if s == self.breaker.state else 0)
-        self.metrics.warmup_fallback_active.set(1 if self.breaker.main_frozen else 0)
+    def _publish_breaker(self, before: BreakerState | None = None, trip: str | None = None) -> None:
+        self.recorder.breaker(BreakerStats(self.breaker.state.value, BREAKER_STATES, self.breaker.main_frozen,
+                                           before=before.value if before is not None else None, trip=trip))
 
     def _publish_thresholds(self, refit: bool = False) -> None:
         self.recorder.thresholds(ThresholdStats(self.thresholds_in_force(), refit=refit))

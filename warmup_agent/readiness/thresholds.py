@@ -1,13 +1,9 @@
 """Dual readiness thresholds on time to first token, optionally adaptive.
 
-Ready means P50 <= the liveness threshold and P90 <= the tail threshold over at
-least `min_samples` samples (seed 000 §4.4: 850 ms and 2100 ms).
-
-Adaptive mode re-fits both thresholds every `every` samples from the observed
-distribution: threshold = margin x observed quantile, clamped to
-[floor, configured].  The configured values are the service-level ceiling:
-adaptation only tightens the gate towards what this pod has shown it can do
-(so a regression is caught before it reaches the SLO), never loosens it.
+Ready means P50 and P90 at or under their thresholds over at least `min_samples`.
+Adaptive mode re-fits both every `every` samples to margin x the observed quantile,
+clamped to [floor, configured]: it only tightens the gate towards what this pod has
+shown, so a regression is caught before it reaches the SLO.
 """
 from __future__ import annotations
 
@@ -37,13 +33,11 @@ class Thresholds:
         return self.current[0.9]
 
     def tail_ok(self, p90: float) -> bool:
-        """The tail test the gate and the breaker share: a P90 (or one sample, half-open)
-        at or under the tail threshold."""
+        """The tail test the gate and the breaker share."""
         return p90 <= self.p90
 
     def sample_added(self, window: Any) -> bool:
-        """Count one sample; every `every` samples re-fit from `window` (adaptive only).
-        Returns whether the thresholds were re-fitted."""
+        """Count one sample and re-fit if due; returns whether it re-fitted."""
         if not self.adaptive:
             return False
         with self._lock:

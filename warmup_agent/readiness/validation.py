@@ -1,19 +1,12 @@
-"""Three-dimensional validation before SERVING (seed 003, "预热有效性的动态验证").
+"""Three-dimensional validation before SERVING.
 
-  structure    parameter count and every tensor shape of the loaded model match
-               the model that config.json describes (built on the meta device);
-  numerics     logits on fixed prompts are finite and their mean lies in a
-               configured range (seed: -5 < mean < 5), |logit| under a bound;
-               for an FP8 model also fp8_ranges: seed 003's value ranges through
-               every FP8 layer's quantize/dequantize path (readiness/fp8_ranges.py);
-  performance  the gate's P50 time to first token is within a factor (seed 1.2x)
-               of a baseline recorded on an earlier run of the same weights on
-               the same device; the first run records the baseline.
+  structure    parameter count and tensor shapes match what config.json describes;
+  numerics     logits on fixed prompts are finite, their mean in range, |logit|
+               bounded; for an FP8 model also fp8_ranges.py;
+  performance  the gate's P50 time to first token is within a factor of a baseline
+               recorded for the same weights and device; the first run records it.
 
-Each check returns a `Check`; a failed one carries a named reason
-(validation_structure, validation_numerics, validation_performance,
-fp8_saturation, fp8_roundtrip_error) and one line for the user.  Structure and numerics need the model itself: torch engine
-only for now (other engines report the check as skipped).
+Structure and numerics need the model in this process; other engines skip them.
 """
 from __future__ import annotations
 
@@ -49,8 +42,7 @@ def _torch_model(engine: Any) -> Any:
 
 def _reference(model: Any) -> Any:
     """The model config.json describes, on the meta device, built by the same
-    implementation as the loaded one: the native Llama/Qwen2 (engines/torch/native_lm.py,
-    no transformers import) or transformers' from_config."""
+    implementation as the loaded one."""
     import torch
 
     from warmup_agent.engines.torch import native_lm
@@ -122,10 +114,7 @@ def check_numerics(engine: Any, prompts: list[list[int]], mean_min: float, mean_
 
 
 def check_fp8_ranges(engine: Any, max_saturated_ratio: float, max_error: float) -> Check:
-    """Numerics of an FP8 model: the seed's value ranges through each FP8 layer's
-    own quantize/dequantize path (readiness/fp8_ranges.py).  Reasons fp8_saturation
-    (more saturated values than validation.fp8_max_saturated_ratio allows) and
-    fp8_roundtrip_error (over validation.fp8_max_roundtrip_error)."""
+    """Numerics of an FP8 model (readiness/fp8_ranges.py)."""
     info = engine.quantization
     if info is None or not info.fp8:
         return Check("fp8_ranges", "skipped", "the model is not quantized to FP8")

@@ -1,9 +1,8 @@
 """The readiness gate's verdict: open or not, and why.
 
-The gate opens when the time-to-first-token window holds enough probes and its P50
-and P90 are at or under their thresholds (seed 000 §4.4), and, where probes time
-decode, decode has converged.  A verdict that is not open names the failure reason
-the agent fails with (warmup_agent/failures.py).
+The gate opens when the time-to-first-token window holds enough probes, its P50 and
+P90 are at or under their thresholds and, where probes time decode, decode has
+converged.  A closed verdict names the failure reason.
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ class Verdict:
 
 @dataclass(frozen=True)
 class DecodeTest:
-    """Decode converged: the P90 time per output token at or under `p90_max`, and no
-    longer getting faster (the older half of the last probes at most `ratio` x the
-    newer half's median; math.inf: no ratio to meet)."""
+    """P90 time per output token at most `p90_max`, and the older half of the last
+    probes at most `ratio` x the newer half's median (math.inf: no ratio)."""
     window: SlidingWindow
     p90_max: float
     ratio: float = math.inf

@@ -1,16 +1,13 @@
-"""Water-level signal (seed 000 §3.2): an adaptive capacity threshold from QPS.
+"""Water-level signal: an adaptive capacity threshold from QPS.
 
     T_k = alpha * T_(k-1) + (1 - alpha) * (Q_k * headroom)
 
-sampled every `period` seconds, where Q_k is the mean requests per second over
-the last `window` seconds at the k-th period boundary (seed: alpha 0.85, a 60 s
-window, a 5 s period, headroom 1.2).  An autoscaler compares live QPS with T
-(see docs/readiness.md for an HPA / KEDA example).
+sampled every `period` seconds, Q_k being the mean requests per second over the
+last `window` seconds.  An autoscaler compares live QPS with T (docs/readiness.md).
 
-Constant memory: one counter per second of the window, in a ring.  The value is
-advanced lazily -- on every request and every read -- through each period
-boundary passed since the last advance; because every arrival advances first,
-the ring still holds exactly the counts each missed boundary needs.
+One counter per second of the window, in a ring.  The value advances lazily, on
+every request and read; since every arrival advances first, the ring still holds
+the counts each missed boundary needs.
 """
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ class WaterLevel:
         while self._boundaries < due:
             t = self._start + (self._boundaries + 1) * self.period
             if t - self._start >= self._last_second + 1 + self.window:
-                # Every later boundary sees an empty window (Q = 0): T decays
-                # geometrically, applied in closed form after a long idle stretch.
+                # Idle past a whole window: Q = 0 from here, so decay in closed form.
                 steps = due - self._boundaries
                 self.value *= self.alpha ** steps
                 self.last_qps = 0.0

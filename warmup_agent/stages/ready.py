@@ -1,5 +1,4 @@
-"""Stage 4, ready (PRIME -> SERVING): probe time to first token until the gate's
-verdict (readiness/verdict.py) opens, validate (readiness/validation.py), then serve
+"""Stage 4, ready (PRIME -> SERVING): probe until the gate opens, validate, then serve
 if the weight fingerprint taken at PRELOAD still matches."""
 from __future__ import annotations
 
@@ -22,18 +21,13 @@ def run(ctx: StageContext, detail: dict) -> None:
     cfg = ctx.cfg
     rd = ctx.readiness
     max_probes = cfg.readiness.max_probes
-    # Engines that speak the traffic profile probe as users send: the first probe
-    # asks for the profile's longest answer (it stands for the first user request),
-    # the later ones for readiness.probe_max_tokens, all at ctx.probe_length.
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
-    # A first probe sent alone (prewarm: this server was measured before) makes the window.
     alone = profile_probes and ctx.first_probe_alone
     min_probes = rd.gate_min_probes(profile_probes, alone)
-    # Decode is gated only where probes time it (engines that speak the traffic profile).
+    # Decode is gated only where probes time it.
     gate_decode = cfg.readiness.require_decode and profile_probes
     if not ctx.first_pairs and not alone:
-        # a re-warm: its first probe is a first request again (the log keeps all); prewarm
-        # restarted the log itself where it sent the first pair or the first probe alone
+        # a re-warm: its first probe is a first request again
         ctx.probe_log.restart()
 
     pairs: list[dict] = []
@@ -41,9 +35,8 @@ def run(ctx: StageContext, detail: dict) -> None:
     def verdict() -> Verdict:
         if not gate_decode:
             return rd.verdict(min_probes)
-        # A first probe no slower than its control in decode (benefit.Controlled.cold)
-        # leaves no cold decode to wait for, nor does one sent alone (the remembered
-        # finding): only the absolute threshold remains.  Else decode must stop getting faster.
+        # A first probe no slower than its control leaves no cold decode to wait for: only
+        # the absolute threshold remains.  Else decode must stop getting faster.
         warm = alone or (pairs and not pairs[-1]["cold"])
         ratio = math.inf if warm else cfg.readiness.tpot_convergence_ratio
         return rd.verdict(min_probes, DecodeTest(ctx.probe_log.decode, cfg.readiness.tpot_p90_threshold_seconds, ratio))
@@ -72,8 +65,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     if not final.open:
         ctx.fail(final.reason, f"after {max_probes} probes {final.message}")
     freeze_first_request(ctx)
-    # the gate's probes are probes[gate_first_probe:probes] of the record (prewarm's pair
-    # stays before them where the gate sent a new first pair)
+    # the gate's probes are probes[gate_first_probe:probes] of the record
     detail.update(probes=len(ctx.probe_log.probes), gate_first_probe=ctx.probe_log.gate_start,
                   probe_prompt_tokens=ctx.probe_length)
     if cfg.validation.enabled:
@@ -83,8 +75,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         ctx.settle()        # the users' first request follows what the first probe followed
         detail["settle_requests"] = ctx.driver.warmup_requests - before
     if ctx.user_path_request is not None:
-        # a user's first request through the proxy found the path from the listener to the
-        # model cold (proxy/user_path.py); outside the engine lock: the batcher takes it
+        # warms the listener-to-model path; outside the engine lock, which the batcher takes
         detail["user_path_request"] = ctx.user_path_request()
     with ctx.driver.busy():
         fingerprint = ctx.engine.weight_fingerprint()
@@ -93,8 +84,7 @@ def run(ctx: StageContext, detail: dict) -> None:
 
 
 def freeze_first_request(ctx: StageContext) -> None:
-    """The first-request figures, once, from the gate's probes (warmup_agent/readiness/probes.py):
-    logged where decode pays per length, and exported."""
+    """Freeze and export the first-request figures."""
     figures = ctx.probe_log.freeze(cold_decode_of(ctx))
     if figures is not None and figures.cold_decode:
         c = figures.cold_decode
@@ -108,32 +98,17 @@ def freeze_first_request(ctx: StageContext) -> None:
 
 
 def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], max_probes: int) -> list[dict]:
-    """The gate's first probe and its control (benefit.Controlled): the same shape, a
-    fresh prompt, after the same predecessor (the last warmup requests are re-sent
-    first where they were a harder predecessor than a probe: StageContext.replay_for).
-    An engine that speaks the traffic profile sent the first pair already, as prewarm's
-    per-length test at fresh prompt lengths (StageContext.first_pairs); the gate goes on
-    from it.  A first probe that was cold beyond its control means the warmup left
-    something cold, which it has now paid: another pair follows, up to
-    prewarm.max_calls_per_path pairs.  The figures are the last pair's, or, where each
-    new prompt length pays, prewarm's second pair's: its first probe paid what a first
-    request at a new length pays (readiness/probes.py).  Probes double as the last
-    warmup."""
+    """Send first-probe pairs (StageContext.probe_pair), going on from any prewarm sent.
+    A first probe cold beyond its control means the warmup left something cold, which
+    it has now paid, so another pair follows, up to prewarm.max_calls_per_path."""
     cfg = ctx.cfg
     profile_probes = ctx.engine.speaks_profile and ctx.profile is not None
     tokens = ctx.first_probe_tokens if profile_probes else None
     pairs: list[dict] = list(ctx.first_pairs)
-    # Whose figures are exported: where each new prompt length pays once (prewarm's
-    # per-length test), a user's first request at a length no request reached pays what
-    # the second fresh length's first probe paid (prewarm's last pair, kept); elsewhere a
-    # cold first probe paid a one-time cost for everyone, and the users meet the state
-    # of the last pair.
     each_length_pays = bool(((ctx.warmup_summary or {}).get("per_length") or {}).get("prefill_pays_each_new_length"))
-    # Where each new prompt length pays (prewarm's two fresh lengths both paid in prefill),
-    # prewarm's last pair was cold because its length was new: a pair at that length again
-    # would find it warm and say nothing a user meets (two probes, 0.1 s on a GPU's
-    # llama.cpp, bench/results/gpu_server_llamacpp_h200_issue40_run5.json), and a pair at
-    # another fresh length would pay again.  No more pairs then.
+    # Where each new prompt length pays, the last pair was cold because its length was
+    # new: a pair at that length would find it warm, one at another length would pay
+    # again, and neither says what a user meets.  No more pairs then.
     while (not pairs or (pairs[-1]["cold"] and not each_length_pays)) and len(pairs) < cfg.prewarm.max_calls_per_path \
             and len(ctx.probe_log.gate_probes) + 2 <= max_probes:
         _, pair = ctx.probe_pair(probe, tokens, replay=not pairs)
@@ -146,8 +121,7 @@ def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], ma
 
 
 def cold_decode_of(ctx: StageContext) -> Callable[[FirstRequest, list[Probe]], dict | None] | None:
-    """Where prewarm's per-length test found that decode pays per sequence length:
-    the prediction of the first user's whole answer (warmup_agent/readiness/cold_decode.py)."""
+    """The first user's whole-answer prediction, where decode pays per sequence length."""
     summary = ctx.warmup_summary or {}
     if not summary.get("per_length", {}).get("pays") or ctx.profile is None or ctx.probe_length is None:
         return None
@@ -182,7 +156,7 @@ def validate(ctx: StageContext, detail: dict) -> None:
         record(validation.check_structure(ctx.engine))
         record(validation.check_numerics(ctx.engine, prompts, cfg.validation.logits_mean_min,
                                          cfg.validation.logits_mean_max, cfg.validation.logits_abs_max))
-        if cfg.validation.fp8_ranges:   # numerics of an FP8 model (seed 003 §3)
+        if cfg.validation.fp8_ranges:
             fp8 = validation.check_fp8_ranges(ctx.engine, cfg.validation.fp8_max_saturated_ratio,
                                               cfg.validation.fp8_max_roundtrip_error)
             export_fp8_ranges(ctx.recorder, fp8)

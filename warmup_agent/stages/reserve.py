@@ -1,23 +1,12 @@
-"""Stage 1, reserve (state INIT): read the host, pin CPUs, create the CUDA
-context, reserve GPU memory for the model and the warmup grid.
+"""Stage 1, reserve (state INIT): read the host, pin CPUs, create the CUDA context,
+reserve GPU memory for the model and the warmup grid.
 
-On a GPU host: NVML facts per GPU (memory, NUMA node, local CPUs, PCIe, NVLink
-links and peers); the process is pinned to its share of the CPUs local to its
-GPU within the allowed cpuset (GPUs sharing a socket split those CPUs, so one
-agent per GPU never overlaps).  The CUDA context is created under
-gpu.cuda_context_timeout_seconds.  Then memory is reserved and touched, sized
-from the weights' bytes plus the KV bytes per token (2 x layers x kv_heads x
-head_dim x dtype bytes) for the longest warmup shape and the largest batch,
-plus activation headroom; when that cannot fit, the agent fails at once with
-reason insufficient_gpu_memory and the numbers.  On a CPU host: CPU and memory
-facts; there is no GPU locality to pin to; insufficient_memory when the
-weights alone cannot fit.
+The process is pinned to its share of the CPUs local to its GPU, so agents on GPUs
+that share a socket never overlap.  The reservation is the weights plus the KV cache
+of the longest warmup shape at the largest batch, plus activation headroom; when it
+cannot fit the agent fails at once with insufficient_gpu_memory and the numbers.
 
-Every sub-step is timed (`steps`): the run record's reserve stage carries
-`steps_seconds`, the log a `[COLDSTART] phase1 reserve step` line per step, and
-/metrics `warmup_reserve_step_duration_seconds{step}`, so a slow reserve says where
-its time goes (host_facts = NVML, pin_cpus, model_check, torch_import, cuda_init =
-driver init and device enumeration, cuda_context, memory_reserve).
+Every sub-step is timed (`Steps`) so a slow reserve says where its time goes.
 """
 from __future__ import annotations
 
@@ -39,8 +28,7 @@ log = logging.getLogger("warmup_agent.stages.reserve")
 
 
 def _weight_bytes_on_device(model_path: str, device: str, dtype: str) -> int:
-    """Bytes the weights will take once loaded: stored bytes, doubled when a
-    16-bit checkpoint is loaded as float32 (the CPU default)."""
+    """Stored weight bytes, doubled when a 16-bit checkpoint loads as float32."""
     stored = sum(check_safetensors_header(f) for f in safetensors_files(model_path))
     if dtype == "float32" or (dtype == "auto" and device == "cpu"):
         config = check_model_dir(model_path)
@@ -54,8 +42,7 @@ def _device_index(device: str) -> int:
 
 
 def configure_engine(ctx: StageContext) -> None:
-    """Hand the GPU options of the config to the engine (Engine.configure: only the
-    torch engine takes them; the others ignore them)."""
+    """Hand the config's loader and GPU options to the engine."""
     cfg = ctx.cfg
     ctx.engine.configure(progressive=cfg.prewarm.progressive_load, chunk_bytes=cfg.prewarm.staging_chunk_bytes,
                            buffers=cfg.prewarm.staging_buffers, workers=cfg.prewarm.loader_threads,
@@ -66,8 +53,7 @@ def configure_engine(ctx: StageContext) -> None:
 
 
 class Steps:
-    """Times the sub-steps of reserve into detail["steps_seconds"], the log and
-    the warmup_reserve_step_duration_seconds gauge (one clock: perf_counter)."""
+    """Times reserve's sub-steps into the record, the log and the step gauge."""
 
     def __init__(self, ctx: StageContext, detail: dict):
         self._recorder = ctx.recorder
@@ -138,8 +124,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         ctx.fail("insufficient_gpu_memory", problem)
     ctx.gpu_free_bytes = gpu.memory_free_bytes
     if ctx.engine.sets_up_device:
-        # The first `import torch` of the process lands here (nothing imports it
-        # earlier on a GPU host); timed apart so it is not read as reservation.
+        # The process's first `import torch`, timed apart so it is not read as reservation.
         with step("torch_import"):
             if "torch" not in sys.modules:
                 import torch  # noqa: F401
@@ -148,8 +133,7 @@ def run(ctx: StageContext, detail: dict) -> None:
         total = time.perf_counter() - t0
         context = ctx.engine.context_seconds or 0.0
         detail["cuda_context_seconds"] = ctx.engine.context_seconds
-        # init_device = device resolution (torch.cuda.is_available(): cuInit and
-        # device enumeration) + the context (set_device and a first allocation).
+        # init_device = cuInit and device enumeration + the context itself.
         step.record("cuda_init", max(total - context, 0.0))
         step.record("cuda_context", context)
         if cfg.reserve.gpu_memory:

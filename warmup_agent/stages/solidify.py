@@ -30,7 +30,7 @@ def open_kernel_cache(ctx: StageContext) -> KernelCache | None:
         from warmup_agent.kernel_cache import KernelCache
         cfg = ctx.cfg
         cache = KernelCache.from_config(cfg.kernel_cache, data_dir=cfg.data_dir, model=cfg.model, solidify=cfg.solidify,
-                                        metrics=ctx.recorder.metrics)   # the cache records its own
+                                        recorder=ctx.recorder)
         os.environ.update(cache.env())
         cache.restore()
         return cache

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from warmup_agent.engines.base import EngineError
 from warmup_agent.engines.openai.client import _PATHS
-from warmup_agent.server.kinds import BY_OWNER
+from warmup_agent.server.kinds import BY_OWNER, KINDS
 
 if TYPE_CHECKING:
     from warmup_agent.config_sections import OpenaiSection
@@ -109,15 +109,16 @@ class Discovery:
                       sorted(client.rejected_fields) or "none")
 
     def _concurrency(self) -> int:
-        """openai.concurrency, else llama-server's slots, else the owner kind's default, else 1."""
+        """openai.concurrency, else the slots a kind's `slots_path` gives, else the owner kind's default, else 1."""
         if self.configured_concurrency > 0:
             return self.configured_concurrency
-        try:
-            slots = int(self.client.get_json("/props").get("total_slots") or 0)
-            if slots > 0:
-                return slots
-        except Exception:  # noqa: BLE001 - not llama.cpp (404), or an old one
-            pass
+        for path, key in dict.fromkeys((k.slots_path, k.slots_key) for k in KINDS if k.slots_path):
+            try:
+                slots = int(self.client.get_json(path).get(key) or 0)
+                if slots > 0:
+                    return slots
+            except Exception:  # noqa: BLE001 - not that kind (404), or an old one
+                pass
         kind = BY_OWNER.get(str(self.models_info.get("owned_by", "")))
         return kind.concurrency if kind is not None and kind.concurrency else 1
 

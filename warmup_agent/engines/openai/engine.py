@@ -24,15 +24,7 @@ from warmup_agent.engines.openai.server import ServerHandle
 from warmup_agent.engines.openai.server_traffic import ServerTraffic
 from warmup_agent.engines.text_prompts import TextPrompts
 from warmup_agent.gpu import sizing
-from warmup_agent.server.command import (
-    DEFAULT_HOST,
-    DEFAULT_PORT,
-    describe_command,
-    fix_vllm_command,
-    listen_address,
-    option,
-    parse_adapters,
-)
+from warmup_agent.server.command import parse_adapters
 from warmup_agent.server.kinds import BY_OWNER, kind_of_command, sleeps_when_idle
 from warmup_agent.warmup.traffic import _SEED_TEXT, WarmRequest
 
@@ -41,8 +33,7 @@ if TYPE_CHECKING:
     from warmup_agent.server.signals import ServerSignals
     from warmup_agent.server.supervisor import Supervisor
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Discovery", "OpenAIEngine", "ServerHandle", "StreamingClient",
-           "describe_command", "fix_vllm_command", "listen_address", "option", "parse_adapters"]
+__all__ = ["Discovery", "OpenAIEngine", "ServerHandle", "StreamingClient"]
 
 
 class OpenAIEngine(Engine):
@@ -111,37 +102,12 @@ class OpenAIEngine(Engine):
         return self.discovery.apis
 
     @property
-    def token_id_prompts(self) -> bool:
-        return self.discovery.token_id_prompts
-
-    @property
     def concurrency(self) -> int:
         return self.discovery.concurrency
 
     @property
     def capabilities(self) -> dict:
         return self.discovery.capabilities
-
-    @property
-    def rejected_fields(self) -> set[str]:
-        return self.client.rejected_fields
-
-    @property
-    def on_server_exit(self) -> Callable[[int], None] | None:
-        return self.server.on_server_exit
-
-    @property
-    def on_server_ready(self) -> Callable[[], None] | None:
-        return self.server.on_server_ready
-
-    def headers(self, warmup: bool) -> dict[str, str]:
-        return self.client.headers(warmup)
-
-    def server_env(self) -> dict[str, str]:
-        return self.server.server_env()
-
-    def server_command(self) -> list[str]:
-        return self.server.server_command()
 
     @property
     def server_start_seconds(self) -> float | None:
@@ -274,7 +240,7 @@ class OpenAIEngine(Engine):
         body: dict = {"max_tokens": max_new_tokens, "temperature": 0.0}
         if model:
             body["model"] = model
-        if self.token_id_prompts or not self.apis:
+        if self.discovery.token_id_prompts or not self.apis:
             body["prompt"] = list(prompt)
             return self.client.request(body, "completions", warmup, len(prompt))
         text = self._tokenizer.decode(list(prompt)) if self._tokenizer is not None else _SEED_TEXT[:len(prompt) * 4]
@@ -307,7 +273,7 @@ class OpenAIEngine(Engine):
                 return body, r.prompt_tokens
             body["messages"], n = self.text.messages(r.prompt_tokens, variant)
             return body, n
-        if self.token_id_prompts and self._tokenizer is not None:
+        if self.discovery.token_id_prompts and self._tokenizer is not None:
             body["prompt"] = self._ids(r.prompt_tokens, variant)
             return body, r.prompt_tokens
         if self.text is not None:

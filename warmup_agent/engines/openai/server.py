@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Callable
 
 from warmup_agent.engines.base import EngineError
 from warmup_agent.server.command import (
-    fix_vllm_command,
+    CACHE_ENV,
+    fix_command,
     http_url,
-    is_vllm,
     listen_address,
     model_in_command,
     option,
     server_env,
     server_name_of,
     server_remedy,
+    with_kv_budget,
 )
 from warmup_agent.server.kinds import kind_of_command
 
@@ -36,7 +37,7 @@ class ServerHandle:
     def __init__(self, openai: OpenaiSection, *, data_dir: str, lora: LoraSection, vllm: VllmSection,
                  command: list[str] | None, traffic: ServerTraffic, base_env: dict[str, str] | None = None,
                  log: logging.Logger | None = None):
-        self.command = fix_vllm_command(command) if command else None
+        self.command = fix_command(command) if command else None
         self._created = time.time()     # fallback when the process age is unknown
         if self.command:
             host, port = listen_address(self.command)
@@ -65,6 +66,8 @@ class ServerHandle:
         self.startup: dict[str, float] = {}   # seconds the server's start-up log reports
         kind = kind_of_command(self.command)
         self._startup_log = {k: re.compile(p) for k, p in (kind.startup_log if kind else {}).items()}
+        if kind is not None:
+            traffic.request_line = re.compile(kind.request_log)
         self.spawn: dict = {}                  # whether the spawn was early, and why not
 
     @property
@@ -81,12 +84,9 @@ class ServerHandle:
                           self.lora.adapters, self.applied_remedy)
 
     def server_command(self) -> list[str]:
-        """The command as started; a vLLM command without a memory budget gets a KV budget."""
+        """The command as started; one whose kind takes a KV budget gets one unless it sets its memory."""
         assert self.command, "only a supervised server has a command"
-        cmd = list(self.command)
-        if is_vllm(cmd) and not option(cmd, "--kv-cache-memory-bytes") and not option(cmd, "--gpu-memory-utilization"):
-            cmd += ["--kv-cache-memory-bytes", str(self.kv_budget_bytes())]
-        return cmd
+        return with_kv_budget(self.command, self.kv_budget_bytes)
 
     def kv_budget_bytes(self) -> int:
         configured = self.vllm.kv_cache_memory_bytes
@@ -136,7 +136,7 @@ class ServerHandle:
         age = process_age_seconds()
         since = (time.time() - age if age is not None else self._created) - 1.0
         env = self.server_env()
-        for var in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        for var in CACHE_ENV:
             for root, _, files in os.walk(env[var]):
                 for name in files:
                     try:

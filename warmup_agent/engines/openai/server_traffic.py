@@ -14,14 +14,15 @@ from typing import Callable
 
 from warmup_agent.server.kinds import REQUEST_LOG
 
-REQUEST_LINE = re.compile(REQUEST_LOG)
-
 
 class ServerTraffic:
-    """`slack`: seconds a credit outlives its request (log lines are read a little late)."""
+    """`slack`: seconds a credit outlives its request (log lines are read a little late);
+    `request_line`: a request's log line (the server kind's `request_log`)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, slack: float = 0.5) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, slack: float = 0.5,
+                 request_log: str = REQUEST_LOG) -> None:
         self._clock, self.slack = clock, slack
+        self.request_line = re.compile(request_log)
         self._lock = threading.Lock()
         self._credits: list[list[float]] = []    # one per own request: [end time, inf while in flight]
         self._last_other: float | None = None
@@ -39,7 +40,7 @@ class ServerTraffic:
             credit[0] = self._clock()
 
     def log_line(self, line: str) -> None:
-        if not REQUEST_LINE.search(line):
+        if not self.request_line.search(line):
             return
         with self._lock:
             self._drop_lapsed(self._clock())

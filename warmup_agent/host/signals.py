@@ -1,23 +1,16 @@
-"""SIGTERM / SIGINT handling that works on a GPU host.
+"""SIGTERM / SIGINT handling that works when the signal lands on another thread.
 
-Why not just `signal.signal(...)` and `Event.wait()`: CPython runs a Python
-signal handler only on the main thread, and only once that thread gets back to
-the interpreter loop.  The kernel may deliver a process-directed signal to any
-thread that does not block it; on a GPU host (dozens of CUDA, NVML and HTTP
-threads) it lands on another thread, so CPython's C-level handler sets its
-"tripped" flag but the main thread, asleep in an untimed `Event.wait()` (a
-`sem_wait` that only EINTR wakes), never looks at it: no drain, SIGKILL after
-the grace period.
+CPython runs a Python signal handler only on the main thread, and only when that
+thread returns to the interpreter loop.  The kernel may deliver the signal to any
+thread, and on a host with many native threads it usually does; a main thread asleep
+in an untimed `Event.wait()` then never runs the handler, and the pod is killed after
+its grace period instead of draining.
 
-Two independent paths, either of which is enough:
-1. the C handler also writes the signal number to a wakeup socket
-   (`signal.set_wakeup_fd`), whichever thread it runs on; a small watcher
-   thread blocks on that socket and calls `on_signal` itself, so a drain starts
-   even while the main thread is busy in a long native call;
-2. the main thread never waits untimed (`wait_until_stopped` wakes every
-   `poll` seconds), so the interpreter runs the Python handler within that time.
-`on_signal` must be idempotent (both paths usually see the same delivery); a
-lock serialises the calls.
+Two independent paths, either enough:
+1. `signal.set_wakeup_fd` writes the signal number to a socket from whichever thread
+   the C handler runs on; a watcher thread reads it and calls `on_signal`;
+2. the main thread never waits untimed, so the Python handler runs within `poll` s.
+`on_signal` must be idempotent: both paths usually see the same delivery.
 """
 from __future__ import annotations
 
@@ -67,12 +60,10 @@ class SignalWatcher:
                 s.close()
 
     def wait_until_stopped(self) -> None:
-        """Block the main thread until a signal was handled, waking every `poll` s
-        so the interpreter can run a pending Python-level handler."""
+        """Block the main thread until a signal was handled, waking every `poll` s."""
         while not self.stopped.wait(self.poll):
             pass
 
-    # The Python-level handler: runs on the main thread, whenever it gets there.
     def _python_handler(self, signum: Any, frame: Any) -> None:
         self._handle(signum, source="handler")
 
@@ -91,9 +82,7 @@ class SignalWatcher:
                     self._handle(signum, source="wakeup")
 
     def _handle(self, signum: int, source: str) -> None:
-        # One delivery usually reaches both paths (the wakeup byte and, later, the
-        # Python handler); on_signal must be idempotent, and the lock keeps two
-        # calls from interleaving.
+        # The lock keeps the two paths' calls from interleaving.
         with self._lock:
             if not self.stopped.is_set():
                 log.info("signal %d: draining (seen by the %s)", signum, source)

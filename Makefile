@@ -6,7 +6,7 @@ SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 TEST_APT := prometheus prometheus-alertmanager redis-server openssl util-linux cmake ninja-build g++
 
-.PHONY: help setup run test-setup test test-fast lint regenerate clean images e2e-pod
+.PHONY: help setup run test-setup test test-fast lint regenerate clean images e2e-pod bench-example
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 18
@@ -39,6 +39,9 @@ test-setup: $(VPY)  ## install everything the tests need: apt servers, test extr
 
 test: test-setup  ## set up, then run the whole test suite
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+bench-example: test-setup  ## warmup-agent bench on this CPU: llama-server (built once) serving the embedded model; STARTS=N per condition, OUT=DIR
+	PY=$(VPY) bash tools/bench_example.sh
 
 test-fast:  ## the unit tests only: no apt, no servers, no model (under a minute; needs .[test] installed)
 	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

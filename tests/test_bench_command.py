@@ -419,3 +419,17 @@ def test_real_cpu_vllm_two_starts_per_condition(tmp_path, embedded_model):
     _ready_agrees(res, observer, "alone")
     _ready_agrees(res, observer, "agent")
     _tax_agrees(tmp_path, cmd, env, "--model", vllm_server.SERVED_NAME, "--max-context", "256", "--max-tokens", "16")
+
+
+@pytest.mark.slow
+def test_the_readme_cpu_example_runs_as_written(tmp_path, llama_server, gguf):
+    """`make bench-example`'s script, one start per condition: a complete JSON, nothing left."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMUP_AGENT_")}
+    env.update(PY=sys.executable, STARTS="1", OUT=str(tmp_path / "out"))
+    r = subprocess.run(["bash", "tools/bench_example.sh", "--no-progress"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = _result(tmp_path)
+    assert res["status"] == "complete" and res["server"] == "llama.cpp", res.get("error")
+    assert res["starts_done"] == {c: 1 for c in CONDS}
+    assert _left_running(tmp_path, res) == []

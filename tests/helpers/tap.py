@@ -123,7 +123,8 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         inner = s.getsockname()[1]
-    cmd = [w.replace("{inner}", str(inner)) for w in a.command if w != "--"]
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command    # only the separator, not a "--" of the server's
+    cmd = [w.replace("{inner}", str(inner)) for w in command]
     server = subprocess.Popen(cmd)        # in the tap's process group, so the bench's group checks see it
 
     def stop(signum: int, frame: object) -> None:

@@ -7,7 +7,7 @@
 # The CUDA llama-server comes from .gpu-carry/llama-server-cuda.xz.* when carried, else
 # it is built from .gpu-carry/llama-cpp-src.tar.gz (about 4.5 min) and written to
 # OUT_DIR for the next call.  The model is the bench's random Qwen2-1.5B shape
-# (bench/bench_gpu_server.py make_model), converted to GGUF by tools/gguf_convert.py.
+# (bench/gpu_model.py), converted to GGUF by tools/gguf_convert.py.
 set -u
 OUT_DIR=${1:?usage: $0 OUT_DIR}
 mkdir -p "$OUT_DIR/logs"
@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
 T0=$(date +%s)
 nvidia-smi -L
 M=/tmp/qwen2-1.5b
-( python3 -c "import sys; sys.path.insert(0, '.'); from bench.bench_gpu_server import make_model; make_model('$M', 'cuda')" \
+( python3 -m bench.gpu_model "$M" \
     > "$OUT_DIR/logs/model.log" 2>&1 \
   && python3 tools/gguf_convert.py "$M" --render-pad-tokens --from-tarball .gpu-carry/llama-cpp-src.tar.gz \
        --data-dir /tmp/llama-data > "$OUT_DIR/logs/gguf.log" 2>&1 ) &

@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# One device call for the GPU figures of issues 13, 15, 16 and 19.
+# One device call for the GPU figures (acceptance, the server benchmarks, FP8, CUDA tests).
 #
 #   bench/gpu_session.sh OUT_DIR
 #
-# On one GPU the runs go one after the other (acceptance, FP8 cold starts, server
-# benchmark, CUDA tests).  On two, device time being scarce, the one-GPU runs share the call:
-#   GPU 0: bench_gpu_server.py (transformers serve alone vs under the agent, issue 19),
-#          then the CUDA tests
+# On one GPU the runs go one after the other (acceptance, FP8 cold starts, `warmup-agent
+# bench` on transformers serve, CUDA tests).  On two, device time being scarce, the
+# one-GPU runs share the call:
+#   GPU 0: `warmup-agent bench` on transformers serve, then the CUDA tests
 #   GPU 1: gpu_acceptance.py (CLI end to end: scrape, promtool, alert replay, SIGTERM;
-#          torch engine, then supervising transformers serve, issue 13), then
-#          bench_gpu_cold_start.py --fp8 (issue 16)
-# and then, alone on the host, bench_two_gpu.py (issue 15).  Every part writes its
-# JSON into OUT_DIR as soon as it has it, so a call cut short keeps what finished.
-# PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one);
-# parts: acceptance (ACCEPTANCE_ARGS: more options), bench-tfserve (BENCH_STARTS, BENCH_SEED), acceptance-fp8, diag, diag-llamacpp (after llamacpp), diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-server-fresh, tests, fp8, server, llamacpp,
-# tfserve-cudnn, tfserve-default (issue 30: transformers serve with/without TORCH_CUDNN_SDPA_DEPRIORITIZED=1),
-# inproc-proxy (issue 41: warmup-agent run --engine torch --proxy-listen against transformers serve alone),
-# inproc (issue 25: `warmup-agent run --model DIR` polled from outside against a plain from_pretrained start,
-# Qwen2-1.5B and Qwen2-7B shapes, then what the imports cost there; about 7 min: PARTS=inproc:470 BUDGET=480).
-# llamacpp needs .gpu-carry/llama-cpp-src.tar.gz (tools/build_llama_server.py --source-tarball) or a
-# CUDA build carried back as .gpu-carry/llama-server-cuda.xz.* (the first llamacpp part writes it to OUT_DIR).
+#          torch engine, then supervising transformers serve), then bench_gpu_cold_start.py --fp8
+# and then, alone on the host, bench_two_gpu.py.  Every part writes its JSON into
+# OUT_DIR as soon as it has it, so a call cut short keeps what finished.
+# PARTS="diag tests:200 fp8:300" runs only those parts, in that order (NAME:SECONDS caps one).
+# Parts:
+#   acceptance (ACCEPTANCE_ARGS: more options), acceptance-fp8, tests, fp8
+#   bench-tfserve, bench-llamacpp: `warmup-agent bench` on transformers serve or the CUDA
+#     llama-server, the bench model of bench/gpu_model.py (BENCH_STARTS, BENCH_SEED)
+#   diag, diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-llamacpp (after bench-llamacpp)
+#   inproc: `warmup-agent run --model DIR` polled from outside against a plain from_pretrained
+#     start, Qwen2-1.5B and Qwen2-7B shapes, then what the imports cost; about 7 min: PARTS=inproc:470 BUDGET=480
+# bench-llamacpp needs .gpu-carry/llama-cpp-src.tar.gz (tools/build_llama_server.py --source-tarball);
+# the CUDA build it makes comes back as OUT_DIR/llama-server-cuda.xz.*: carry it in .gpu-carry next time.
 # Needs: .whl/ (transformers serve's missing wheels, see ../shared/TESTING.md) and
 # .gpu-carry/promtool.xz or .gz (a promtool binary, compressed) carried with the tree.
 set -u
@@ -49,7 +50,7 @@ run_acceptance() {
     echo "acceptance rc=$? at $(( $(date +%s) - T0 )) s"
 }
 run_bench_tfserve() {  # $1: seconds; issue 60's `warmup-agent bench` on transformers serve (BENCH_STARTS per condition)
-    local m; m=$(python3 -c "import sys; sys.path.insert(0, '.'); from bench.bench_gpu_server import make_model; print(make_model('/tmp/qwen2-1.5b-random-chat', 'cuda', qwen_chat=True))" | tail -n 1)
+    local m; m=$(python3 -m bench.gpu_model /tmp/qwen2-1.5b-random-chat --qwen-chat | tail -n 1)
     # SIGINT first at the cap, so the bench writes its partial JSON
     timeout -s INT -k 20 "$1" python3 -m warmup_agent bench --starts ${BENCH_STARTS:-5} --seed ${BENCH_SEED:-4201} --no-progress \
         --out "$OUT_DIR/bench_tfserve" -- transformers serve "$m" --host 127.0.0.1 --port {port} --device cuda \
@@ -61,12 +62,6 @@ run_acceptance_fp8() {  # $1: seconds; the torch engine on the FP8 checkpoint (i
     timeout "$1" python3 bench/gpu_acceptance.py --fp8 --out "$OUT_DIR/gpu_acceptance_fp8_h200.json" \
         --promtool /tmp/pt/promtool > "$OUT_DIR/logs/acceptance_fp8.log" 2>&1
     echo "acceptance fp8 rc=$? at $(( $(date +%s) - T0 )) s"; tail -n 6 "$OUT_DIR/logs/acceptance_fp8.log"
-}
-run_server_bench() {  # $1: seconds
-    # SERVER_ARGS: more options, e.g. "--server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 --agent-env K=V"
-    timeout "$1" python3 bench/bench_gpu_server.py --starts ${SERVER_STARTS:-3} --steady ${SERVER_STEADY:-20} --budget-seconds $(( $1 - 20 )) \
-        --out "$OUT_DIR/gpu_server_h200.json" --logs "$OUT_DIR/logs" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server.log" 2>&1
-    echo "gpu_server rc=$? at $(( $(date +%s) - T0 )) s"
 }
 run_fp8_bench() {  # $1: seconds
     timeout "$1" python3 bench/bench_gpu_cold_start.py --fp8 --runs ${FP8_RUNS:-2} \
@@ -91,41 +86,28 @@ llama_server_bin() {  # prints the CUDA llama-server: carried (.gpu-carry/llama-
     ls -la "$OUT_DIR"/llama-server-cuda.xz.* >&2
     echo "$bin"
 }
-run_llamacpp_bench() {  # $1: seconds; llama.cpp's server alone vs under the agent (issue 30)
+run_bench_llamacpp() {  # $1: seconds; issue 60's `warmup-agent bench` on the CUDA llama-server (BENCH_STARTS per condition)
     local bin; bin=$(llama_server_bin) || return
     "$bin" --version 2>&1 | tail -n 2
-    mkdir -p "$OUT_DIR/scrapes"
-    local tree=.gpu-carry/llama-convert-tree.tar.gz; [ -f $tree ] || tree=.gpu-carry/llama-cpp-src.tar.gz
-    timeout "$1" python3 bench/bench_gpu_server.py --server llamacpp --llama-server "$bin" --llama-tree $tree --starts ${SERVER_STARTS:-5} \
-        --steady ${SERVER_STEADY:-8} --budget-seconds $(( $1 - 20 )) --out "$OUT_DIR/gpu_server_llamacpp_h200.json" \
-        --logs "$OUT_DIR/logs" --scrapes "$OUT_DIR/scrapes" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server_llamacpp.log" 2>&1
-    echo "llamacpp bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|llamacpp_" "$OUT_DIR/logs/gpu_server_llamacpp.log"
+    local m=/tmp/qwen2-1.5b
+    python3 -m bench.gpu_model $m > "$OUT_DIR/logs/model.log" 2>&1 \
+        && python3 tools/gguf_convert.py $m --render-pad-tokens --from-tarball .gpu-carry/llama-cpp-src.tar.gz \
+            --data-dir /tmp/llama-data > "$OUT_DIR/logs/gguf.log" 2>&1 || { tail -n 20 "$OUT_DIR"/logs/model.log "$OUT_DIR"/logs/gguf.log; return; }
+    GGUF=$(tail -n 1 "$OUT_DIR/logs/gguf.log")
+    timeout -s INT -k 20 "$(( $1 - 10 ))" python3 -m warmup_agent bench --starts ${BENCH_STARTS:-5} --seed ${BENCH_SEED:-4200} --no-progress \
+        --out "$OUT_DIR/bench_llamacpp" --agent-model $m -- "$bin" -m "$GGUF" -ngl 99 -c 4096 --host 127.0.0.1 --port {port} \
+        > "$OUT_DIR/logs/bench_llamacpp.out" 2>&1
+    echo "bench llamacpp rc=$? at $(( $(date +%s) - T0 )) s"; tail -n 25 "$OUT_DIR/logs/bench_llamacpp.out"
+    mv "$OUT_DIR/bench_llamacpp/logs" "$OUT_DIR/logs/bench_llamacpp_logs" 2>/dev/null
 }
 run_diag_llamacpp() {  # $1: seconds; what a warm llama-server pays at a new prompt length, and why (issue 40)
     local bin; bin=$(llama_server_bin) || return
-    local gguf=/tmp/qwen2-1.5b-random-chat-bf16-padtext.gguf   # written by the llamacpp part
-    [ -f $gguf ] || { echo "diag-llamacpp: run the llamacpp part first ($gguf)"; return; }
+    local gguf=${GGUF:-}   # written by the bench-llamacpp part
+    [ -f "$gguf" ] || { echo "diag-llamacpp: run the bench-llamacpp part first"; return; }
     timeout "$1" python3 -m bench.diagnostics.diag_llamacpp_length --llama-server "$bin" --gguf $gguf \
         --out "$OUT_DIR/diag_llamacpp_length_h200.json" --logs "$OUT_DIR/logs" ${DIAG_VARIANTS:+--variants $DIAG_VARIANTS} \
         > "$OUT_DIR/logs/diag_llamacpp.log" 2>&1
     echo "diag llamacpp rc=$? at $(( $(date +%s) - T0 )) s"; cat "$OUT_DIR/logs/diag_llamacpp.log"
-}
-run_tfserve_bench() {  # $1: seconds, $2: name (tfserve_cudnn | tfserve_default); issue 30
-    local extra=""
-    [ "$2" = tfserve_cudnn ] && extra="--server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 --prefix tfserve"
-    [ "$2" = tfserve_default ] && extra="--prefix tfserve_default"
-    mkdir -p "$OUT_DIR/scrapes" "$OUT_DIR/logs/$2"
-    timeout "$1" python3 bench/bench_gpu_server.py --server transformers --starts ${TFSERVE_STARTS:-5} --steady ${SERVER_STEADY:-8} \
-        --budget-seconds $(( $1 - 20 )) --out "$OUT_DIR/gpu_server_$2_h200.json" --logs "$OUT_DIR/logs/$2" \
-        --scrapes "$OUT_DIR/scrapes" $extra ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_server_$2.log" 2>&1
-    echo "$2 bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|tfserve" "$OUT_DIR/logs/gpu_server_$2.log"
-}
-run_inproc_proxy_bench() {  # $1: seconds; issue 41: the torch engine behind --proxy-listen vs transformers serve alone
-    mkdir -p "$OUT_DIR/logs/inproc_proxy" "$OUT_DIR/scrapes"
-    timeout "$1" python3 bench/bench_gpu_server.py --server transformers --conditions alone,inproc --starts ${INPROC_STARTS:-5} \
-        --steady ${SERVER_STEADY:-8} --budget-seconds $(( $1 - 40 )) --out "$OUT_DIR/gpu_inproc_proxy_h200.json" \
-        --logs "$OUT_DIR/logs/inproc_proxy" --scrapes "$OUT_DIR/scrapes" ${SERVER_ARGS:-} > "$OUT_DIR/logs/gpu_inproc_proxy.log" 2>&1
-    echo "inproc proxy bench rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^start|inproc_|tfserve_" "$OUT_DIR/logs/gpu_inproc_proxy.log"
 }
 run_inproc_bench() {  # $1: seconds; issue 25 (bench/bench_inproc_start.py, bench/diagnostics/import_costs.py)
     # 1.5B: 3 pairs + 2 agent-only starts (about 160 s); 7B: 2 pairs (about 90 s); the models are
@@ -156,15 +138,6 @@ run_diag_fresh() {  # $1: seconds; which part of an eager generate() pays for a 
         --out "$OUT_DIR/diag_fresh_length_h200.json" > "$OUT_DIR/logs/diag_fresh.log" 2>&1
     echo "diag fresh rc=$? at $(( $(date +%s) - T0 )) s"; grep -vE "Loading|USDT" "$OUT_DIR/logs/diag_fresh.log" | cut -c1-400
 }
-run_diag_server_fresh() {  # $1: seconds; a warm transformers serve at fresh lengths, with the switch then without (issue 30)
-    local half=$(( $1 / 2 ))
-    timeout "$half" python3 -m bench.diagnostics.diag_server_fresh --server-env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 \
-        --out "$OUT_DIR/diag_server_fresh_h200_switch.json" > "$OUT_DIR/logs/diag_server_fresh.log" 2>&1
-    echo "diag server fresh (switch) rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^L |^idle|^\{" "$OUT_DIR/logs/diag_server_fresh.log"
-    timeout "$half" python3 -m bench.diagnostics.diag_server_fresh \
-        --out "$OUT_DIR/diag_server_fresh_h200_default.json" > "$OUT_DIR/logs/diag_server_fresh_default.log" 2>&1
-    echo "diag server fresh (default) rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^L |^idle|^\{" "$OUT_DIR/logs/diag_server_fresh_default.log"
-}
 run_gpu_tests() {  # $1: seconds
     timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_cuda.py \
         tests/test_gpu_fragmentation_cuda.py tests/test_fp8_cuda.py > "$OUT_DIR/logs/gpu_tests.log" 2>&1
@@ -180,14 +153,12 @@ if [ -n "${PARTS:-}" ]; then
         case $name in
             acceptance) run_acceptance ;; bench-tfserve) run_bench_tfserve "$cap" ;; acceptance-fp8) run_acceptance_fp8 "$cap" ;;
             diag) run_diag "$cap" "" ;; tests) run_gpu_tests "$cap" ;; diag-prefill) run_diag_prefill "$cap" ;;
-            diag-fresh) run_diag_fresh "$cap" ;; diag-server-fresh) run_diag_server_fresh "$cap" ;;
+            diag-fresh) run_diag_fresh "$cap" ;;
             # the diagnosis again with the cuDNN attention switch libtorch_cuda.so reads (issue 19's note)
             diag-cudnn-deprioritized) TORCH_CUDNN_SDPA_DEPRIORITIZED=1 run_diag "$cap" "_cudnn_deprioritized" ;;
-            fp8) run_fp8_bench "$cap" ;; server) run_server_bench "$cap" ;;
-            llamacpp) run_llamacpp_bench "$cap" ;; diag-llamacpp) run_diag_llamacpp "$cap" ;;
+            fp8) run_fp8_bench "$cap" ;;
+            bench-llamacpp) run_bench_llamacpp "$cap" ;; diag-llamacpp) run_diag_llamacpp "$cap" ;;
             inproc) run_inproc_bench "$cap" ;;
-            inproc-proxy) run_inproc_proxy_bench "$cap" ;;
-            tfserve-cudnn) run_tfserve_bench "$cap" tfserve_cudnn ;; tfserve-default) run_tfserve_bench "$cap" tfserve_default ;;
             *) echo "unknown part $name" ;;
         esac
     done
@@ -195,13 +166,13 @@ elif [ "$(nvidia-smi -L | grep -c '^GPU')" -lt 2 ]; then
     # One GPU: one after the other (timings are ratios measured alone on the GPU).
     run_acceptance
     run_fp8_bench 170
-    t=$(left); run_server_bench $(( t > 260 ? 230 : t - 30 ))
+    t=$(left); run_bench_tfserve $(( t > 260 ? 230 : t - 30 ))
     t=$(left); [ "$t" -gt 30 ] && run_gpu_tests "$t"
 else
     # Phase 1, until PHASE1 s: one job per GPU.
     PHASE1=${PHASE1:-330}
     until_phase1() { echo $(( PHASE1 - ($(date +%s) - T0) )); }
-    ( export CUDA_VISIBLE_DEVICES=0; run_server_bench 250; t=$(until_phase1); [ "$t" -gt 30 ] && run_gpu_tests "$t" ) &
+    ( export CUDA_VISIBLE_DEVICES=0; run_bench_tfserve 250; t=$(until_phase1); [ "$t" -gt 30 ] && run_gpu_tests "$t" ) &
     ( export CUDA_VISIBLE_DEVICES=1; run_acceptance; t=$(until_phase1); [ "$t" -gt 30 ] && run_fp8_bench "$t" ) &
     wait
     # Phase 2: alone on the host, both GPUs.

@@ -20,9 +20,10 @@ import time
 import pytest
 
 from tests.helpers.paths import ROOT
-from warmup_agent.bench import process, summary
+from warmup_agent.bench import client, process, summary
 from warmup_agent.bench.cli import UsageError, model_name, parse_conditions
 from warmup_agent.bench.conditions import order
+from warmup_agent.bench.start import Steady
 from warmup_agent.bench.traffic import Traffic, load_requests_file
 
 FAKE_SERVER = r'''
@@ -39,6 +40,7 @@ delay = float(args.get("--delay", "0"))
 
 import threading
 lock = threading.Lock()
+first_chunks = [int(args.get("--first-chunks", "3"))]   # this process's first answer: that many chunks
 
 def count():            # chat requests over every start (the starts run one after the other)
     with lock:
@@ -59,7 +61,9 @@ class H(BaseHTTPRequestHandler):
         if mode == "die" and n >= int(args["--die-at"]):
             os.kill(os.getpid(), signal.SIGKILL)
         self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
-        for i in range(3):
+        with lock:
+            chunks, first_chunks[:] = first_chunks[0], [3]
+        for i in range(chunks):
             time.sleep(delay + 0.002)
             chunk = {"choices": [{"index": 0, "delta": {"content": "w%d " % i}}]}
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n"); self.wfile.flush()
@@ -72,7 +76,7 @@ ThreadingHTTPServer(("127.0.0.1", int(args["--port"])), H).serve_forever()
 def _bench(tmp_path, *args, server: list[str], timeout: float = 120, popen: bool = False, env: dict | None = None):
     env = {k: v for k, v in (env or os.environ).items() if not k.startswith("WARMUP_AGENT_")}
     cmd = [sys.executable, "-m", "warmup_agent", "bench", "--no-progress", "--out", str(tmp_path / "out"),
-           "--seed", "11", *args, "--", *server]
+           "--seed", "11", "--idle", "0.5", *args, "--", *server]
     if popen:
         # SIGINT at its default, as under a terminal: a CI job run in the background
         # inherits it ignored, and then Python raises no KeyboardInterrupt.
@@ -175,6 +179,42 @@ def test_summary_medians_spread_and_ratios():
     assert json.loads(summary.dumps(res)) == json.loads(json.dumps(res))
 
 
+def test_the_whole_answer_tax_counts_its_length_not_as_cold_start():
+    answer = client.Answer(ttft=0.1, total=0.1 + 29 * 0.02, chunks=30, tokens=None)
+    steady = Steady(ttft=0.1, total=0.14, tpot=0.02)            # steady answers: 3 chunks
+    assert steady.total_for(answer) == pytest.approx(0.68)
+    assert steady.tax(answer) == {"ttft": pytest.approx(1.0), "total": pytest.approx(1.0), "tpot": pytest.approx(1.0)}
+    slow = client.Answer(ttft=0.3, total=0.3 + 29 * 0.04, chunks=30, tokens=None)
+    assert steady.tax(slow)["total"] == pytest.approx(1.46 / 0.68) and steady.tax(slow)["tpot"] == pytest.approx(2.0)
+    one = client.Answer(ttft=0.2, total=0.2, chunks=1, tokens=None)
+    assert one.tpot is None and steady.tax(one)["tpot"] is None and steady.tax(one)["total"] == pytest.approx(2.0)
+
+
+def test_a_long_first_answer_is_not_read_as_a_cold_start(tmp_path):
+    """The fake server's first answer is 30 chunks at the steady pace, the others 3: the
+    whole-answer tax stays near 1 (the plain median of the steady answers would read about 8)."""
+    r = _bench(tmp_path, "--conditions", "alone", "--starts", "1", "--steady", "5", "--burst", "0",
+               server=_fake(tmp_path, "--delay", "0.02", "--first-chunks", "30"))
+    assert r.returncode == 0, r.stderr
+    rec = _result(tmp_path)["starts"][0]
+    assert rec["first"]["chunks"] == 30 and rec["first_total_tax"] < 1.5, rec
+    assert rec["first_total_tax"] == pytest.approx(rec["first_tpot_tax"], rel=0.5)
+    assert 0.5 < rec["warm_control_ttft_ratio"] < 2 and rec["new_length_ttft_ratio"] > 0
+
+
+def test_new_length_control_is_longer_than_any_request_before_it(tmp_path):
+    t = Traffic(3, max_context=512, max_tokens=16)
+    shape = t.shape(0)
+    before = max(len(t.request(shape)["messages"][-1]["content"].split()) for _ in range(20))
+    assert len(t.request(t.longer(shape))["messages"][-1]["content"].split()) > before
+    f = tmp_path / "traffic.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "Where is my order?"}], "max_tokens": 4}) + "\n")
+    tf = Traffic(3, file_bodies=load_requests_file(str(f)))
+    fshape = tf.shape(0)
+    longer = tf.request(tf.longer(fshape))["messages"][-1]["content"]
+    assert "Where is my order?" in longer and len(longer.split()) >= len(tf.request(fshape)["messages"][-1]["content"].split()) + 12
+
+
 @pytest.mark.parametrize("args, needle", [
     ((), "no server command"),
     (("--conditions", "alone,cold", "--", "llama-server", "--port", "1"), "--conditions"),
@@ -221,9 +261,9 @@ def test_a_server_that_never_becomes_healthy(tmp_path):
 
 
 def test_a_server_killed_mid_run_keeps_what_was_measured(tmp_path):
-    # A start sends 1 + steady + burst requests: the second start dies at its third request.
+    # A start sends 1 + steady + 2 controls + burst requests: the second start dies at its third request.
     r = _bench(tmp_path, "--conditions", "alone", "--starts", "2", "--steady", "3", "--burst", "2",
-               server=_fake(tmp_path, "--mode", "die", "--die-at", "9", "--child", "1"))
+               server=_fake(tmp_path, "--mode", "die", "--die-at", "11", "--child", "1"))
     assert r.returncode == 3
     line = _one_line(r.stderr, "mid-run")
     assert "alone start 2: the server exited with code -9 mid-run" in line
@@ -262,7 +302,7 @@ def _check_every_figure(res: dict, conditions: list[str], starts: int) -> None:
     assert res["tool"] == "warmup-agent bench" and res["seed"] == 11 and res["commit"] and res["machine"]
     assert res["starts_done"] == {c: starts for c in conditions}
     for cond in conditions:
-        for key, _ in summary.FIGURES:
+        for key, _ in summary.FIGURES + (summary.AGENT_FIGURES if cond == "agent" else ()):
             stats = res["summary"][cond][key]
             assert stats is not None and stats["n"] == starts, (cond, key)
     for name in ("oneshot_over_alone", "agent_over_alone"):

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from bench.bench_gpu_server import QWEN_SPECIALS, qwen_chat_tokenizer
+from bench.gpu_model import QWEN_SPECIALS, qwen_chat_tokenizer
 from tests.helpers import transformers_server as ts
 
 VOCAB = 151936   # Qwen2-1.5B's, as the bench model's

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 import urllib.request
@@ -36,8 +35,8 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from bench.bench_gpu_server import free_port, stop, wait_http  # noqa: E402
 from bench.provenance import provenance, write_result  # noqa: E402
+from warmup_agent.bench import client, process  # noqa: E402
 
 #: (label, prompt tokens): the cold request, then repeats and fresh lengths.
 SEQUENCE = ([("cold", 10)] + [("first 285", 285)] + [("again 285", 285)] * 3
@@ -121,16 +120,18 @@ def post(url: str, body: dict) -> tuple[dict, float]:
 
 
 def run_variant(args: argparse.Namespace, name: str, env: dict, extra: list[str], rng: random.Random) -> dict:
-    port = free_port()
+    port = process.free_port()
     cmd = [args.llama_server, "-m", args.gguf, "-ngl", "99", "--host", "127.0.0.1", "--port", str(port), "-c", "4096",
            *extra]
-    log = open(os.path.join(args.logs, f"llama_{name}.log"), "w") if args.logs else subprocess.DEVNULL
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    log = os.path.join(args.logs or "/tmp", f"llama_{name}.log")
+    server = process.spawn(cmd, log, env={**os.environ, **env})
     base = f"http://127.0.0.1:{port}"
     try:
-        healthy = wait_http(base + "/health", t0 + 120, proc, interval=0.01) - t0
+        while client.get_status(base + "/health") != 200:
+            if server.exited() is not None or time.monotonic() - server.t0 > 120:
+                raise RuntimeError(f"llama-server never answered /health 200 (exit {server.exited()}; {log})")
+            time.sleep(0.01)
+        healthy = time.monotonic() - server.t0
         rows = []
         rungs = int(name.rsplit("ladder", 1)[1]) if name.startswith("map_after_ladder") else 0
         sequence = (map_sequence(rng, rungs) if name.startswith("map")
@@ -152,7 +153,7 @@ def run_variant(args: argparse.Namespace, name: str, env: dict, extra: list[str]
                               "by_nearest_before": out["map"]["by_nearest_before"]}), flush=True)
         return out
     finally:
-        stop(proc, timeout=10)
+        process.stop(server, timeout=10)
 
 
 def main() -> int:

@@ -31,8 +31,12 @@ requests:
   agent    `warmup-agent run --engine openai -- SERVER COMMAND`: ready at /readyz
 
 Per start: time to ready; the first request's time to first token and whole
-answer over the median of the next ones (the first-request tax); a burst of
-concurrent requests; SIGTERM to exit, and processes left behind.  Prompts are
+answer over the median of the next ones (the first-request tax; the whole
+answer over a steady one of as many tokens); two controls on the warm server
+(the same shape after a quiet pause: the tax's noise floor; a prompt longer
+than any before it); a burst of concurrent requests; under the agent, the
+first-request tax it exports beside the measured one; SIGTERM to exit, and
+processes left behind.  Prompts are
 drawn by a seeded generator (--seed; printed and recorded), from the requests
 file or a built-in mix of lengths, every one a new prefix no cache can answer.
 
@@ -71,6 +75,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a start may take to get ready (default 600)")
     p.add_argument("--steady", type=int, default=8, metavar="N", help="requests after the first (default 8)")
+    p.add_argument("--idle", type=float, default=2.0, metavar="S",
+                   help="seconds of quiet before the warm control request (default 2)")
     p.add_argument("--burst", type=int, default=4, metavar="N", help="concurrent requests at the end (default 4)")
     p.add_argument("--max-context", type=int, default=2048, metavar="TOKENS",
                    help="built-in prompts plus answers fit this context (default 2048)")
@@ -128,7 +134,7 @@ def _setup(args: Any, command: list[str]) -> Setup:
     agent_env = {"WARMUP_AGENT_PREWARM_REQUESTS_FILE": os.path.abspath(args.requests_file)} if args.requests_file else {}
     return Setup(command=command, host=host, port=port, model=args.model or model_name(command),
                  health_path=args.health_path, ready_timeout=args.ready_timeout, steady=args.steady,
-                 burst=args.burst, logs=os.path.join(args.out, "logs"), agent_args=agent_args, agent_env=agent_env)
+                 idle=args.idle, burst=args.burst, logs=os.path.join(args.out, "logs"), agent_args=agent_args, agent_env=agent_env)
 
 
 def _check(args: Any) -> tuple[list[str], list[str]]:
@@ -137,8 +143,8 @@ def _check(args: Any) -> tuple[list[str], list[str]]:
         command = command[1:]
     if not command:
         raise UsageError("no server command: give it after --, e.g. -- llama-server -m model.gguf --port 8080")
-    if args.starts < 1 or args.steady < 1 or args.burst < 0:
-        raise UsageError("--starts and --steady must be at least 1, --burst at least 0")
+    if args.starts < 1 or args.steady < 1 or args.burst < 0 or args.idle < 0:
+        raise UsageError("--starts and --steady must be at least 1, --burst and --idle at least 0")
     if args.config and not os.path.isfile(args.config):
         raise UsageError(f"--config {args.config}: no such file")
     return command, parse_conditions(args.conditions)
@@ -161,7 +167,7 @@ def main(args: Any) -> int:
     head = {"tool": "warmup-agent bench", "server": server_label(command),
             "server_command": command, "conditions": conds, "starts_per_condition": args.starts,
             "seed": seed, "traffic": {"source": args.requests_file or "built-in mix", "steady": args.steady,
-                                      "burst": args.burst, "max_context": args.max_context},
+                                      "idle_seconds": args.idle, "burst": args.burst, "max_context": args.max_context},
             "model": setup.model}
     from warmup_agent.bench.summary import provenance
     head.update(provenance())

@@ -27,8 +27,14 @@ class Answer:
     chunks: int          # streamed token chunks
     tokens: int | None   # completion tokens, where the server reports usage
 
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first; None for an answer of one chunk."""
+        return (self.total - self.ttft) / (self.chunks - 1) if self.chunks > 1 else None
+
     def as_dict(self) -> dict[str, Any]:
-        return {"ttft_seconds": self.ttft, "total_seconds": self.total, "chunks": self.chunks, "tokens": self.tokens}
+        return {"ttft_seconds": self.ttft, "total_seconds": self.total, "chunks": self.chunks, "tokens": self.tokens,
+                "tpot_seconds": self.tpot}
 
 
 def get_status(url: str, timeout: float = 2.0) -> int | None:
@@ -45,6 +51,25 @@ def get_status(url: str, timeout: float = 2.0) -> int | None:
 def get_json(url: str, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.load(r)
+
+
+def gauge(text: str, name: str) -> float | None:
+    """An unlabelled gauge's value in a Prometheus exposition, or None."""
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            try:
+                return float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
+def get_text(url: str, timeout: float = 5.0) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return str(r.read().decode("utf-8", "replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def _is_token_chunk(msg: dict[str, Any]) -> bool:

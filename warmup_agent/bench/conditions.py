@@ -39,7 +39,8 @@ def _sigterm(signum: int, frame: Any) -> None:
 def _line(rec: dict[str, Any]) -> str:
     first = rec.get("first") or {}
     return (f"{rec['condition']} start {rec['start']}: ready {rec['ready_seconds']:.2f} s, first ttft "
-            f"{first.get('ttft_seconds', 0) * 1000:.1f} ms (tax {rec.get('first_ttft_tax', 0):.2f}), "
+            f"{first.get('ttft_seconds', 0) * 1000:.1f} ms (tax {rec.get('first_ttft_tax', 0):.2f}, warm control "
+            f"{rec.get('warm_control_ttft_ratio', 0):.2f}), "
             f"whole answer tax {rec.get('first_total_tax', 0):.2f}, exit {rec['sigterm']['exit_seconds']:.2f} s, "
             f"orphans {rec['sigterm']['orphans']}")
 

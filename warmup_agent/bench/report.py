@@ -9,13 +9,14 @@ import io
 import os
 from typing import Any
 
-from warmup_agent.bench.summary import FIGURES, RATIO_FIGURES, figure
+from warmup_agent.bench.summary import AGENT_FIGURES, FIGURES, RATIO_FIGURES, figure
 
 COLOURS = {"alone": "#999999", "oneshot": "#e0a030", "agent": "#3b8f3b"}
 FIG_SIZE = (10.0, 5.0)
 DPI = 100
 TABLE_FIGURES = ("ready_seconds", "first_ttft_seconds", "steady_ttft_seconds", "first_ttft_tax",
-                 "first_total_tax", "burst_ttft_over_steady", "sigterm_exit_seconds", "orphans")
+                 "warm_control_ttft_ratio", "first_total_tax", "new_length_ttft_ratio", "burst_ttft_over_steady",
+                 "sigterm_exit_seconds", "orphans", "exported_over_measured_ttft_tax")
 
 
 def _value(key: str, v: float | None) -> str:
@@ -95,7 +96,7 @@ def render_html(res: dict[str, Any], png: bytes | None) -> str:
     head = "".join(f"<th>{e(c)}</th>" for c in conds)
     rows = "".join(f"<tr><th title=\"{e(doc)}\">{e(key)}</th>"
                    + "".join(f"<td>{e(_cell(res['summary'][c].get(key), key))}</td>" for c in conds) + "</tr>"
-                   for key, doc in FIGURES)
+                   for key, doc in FIGURES + AGENT_FIGURES)
     ratio_head = "".join(f"<th>{e(k)}</th>" for k in RATIO_FIGURES)
     ratio_rows = "".join(f"<tr><th>{e(name)}</th>" + "".join(
         f"<td>{'-' if figs.get(k) is None else f'{figs[k]:.2f}'}</td>" for k in RATIO_FIGURES) + "</tr>"

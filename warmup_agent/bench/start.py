@@ -4,8 +4,12 @@
   oneshot  the same, plus one 1-token request at health; ready when it is answered
   agent    `warmup-agent run --engine openai ... -- COMMAND`; ready at the agent's /readyz
 
-At ready the first request goes out at once, then the steady ones one by one,
-then a burst of concurrent ones; then SIGTERM, timed, and the orphans counted.
+At ready the first request goes out at once, then the steady ones one by one;
+after a quiet pause the warm control (the same shape: what a warm server's
+"first" request reads, the noise floor of the tax) and one a dozen words longer
+than any before it (what a warm server pays at a new prompt length); then a
+burst of concurrent ones; then SIGTERM, timed, and the orphans counted.  Under
+the agent its exported first-request taxes are read from /metrics before the stop.
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class Setup:
     health_path: str = "/health"
     ready_timeout: float = 600.0
     steady: int = 8
+    idle: float = 2.0                # seconds of quiet before the warm control
     burst: int = 4
     stop_timeout: float = 60.0
     logs: str = "."
@@ -102,16 +107,44 @@ def _spawn(setup: Setup, condition: str, index: int, port: int) -> tuple[process
     return process.spawn(agent, log, env=env), f"http://127.0.0.1:{listen}/readyz"
 
 
+@dataclass
+class Steady:
+    """The steady requests' medians: what an answer of n tokens takes on a warm server."""
+    ttft: float
+    total: float
+    tpot: float | None      # None where every steady answer was one chunk
+
+    def total_for(self, a: client.Answer) -> float:
+        """A steady answer as long as `a`: TTFT + (its tokens - 1) x time per token.  The
+        first answer of a random or sampled model can run much longer than the steady
+        ones; dividing by their plain median would count its length as cold start."""
+        if self.tpot is None:
+            return self.total
+        return self.ttft + max(0, a.chunks - 1) * self.tpot
+
+    def tax(self, a: client.Answer) -> dict[str, float | None]:
+        return {"ttft": a.ttft / self.ttft, "total": a.total / self.total_for(a),
+                "tpot": a.tpot / self.tpot if a.tpot is not None and self.tpot else None}
+
+
 def _measure(base: str, model: str | None, traffic: Traffic, shape: Shape, setup: Setup, out: dict) -> None:
-    """First, steady, burst; each figure goes into `out` as soon as it is measured."""
+    """First, steady, the two controls, burst; each figure goes into `out` as soon as it is measured."""
     first = client.stream_chat(base, model, traffic.request(shape))
     out["first"] = first.as_dict()
-    steady = [client.stream_chat(base, model, traffic.request(shape)) for _ in range(setup.steady)]
-    st_ttft = statistics.median(a.ttft for a in steady)
-    st_total = statistics.median(a.total for a in steady)
-    out.update(steady_ttft_seconds=st_ttft, steady_total_seconds=st_total,
-               first_ttft_tax=first.ttft / st_ttft, first_total_tax=first.total / st_total,
-               steady_ttft_all_seconds=[a.ttft for a in steady])
+    answers = [client.stream_chat(base, model, traffic.request(shape)) for _ in range(setup.steady)]
+    tpots = [t for a in answers if (t := a.tpot) is not None]
+    steady = Steady(statistics.median(a.ttft for a in answers), statistics.median(a.total for a in answers),
+                    statistics.median(tpots) if tpots else None)
+    tax = steady.tax(first)
+    out.update(steady_ttft_seconds=steady.ttft, steady_total_seconds=steady.total, steady_tpot_seconds=steady.tpot,
+               first_ttft_tax=tax["ttft"], first_total_tax=tax["total"], first_tpot_tax=tax["tpot"],
+               steady_ttft_all_seconds=[a.ttft for a in answers])
+    time.sleep(setup.idle)
+    warm = steady.tax(client.stream_chat(base, model, traffic.request(shape)))
+    longer = client.stream_chat(base, model, traffic.request(traffic.longer(shape)))
+    out.update(warm_control_ttft_ratio=warm["ttft"], warm_control_total_ratio=warm["total"],
+               new_length_ttft_ratio=longer.ttft / steady.ttft)
+    st_ttft = steady.ttft
     if setup.burst > 1:
         bodies = [traffic.request(shape) for _ in range(setup.burst)]
         with ThreadPoolExecutor(setup.burst) as pool:
@@ -144,6 +177,8 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
         except RuntimeError as e:
             raise StartFailed(f"{condition} start {index + 1}: the {_who(condition)} {e}", rec) from None
         _measure(base, setup.model, traffic, shape, setup, rec)
+        if condition == "agent":
+            _agent_said(ready_url.removesuffix("/readyz") + "/metrics", rec)
     except client.RequestFailed as e:
         code = _exit_code(s)
         process.kill_now(s)
@@ -162,6 +197,16 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
         process.kill_now(s)
         raise StartInterrupted(rec) from None
     return rec
+
+
+def _agent_said(metrics_url: str, rec: dict[str, Any]) -> None:
+    """The agent's exported first-request taxes (its probes' prediction, since the
+    bench's requests go straight to the server), beside what the bench measured."""
+    text = client.get_text(metrics_url) or ""
+    for what, name in (("ttft", "warmup_first_request_tax_ratio"), ("total", "warmup_first_request_total_tax_ratio")):
+        said, measured = client.gauge(text, name), rec.get(f"first_{what}_tax")
+        rec[f"agent_exported_{what}_tax"] = said
+        rec[f"exported_over_measured_{what}_tax"] = said / measured if said and measured else None
 
 
 def _exit_code(s: process.Started, wait: float = 1.0) -> int | None:

@@ -22,11 +22,24 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("steady_ttft_seconds", "median time to first token of the next requests, one at a time"),
     ("steady_total_seconds", "median whole answer of the next requests"),
     ("first_ttft_tax", "first request's time to first token / the steady median (1.0: no cold start)"),
-    ("first_total_tax", "first request's whole answer / the steady median"),
+    ("first_total_tax", "first request's whole answer / a steady answer as long: steady TTFT + (its tokens - 1) x "
+                        "steady time per output token"),
+    ("first_tpot_tax", "first request's time per output token / the steady median (a cold decode)"),
+    ("warm_control_ttft_ratio", "a request of the same shape after the steady ones and a quiet pause (--idle), "
+                                "over the steady median: what a warm server's 'first' request reads, the noise floor"),
+    ("new_length_ttft_ratio", "a request a dozen words longer than any before it, over the steady median: what a "
+                              "warm server pays at a prompt length it has not seen (its longer prefill included)"),
     ("burst_ttft_over_steady", "median time to first token of a burst of concurrent requests / steady median"),
     ("burst_total_max_seconds", "the burst's slowest whole answer"),
     ("sigterm_exit_seconds", "SIGTERM to exit"),
     ("orphans", "processes left after the exit (killed by the bench)"),
+)
+# Measured under the agent only: its exported warmup_first_request_tax_ratio (and
+# _total_), read from its /metrics, over what the bench measured on the same start.
+AGENT_FIGURES: tuple[tuple[str, str], ...] = (
+    ("agent_exported_ttft_tax", "the agent's exported warmup_first_request_tax_ratio (its probes' prediction)"),
+    ("exported_over_measured_ttft_tax", "the agent's exported first-TTFT tax / the bench's first_ttft_tax"),
+    ("exported_over_measured_total_tax", "the agent's exported whole-answer tax / the bench's first_total_tax"),
 )
 #: The figures whose oneshot/alone and agent/alone ratios are reported.
 RATIO_FIGURES = ("ready_seconds", "first_ttft_seconds", "first_total_seconds", "first_ttft_tax",
@@ -54,7 +67,7 @@ def summarize(starts: list[dict[str, Any]], conditions: list[str]) -> dict[str, 
     for cond in conditions:
         recs = [r for r in starts if r["condition"] == cond]
         out[cond] = {}
-        for key, _ in FIGURES:
+        for key, _ in FIGURES + (AGENT_FIGURES if cond == "agent" else ()):
             vals = [v for r in recs if (v := figure(r, key)) is not None]
             out[cond][key] = spread(vals) if vals else None
     return out
@@ -108,7 +121,7 @@ def result(head: dict[str, Any], starts: list[dict[str, Any]], conditions: list[
     """The whole JSON: `head` (tool, server, seed, status, ...), the figures, the starts."""
     summary = summarize(starts, conditions)
     return {**head, "summary": summary, "ratios": ratios(summary),
-            "definitions": dict(FIGURES), "starts": starts}
+            "definitions": dict(FIGURES + AGENT_FIGURES), "starts": starts}
 
 
 def dumps(res: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ data file page line word name number code key value test result error model syst
 # The built-in mix: (weight, prompt words low, high), a chat service's spread of
 # short questions, paragraphs and pasted documents.  Scaled to --max-context.
 MIX = ((0.5, 0.02, 0.10), (0.35, 0.10, 0.30), (0.15, 0.30, 0.55))
+LONGER_BY = 12     # words the new-length control adds: a length no earlier request had
 SAMPLINGS = ({"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0, "top_p": 0.95})
 
 
@@ -81,6 +82,14 @@ class Traffic:
         body = {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))}],
                 "max_tokens": rng.randint(max(4, self.max_tokens // 2), self.max_tokens), **rng.choice(SAMPLINGS)}
         return Shape(body, "mix", words)
+
+    def longer(self, shape: Shape, words: int = LONGER_BY) -> Shape:
+        """`shape` with `words` more prompt words: a prompt length the server has not seen."""
+        body = copy.deepcopy(shape.body)
+        if shape.source != "mix":
+            last = next(m for m in reversed(body["messages"]) if m.get("role") == "user")
+            last["content"] = _text(last.get("content")) + " " + " ".join(self._rng.choice(WORDS) for _ in range(words))
+        return Shape(body, shape.source, shape.prompt_words + words)
 
     def request(self, shape: Shape) -> dict[str, Any]:
         """A new request of `shape`: a fresh prefix, and new words for the mix's prompts."""

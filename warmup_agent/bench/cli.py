@@ -79,7 +79,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds of quiet before the warm control request (default 2)")
     p.add_argument("--burst", type=int, default=4, metavar="N", help="concurrent requests at the end (default 4)")
     p.add_argument("--max-context", type=int, default=2048, metavar="TOKENS",
-                   help="built-in prompts plus answers fit this context (default 2048)")
+                   help="built-in prompts plus answers fit this context, per request (default 2048); "
+                        "a server that shares its context among requests gives its share: llama-server -c N "
+                        "with -np S slots, N / S")
     p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="longest built-in answer (default 32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("server_command", nargs=argparse.REMAINDER, metavar="-- SERVER COMMAND...",

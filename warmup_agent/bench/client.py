@@ -17,7 +17,12 @@ REQUEST_TIMEOUT = 300.0   # seconds for one whole answer
 
 
 class RequestFailed(Exception):
-    """A request the server did not answer; str() says how."""
+    """A request the server did not answer; str() says how, `status` is the HTTP
+    status where the server answered with an error."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -105,7 +110,7 @@ def stream_chat(base_url: str, model: str | None, body: dict[str, Any]) -> Answe
                 tokens = (msg.get("usage") or {}).get("completion_tokens", tokens)
     except urllib.error.HTTPError as e:
         detail = e.read()[:200].decode("utf-8", "replace").strip()
-        raise RequestFailed(f"HTTP {e.code} from {base_url}/v1/chat/completions: {detail}") from None
+        raise RequestFailed(f"HTTP {e.code} from {base_url}/v1/chat/completions: {detail}", e.code) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
         raise RequestFailed(f"no answer from {base_url}/v1/chat/completions: {reason}") from None

@@ -182,9 +182,15 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
     except client.RequestFailed as e:
         code = _exit_code(s)
         process.kill_now(s)
-        how = (f"the {_who(condition)} exited with code {code} mid-run" if code is not None
-               else "the server stopped answering mid-run")
-        raise StartFailed(f"{condition} start {index + 1}: {how} ({e})", rec) from None
+        if code is not None:
+            how = f"the {_who(condition)} exited with code {code} mid-run ({e})"
+        elif e.status is not None:
+            how = f"the server refused a request mid-run ({e})"
+            if "context" in str(e).lower():
+                how += "; the prompts do not fit its context: lower --max-context"
+        else:
+            how = f"the server stopped answering mid-run ({e})"
+        raise StartFailed(f"{condition} start {index + 1}: {how}", rec) from None
     except KeyboardInterrupt:  # Ctrl-C: nothing it started stays behind, what it measured stays
         process.kill_now(s)
         raise StartInterrupted(rec) from None

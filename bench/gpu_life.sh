@@ -6,7 +6,8 @@
 #
 # The CUDA llama-server comes from .gpu-carry/llama-server-cuda.xz.* when carried, else
 # it is built from .gpu-carry/llama-cpp-src.tar.gz (about 4.5 min) and written to
-# OUT_DIR for the next call.  The model is the bench's random Qwen2-1.5B shape
+# OUT_DIR for the next call.  With the binary there .gpu-carry no longer fits the device's
+# 64 MiB carry: name its files (llama-cpp-src.tar.gz and llama-server-cuda.xz.*), not promtool.xz.  The model is the bench's random Qwen2-1.5B shape
 # (bench/gpu_model.py), converted to GGUF by tools/gguf_convert.py.
 set -u
 OUT_DIR=${1:?usage: $0 OUT_DIR}

@@ -133,7 +133,9 @@ def test_a_sleeping_server_sleeps_under_the_agent_and_wakes_warm(tmp_path, embed
         outside = time.monotonic() - t0
         exported = metric(url, "warmup_wake_duration_seconds")
         print(f"ahead: SERVING {outside:.2f} s after POST /admin/wake; exported wake duration {exported:.2f} s")
-        assert 0.8 <= exported / outside <= 1.25
+        # The outside time adds the POST and a 20 ms poll (more on a busy 2-core host) to a
+        # wake of about 0.1 s here: within 20 %, or 50 ms where that is more.
+        assert abs(exported - outside) <= max(0.2 * outside, 0.05), (exported, outside)
         assert metric(url, "warmup_server_wakes_total", cause="ahead") == 1
         first_after = stream_ttft(users)
         steady = sorted(stream_ttft(users) for _ in range(5))[2]

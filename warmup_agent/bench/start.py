@@ -26,6 +26,9 @@ from warmup_agent.bench import client, process
 from warmup_agent.bench.traffic import Shape, Traffic
 
 POLL = 0.01        # seconds between health polls
+# The agent's metrics the bench reads from its /metrics, as any scraper does: by name
+# (tests/test_metrics_doc.py checks these against the catalogue).
+EXPORTED_TAXES = (("ttft", "warmup_first_request_tax_ratio"), ("total", "warmup_first_request_total_tax_ratio"))
 
 
 class StartFailed(Exception):
@@ -209,7 +212,7 @@ def _agent_said(metrics_url: str, rec: dict[str, Any]) -> None:
     """The agent's exported first-request taxes (its probes' prediction, since the
     bench's requests go straight to the server), beside what the bench measured."""
     text = client.get_text(metrics_url) or ""
-    for what, name in (("ttft", "warmup_first_request_tax_ratio"), ("total", "warmup_first_request_total_tax_ratio")):
+    for what, name in EXPORTED_TAXES:
         said, measured = client.gauge(text, name), rec.get(f"first_{what}_tax")
         rec[f"agent_exported_{what}_tax"] = said
         rec[f"exported_over_measured_{what}_tax"] = said / measured if said and measured else None

@@ -131,14 +131,15 @@ def _measured_ratios() -> list[float]:
     def walk(o, key: str, path: str) -> None:
         if isinstance(o, dict):
             for k, v in o.items():
-                walk(v, k, f"{path}.{k}")
+                # `warmup-agent bench`'s summary: {"first_ttft_tax": {"median": ..., "min": ...}}
+                walk(v, key if k in ("median", "min", "max") else k, f"{path}.{k}")
         elif isinstance(o, list):
             for v in o:
                 walk(v, key, path)
         elif isinstance(o, (int, float)) and not isinstance(o, bool):
             if ratio_key.search(key) and "target" not in path:
                 values.append(float(o))
-    for f in glob.glob(os.path.join(ROOT, "bench", "results", "*.json")):
+    for f in glob.glob(os.path.join(ROOT, "bench", "results", "**", "*.json"), recursive=True):  # bench.json in its folder too
         with open(f, encoding="utf-8") as fh:
             walk(json.load(fh), "", "")
     return values

@@ -59,13 +59,16 @@ def get_json(url: str, timeout: float = 5.0) -> Any:
 
 
 def gauge(text: str, name: str) -> float | None:
-    """An unlabelled gauge's value in a Prometheus exposition, or None."""
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            try:
-                return float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                return None
+    """The first sample named `name` in a Prometheus text exposition, or None
+    (prometheus_client's parser, as exporter/engine_metrics.py and alerts/replay.py read one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    return float(sample.value)
+    except ValueError:     # not an exposition (an error page)
+        return None
     return None
 
 

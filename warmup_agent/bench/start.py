@@ -147,14 +147,13 @@ def _measure(base: str, model: str | None, traffic: Traffic, shape: Shape, setup
     longer = client.stream_chat(base, model, traffic.request(traffic.longer(shape)))
     out.update(warm_control_ttft_ratio=warm["ttft"], warm_control_total_ratio=warm["total"],
                new_length_ttft_ratio=longer.ttft / steady.ttft)
-    st_ttft = steady.ttft
     if setup.burst > 1:
         bodies = [traffic.request(shape) for _ in range(setup.burst)]
         with ThreadPoolExecutor(setup.burst) as pool:
             burst = list(pool.map(lambda b: client.stream_chat(base, model, b), bodies))
-        out.update(burst_ttft_median_seconds=statistics.median(a.ttft for a in burst),
-                   burst_total_max_seconds=max(a.total for a in burst),
-                   burst_ttft_over_steady=statistics.median(a.ttft for a in burst) / st_ttft)
+        burst_ttft = statistics.median(a.ttft for a in burst)
+        out.update(burst_ttft_median_seconds=burst_ttft, burst_total_max_seconds=max(a.total for a in burst),
+                   burst_ttft_over_steady=burst_ttft / steady.ttft)
 
 
 def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dict[str, Any]:

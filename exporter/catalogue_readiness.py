@@ -2,6 +2,9 @@
 (warmup_agent/readiness/, warmup_agent/proxy.py)."""
 from exporter.metric_spec import FIRST_TOKEN_BUCKETS, MetricSpec
 
+# A hold lasts from a few milliseconds (the gate was about to open) to proxy.hold_seconds.
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
 SPECS = (
     MetricSpec("warmup_breaker_state", "gauge",
                "1 for the breaker's current state (closed, open, half_open), 0 for the others.",
@@ -41,6 +44,13 @@ SPECS = (
     MetricSpec("warmup_proxy_first_token_seconds", "histogram",
                "Time to first streamed byte of user requests through the proxy, by route (main, fallback).",
                labels=("route",), buckets=FIRST_TOKEN_BUCKETS, unit="s", requires="proxy"),
+    MetricSpec("warmup_proxy_held_requests_total", "counter",
+               "User requests the proxy held while the pod warmed (a start, a restart, a wake), by outcome: served (the gate opened), timed_out (503 after proxy.hold_seconds), refused (the pod left the warming states: FAILED, DRAINING, DEGRADED), client_gone.",
+               labels=("outcome",), unit="short", requires="proxy",
+               doc="Only without proxy.fallback_url: with one, users are answered by the fallback instead."),
+    MetricSpec("warmup_proxy_hold_seconds", "histogram",
+               "How long each held user request waited for the gate, whatever its outcome.",
+               buckets=HOLD_BUCKETS, unit="s", requires="proxy"),
     # --- the pod's life after SERVING: restarts, sleep and wake --------------------
     MetricSpec("warmup_server_restarts_total", "counter",
                "Restarts of the model server noticed after SERVING (a new process, cold), each followed by a re-warm, by how it was noticed.",

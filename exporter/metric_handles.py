@@ -60,6 +60,8 @@ class MetricHandles:
     warmup_water_level_requests_per_second: Gauge
     warmup_proxy_requests_total: Counter
     warmup_proxy_first_token_seconds: Histogram
+    warmup_proxy_held_requests_total: Counter
+    warmup_proxy_hold_seconds: Histogram
     warmup_server_restarts_total: Counter
     warmup_server_sleeping: Gauge
     warmup_server_asleep_seconds_total: Counter
@@ -125,6 +127,8 @@ NAMES: tuple[str, ...] = (
     "warmup_water_level_requests_per_second",
     "warmup_proxy_requests_total",
     "warmup_proxy_first_token_seconds",
+    "warmup_proxy_held_requests_total",
+    "warmup_proxy_hold_seconds",
     "warmup_server_restarts_total",
     "warmup_server_sleeping",
     "warmup_server_asleep_seconds_total",

@@ -188,3 +188,38 @@ def test_the_early_spawn_knows_every_option_of_run():
               for s in a.option_strings}
     flags = {s for a in run._actions if a.option_strings and a.nargs == 0 for s in a.option_strings} - {"-h", "--help"}
     assert early_spawn._VALUED == valued and early_spawn._FLAGS == flags
+
+
+LISTEN_EARLY = """
+import json, socket, sys
+from warmup_agent.server import early_spawn
+early_spawn.start(sys.argv[3:])
+host, port = sys.argv[2].rsplit(":", 1)
+client = socket.create_connection((host, int(port)), timeout=5)    # refused unless bound
+sock = early_spawn.take_listener(sys.argv[2])
+accepted = sock is not None and sock.accept()[0] is not None
+print(json.dumps({"accepted": accepted, "modules": sorted(sys.modules)}))
+early_spawn.discard()
+"""
+
+
+def test_the_proxy_address_listens_from_the_early_spawn(tmp_path):
+    """With --proxy-listen, the early spawn binds the proxy's address too: a user who
+    connects before the agent has imported its proxy is queued by the kernel, not
+    refused (issue 71), and the proxy adopts that socket (take_listener)."""
+    import socket
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    listen = f"127.0.0.1:{ports[1]}"
+    argv = ["run", "--no-progress", "--engine", "openai", "--data-dir", str(tmp_path), "--proxy-listen", listen,
+            "--", sys.executable, "-c", "import time; time.sleep(30)", "--port", str(ports[0])]
+    out = subprocess.run([sys.executable, "-c", LISTEN_EARLY, "x", listen, *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["accepted"]
+    loaded = set(found["modules"])
+    assert not [m for m in (*NOT_BEFORE_EARLY_SPAWN, "warmup_agent.proxy", "asyncio") if m in loaded]

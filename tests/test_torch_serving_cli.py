@@ -1,12 +1,13 @@
 """`warmup-agent run --proxy-listen` with the default torch engine serves users from
-the embedded model (issue 41): the official `openai` client gets a 503 with
-Retry-After while the agent warms, and answers, streamed and not, once it is
-SERVING.  One real agent process for the module."""
+the embedded model (issue 41): the official `openai` client, sent while the agent
+warms, is held by the proxy and answered once the agent is SERVING, with no retry
+(issue 71); then answers, streamed and not.  One real agent process for the module."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import threading
 import time
 
 import openai
@@ -31,8 +32,22 @@ def agent(tmp_path_factory, embedded_model, data_dir):
                                       "--proxy-listen", f"127.0.0.1:{proxy_port}", "--record", str(record)),
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key="unused", max_retries=0, timeout=60)
-    warming: list = []       # what a user got before SERVING
+    held: dict = {}          # what a user sent while the agent warms got, and when
+
+    def user_while_warming() -> None:
+        while proc.poll() is None:
+            try:
+                held["answer"] = c.chat.completions.create(model="embedded-llama-v1", messages=MESSAGES, max_tokens=2)
+                held["at"] = time.monotonic()
+                return
+            except openai.APIConnectionError:
+                time.sleep(0.05)     # the proxy is not listening yet: not a refusal
+            except openai.APIStatusError as e:
+                held["error"] = e
+                return
+    user = threading.Thread(target=user_while_warming, daemon=True)
     try:
+        user.start()
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
             try:
@@ -40,44 +55,45 @@ def agent(tmp_path_factory, embedded_model, data_dir):
             except OSError:
                 ready = False
             if ready:
+                held["ready_at"] = time.monotonic()
                 break
-            if not warming:
-                try:
-                    c.chat.completions.create(model="embedded-llama-v1", messages=MESSAGES, max_tokens=2)
-                except openai.APIStatusError as e:
-                    warming.append(e)
-                except openai.APIConnectionError:
-                    pass             # the proxy is not listening yet
             time.sleep(0.05)
         assert ready, "never SERVING:\n" + (tmp / "stderr").read_text()[-3000:]
         scrape = http_get(f"http://127.0.0.1:{port}/metrics", timeout=5)[1]
         deadline = time.monotonic() + 30
         while not record.exists() and time.monotonic() < deadline:     # written once SERVING
             time.sleep(0.05)
-        yield {"client": c, "warming": warming, "stderr": tmp / "stderr", "proc": proc, "record": record,
+        user.join(60)
+        yield {"client": c, "held": held, "url": f"http://127.0.0.1:{port}", "stderr": tmp / "stderr", "proc": proc, "record": record,
                "scrape_at_ready": scrape}
     finally:
         stop_process(proc, timeout=30)
         err.close()
 
 
-def test_before_serving_a_user_gets_503_with_retry_after(agent):
-    assert agent["warming"], "no request reached the proxy before SERVING"
-    e = agent["warming"][0]
-    assert e.status_code == 503 and int(e.response.headers["retry-after"]) >= 1
+def test_a_user_who_arrives_while_warming_is_held_and_answered_at_serving(agent):
+    held = agent["held"]
+    assert "error" not in held, f"refused while warming: {held.get('error')}"
+    assert held["answer"].choices[0].message.role == "assistant"
+    # answered once the gate opened: at most a scrape's poll before /readyz was seen 200
+    assert held["at"] >= held["ready_at"] - 0.5, (held["at"], held["ready_at"])
+    scrape = http_get(agent["url"] + "/metrics", timeout=5)[1]
+    served = [line for line in scrape.splitlines() if line.startswith('warmup_proxy_held_requests_total{outcome="served"}')]
+    assert served and float(served[0].split()[-1]) >= 1, served
 
 
 def test_one_request_ran_the_users_path_before_serving_and_counted_as_no_user(agent):
     """Before SERVING the ready stage sends one streamed chat request through the proxy's
     own listener, marked as warmup (proxy/user_path.py): the users' first request then
     finds the path from the listener to the model warm.  It is in the record, and the
-    proxy counted no user request for it (the only user request before SERVING was the
-    one answered 503)."""
+    proxy counted no user request for it (the only user request before SERVING was
+    the one it held, answered at SERVING)."""
     record = json.loads(agent["record"].read_text())
     sent = next(s for s in record["stages"] if s["name"] == "ready")["user_path_request"]
     assert sent["chunks"] >= 2 and 0 < sent["first_byte_seconds"] <= sent["seconds"]
     users = [line for line in agent["scrape_at_ready"].splitlines() if line.startswith("warmup_proxy_requests_total{")]
-    assert not [line for line in users if 'route="main"' in line and not line.endswith(" 0.0")], users
+    main = [float(line.split()[-1]) for line in users if 'route="main"' in line]
+    assert sum(main) <= 1, users
 
 
 def test_after_serving_the_openai_client_gets_answers_streamed_and_not(agent):

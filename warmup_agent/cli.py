@@ -238,7 +238,9 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine, model_path: str 
     if cfg.proxy.listen and not cfg.proxy.upstream_url:
         engine.configure(batch_window_seconds=cfg.proxy.batch_window_seconds)
         local_backend = engine.openai_backend()
-    proxy = routing.from_config(agent, cfg.proxy, main_url, local_backend)  # None unless proxy.listen is set
+    from warmup_agent.server import early_spawn
+    bound = early_spawn.take_listener(cfg.proxy.listen)     # users connected since the spawn wait in it
+    proxy = routing.from_config(agent, cfg.proxy, main_url, local_backend, bound)  # None unless proxy.listen is set
     host, _, port = cfg.exporter.listen.rpartition(":")
     security = webconfig.resolve(cfg.exporter)   # TLS, basic auth, admin token: worked out here only
     try:
@@ -258,7 +260,7 @@ def _serve_endpoints(cfg: Config, agent: Agent, engine: Engine, model_path: str 
             at, timeout = (proxy.host, proxy.port), cfg.proxy.timeout_seconds
             agent.context.user_path_request = lambda: user_path.send(at[0], at[1], timeout)
     log.info("warmup-agent %s: engine %s, model %s, exporter on %s://%s:%d", __version__, cfg.engine,
-             model_path, "https" if cfg.exporter.tls_cert_file else "http", host, server.port)
+             model_path, "https" if server.tls else "http", host, server.port)
     return server, proxy
 
 

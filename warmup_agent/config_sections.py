@@ -221,10 +221,11 @@ class BreakerSection(_Section):
 
 class ProxySection(_Section):
     """`proxy.*` (docs/config.md)."""
-    __slots__ = ("listen", "upstream_url", "fallback_url", "retry_after_seconds", "timeout_seconds", "max_body_bytes", "batch_window_seconds")
+    __slots__ = ("listen", "upstream_url", "fallback_url", "hold_seconds", "retry_after_seconds", "timeout_seconds", "max_body_bytes", "batch_window_seconds")
     listen: str | None
     upstream_url: str | None
     fallback_url: str | None
+    hold_seconds: float
     retry_after_seconds: int
     timeout_seconds: float
     max_body_bytes: int

@@ -22,6 +22,7 @@ import mmap
 import os
 import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from warmup_agent.proxy.routing import DEFAULT_MAX_BODY_BYTES, Backend, RoutedAgent, RoutingProxy, _bind
+from warmup_agent.server import listener
 from warmup_agent.states import State
 
 if TYPE_CHECKING:
@@ -96,14 +98,16 @@ class ProxyProcess:
     runs in a child process; `agent` is the real one (its gate and metrics)."""
 
     def __init__(self, agent: RoutedAgent, upstream_url: str, fallback_url: str | None = None,
-                 listen: tuple[str, int] = ("127.0.0.1", 0), retry_after_seconds: int = 5,
-                 timeout_seconds: float = 300.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 listen: tuple[str, int] | socket.socket = ("127.0.0.1", 0), retry_after_seconds: int = 5,
+                 timeout_seconds: float = 300.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 hold_seconds: float = 0.0):
         self.gate, self.metrics = agent.readiness, agent.metrics
         self.main_name = upstream_url
-        self.sock = _bind(listen)
+        self.sock = _bind(listen) if isinstance(listen, tuple) else listen   # or one bound early (listener.py)
         self.host, self.port = self.sock.getsockname()[:2]
         self.settings = {"upstream": upstream_url, "fallback": fallback_url, "retry_after_seconds": retry_after_seconds,
-                         "timeout_seconds": timeout_seconds, "max_body_bytes": max_body_bytes}
+                         "timeout_seconds": timeout_seconds, "max_body_bytes": max_body_bytes,
+                         "hold_seconds": hold_seconds if fallback_url is None else 0.0}
         self.shared = SharedGate.create()
         self.proc: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None
@@ -124,7 +128,8 @@ class ProxyProcess:
             t.start()
         log.info("routing proxy on %s:%d (process %d) -> main %s, fallback %s", self.host, self.port,
                  self.proc.pid if self.proc else -1, self.main_name,
-                 self.settings["fallback"] or "none (503 while not SERVING)")
+                 self.settings["fallback"] or
+                 f"none (held up to {self.settings['hold_seconds']:g} s while warming, then 503)")
         return self
 
     def _spawn(self) -> Any:
@@ -213,6 +218,9 @@ class ProxyProcess:
             gate.user_request()
         for route, code, n in batch.get("c", ()):
             m.warmup_proxy_requests_total.labels(route=route, code=code).inc(n)
+        for outcome, seconds in batch.get("h", ()):
+            m.warmup_proxy_held_requests_total.labels(outcome=outcome).inc()
+            m.warmup_proxy_hold_seconds.observe(seconds)
         for route, ttft in batch.get("f", ()):
             m.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
         if ttfts := batch.get("o"):
@@ -240,15 +248,16 @@ class _Report:
         self.f: list[tuple[str, float]] = []
         self.o: list[float] = []
         self.a: list[tuple[float, float, int | None]] = []
+        self.h: list[tuple[str, float]] = []
         self.logs: list[tuple[int, str, str]] = []
 
     def take(self) -> bytes | None:
-        if not (self.u or self.c or self.f or self.o or self.a or self.logs):
+        if not (self.u or self.c or self.f or self.o or self.a or self.h or self.logs):
             return None
         logs, self.logs = self.logs, []
         batch = {"u": self.u, "c": [[r, c, n] for (r, c), n in self.c.items()], "f": self.f, "o": self.o, "a": self.a,
-                 "l": logs}
-        self.u, self.c, self.f, self.o, self.a = 0, {}, [], [], []
+                 "h": self.h, "l": logs}
+        self.u, self.c, self.f, self.o, self.a, self.h = 0, {}, [], [], [], []
         return json.dumps(batch).encode() + b"\n"
 
 
@@ -298,6 +307,23 @@ class _Histogram:
         self.report.f.append((self.route, value))
 
 
+class _Held:
+    """A held request's outcome and wait: counted with the hold's seconds when observed."""
+
+    def __init__(self, report: _Report):
+        self.report, self.outcome = report, "served"
+
+    def labels(self, outcome: str) -> _Held:
+        self.outcome = outcome
+        return self
+
+    def inc(self, n: int = 1) -> None:
+        pass
+
+    def observe(self, seconds: float) -> None:
+        self.report.h.append((self.outcome, seconds))
+
+
 class _Family:
     def __init__(self, make: Any):
         self.make = make
@@ -312,11 +338,13 @@ class _Family:
 
 
 class _ChildMetrics:
-    """The two proxy metrics, as the proxy uses them, reported to the agent."""
+    """The proxy's metrics, as the proxy uses them, reported to the agent."""
 
     def __init__(self, report: _Report):
         self.warmup_proxy_requests_total = _Family(lambda route, code: _Counter(report, (route, code)))
         self.warmup_proxy_first_token_seconds = _Family(lambda route: _Histogram(report, route))
+        # RoutingProxy._wait_for_gate counts the outcome, then observes the wait: one record.
+        self.warmup_proxy_held_requests_total = self.warmup_proxy_hold_seconds = _Held(report)
 
 
 class _ChildAgent:
@@ -352,7 +380,7 @@ def child_main(args: dict) -> int:
     shared = SharedGate(args["gate"])
     proxy = RoutingProxy(_ChildAgent(shared, report), args["upstream"], args["fallback"], listen=sock,  # type: ignore[arg-type]
                          retry_after_seconds=args["retry_after_seconds"], timeout_seconds=args["timeout_seconds"],
-                         max_body_bytes=args["max_body_bytes"], tune_gc=True)
+                         max_body_bytes=args["max_body_bytes"], tune_gc=True, hold_seconds=args["hold_seconds"])
     proxy.start()
     loop = proxy.loop
     assert loop is not None
@@ -381,11 +409,12 @@ def child_main(args: dict) -> int:
 
 
 def from_config(agent: RoutedAgent, pc: ProxySection, openai_url: str | None = None,
-                local_backend: Backend | None = None) -> RoutingProxy | ProxyProcess | None:
+                local_backend: Backend | None = None,
+                bound: socket.socket | None = None) -> RoutingProxy | ProxyProcess | None:
     """The proxy the `proxy.*` section asks for, not started; None without proxy.listen.
     The main engine is proxy.upstream_url, else `local_backend`, else `openai_url`; an
-    HTTP one gets a ProxyProcess.  Raises ConfigError for a missing upstream or an
-    address in use."""
+    HTTP one gets a ProxyProcess.  `bound`: proxy.listen's socket, bound early
+    (listener.py).  Raises ConfigError for a missing upstream or an address in use."""
     from warmup_agent.config import ConfigError
     if not pc.listen:
         return None
@@ -396,15 +425,15 @@ def from_config(agent: RoutedAgent, pc: ProxySection, openai_url: str | None = N
     if isinstance(upstream, str) and not upstream.startswith(("http://", "https://")):
         raise ConfigError(f"key 'proxy.upstream_url': got {upstream!r}; expected a URL starting with http:// or https://",
                           "proxy.upstream_url")
-    host, _, port = pc.listen.rpartition(":")
-    listen = (host.strip("[]"), int(port))
+    listen: tuple[str, int] | socket.socket = bound if bound is not None else listener.parse(pc.listen)
     try:
         if isinstance(upstream, str):
             return ProxyProcess(agent, upstream, pc.fallback_url, listen, retry_after_seconds=pc.retry_after_seconds,
-                                timeout_seconds=pc.timeout_seconds, max_body_bytes=pc.max_body_bytes)
+                                timeout_seconds=pc.timeout_seconds, max_body_bytes=pc.max_body_bytes,
+                                hold_seconds=pc.hold_seconds)
         return RoutingProxy(agent, upstream, pc.fallback_url, listen,
                             retry_after_seconds=pc.retry_after_seconds, timeout_seconds=pc.timeout_seconds,
-                            max_body_bytes=pc.max_body_bytes)
+                            max_body_bytes=pc.max_body_bytes, hold_seconds=pc.hold_seconds)
     except OSError as e:
         raise ConfigError(f"key 'proxy.listen': cannot listen on {pc.listen}: {e.strerror}",
                           "proxy.listen") from None

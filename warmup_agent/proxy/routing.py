@@ -2,7 +2,9 @@
 
     client -> proxy -> main engine        when SERVING and the breaker is closed
                     -> fallback upstream  while not, if configured
-                    -> 503 + Retry-After  otherwise
+                    -> held               while the pod warms (a start, a restart, a wake),
+                                          up to hold_seconds, then the main engine
+                    -> 503 + Retry-After  otherwise, or past the hold
 
 Completions, chat completions and `/v1/models` are proxied; streams pass through chunk
 by chunk, unchanged.  Requests with `X-Warmup: true` (the agent's own) always go to the
@@ -41,12 +43,17 @@ if TYPE_CHECKING:
 from warmup_agent.proxy.stream_tokens import StreamTokens
 from warmup_agent.proxy.upstream import HOP as _HOP
 from warmup_agent.proxy.upstream import BackendUnavailable, UpstreamBackend, UpstreamConnection
+from warmup_agent.server import listener
 
 log = logging.getLogger("warmup_agent.proxy")
 
 POST_PATHS = ("/v1/completions", "/v1/chat/completions")
 GET_PATHS = ("/v1/models",)
 WARMUP_HEADER = "X-Warmup"
+# States in which a user's request waits for the gate rather than being refused: the
+# pod is warming (or asleep, and a request wakes it); the gate will open by itself.
+HOLD_STATES = frozenset({"INIT", "PRELOAD", "PRIME", "SLEEPING"})
+HOLD_POLL_SECONDS = 0.005      # how often held requests look at the gate (one poller for all)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The last `"completion_tokens": N` of an answer (the usage object ends OpenAI and vLLM
 # answers); a quote inside generated text is escaped, so it cannot match there.
@@ -117,8 +124,7 @@ _CANCELLED_OR_TIMEOUTS: tuple[type[BaseException], ...] = (asyncio.CancelledErro
 # -- the proxy ------------------------------------------------------------------------------
 
 def listen_backlog() -> int:
-    from exporter.server import listen_backlog as backlog
-    return backlog()
+    return listener.backlog()
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -131,18 +137,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def _bind(listen: tuple[str, int]) -> socket.socket:
-    host, port = listen
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(listen_backlog())
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
+    return listener.bind(listen)
 
 
 def _name(backend: Any) -> str:
@@ -157,7 +152,7 @@ class RoutingProxy:
     def __init__(self, agent: RoutedAgent, upstream_url: str | Backend, fallback_url: str | Backend | None = None,
                  listen: tuple[str, int] | socket.socket = ("127.0.0.1", 0), metrics: AgentMetrics | None = None,
                  retry_after_seconds: int = 5, timeout_seconds: float = 300.0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tune_gc: bool = False):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tune_gc: bool = False, hold_seconds: float = 0.0):
         self.metrics = metrics if metrics is not None else agent.metrics
         self.gate = agent.readiness
         self.timeout = timeout_seconds
@@ -167,6 +162,9 @@ class RoutingProxy:
                                          else fallback_url)
         self.retry_after_seconds = retry_after_seconds
         self.max_body_bytes = max_body_bytes
+        # No hold where a fallback serves users meanwhile: they are answered at once there.
+        self.hold_seconds = hold_seconds if self.fallback is None else 0.0
+        self._hold = _Hold(self.gate)
         self.sock = _bind(listen) if isinstance(listen, tuple) else listen   # or a listening socket (process.py)
         self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
@@ -193,7 +191,8 @@ class RoutingProxy:
         if self._start_error is not None:
             raise self._start_error
         log.info("routing proxy on %s:%d -> main %s, fallback %s", self.host, self.port, self.main_name,
-                 _name(self.fallback) if self.fallback else "none (503 while not SERVING)")
+                 _name(self.fallback) if self.fallback else
+                 f"none (held up to {self.hold_seconds:g} s while warming, then 503)")
         return self
 
     def _run(self) -> None:
@@ -250,6 +249,7 @@ class RoutingProxy:
 
         async def shutdown() -> None:
             self._sweeper.cancel()
+            self._hold.stop()
             try:
                 if self._runner is not None:
                     await self._runner.cleanup()
@@ -317,9 +317,14 @@ class RoutingProxy:
             except asyncio.IncompleteReadError:
                 return _error(400, "invalid_request_error", "the request body ended early")
         warmup = request.headers.get(WARMUP_HEADER, "").strip().lower() == "true"
-        route = self.route(warmup)
         if not warmup:
-            self.gate.user_request()
+            self.gate.user_request()      # first: while asleep, this starts the wake it will wait for
+        route = self.route(warmup)
+        if route == "rejected" and self.hold_seconds > 0 and self.gate.state_name in HOLD_STATES:
+            route = await self._wait_for_gate()
+            # Its time to first token counts from its release: the wait is the hold's own
+            # figure, and must not reach the window or the breaker as a slow engine.
+            t0 = time.perf_counter()
         # Count before the client has the answer, so a client that read it sees the count.
         if route == "rejected":
             retry = self.retry_after()
@@ -518,6 +523,33 @@ class RoutingProxy:
             if conn is not None:
                 conn.finish()                # to the pool when it ended cleanly, else aborted
 
+    async def _wait_for_gate(self) -> str:
+        """Hold a user's request until the gate opens ("main"), the pod leaves the warming
+        states (route() again: fallback or rejected), or hold_seconds pass ("rejected")."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = t0 + self.hold_seconds
+        outcome, route = "timed_out", "rejected"
+        try:
+            while True:
+                if self.gate.main_open():
+                    outcome, route = "served", "main"
+                    break
+                if self.gate.state_name not in HOLD_STATES:
+                    outcome, route = "refused", self.route(False)
+                    break
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                await self._hold.changed(remaining)
+        except asyncio.CancelledError:
+            outcome = "client_gone"
+            raise
+        finally:
+            self.metrics.warmup_proxy_held_requests_total.labels(outcome=outcome).inc()
+            self.metrics.warmup_proxy_hold_seconds.observe(loop.time() - t0)
+        return route
+
     def _first_token(self, route: str, ttft: float) -> None:
         """Record a user request's time to first token."""
         self.metrics.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
@@ -555,6 +587,44 @@ def _tune_gc() -> tuple[int, int, int]:
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     return before
+
+
+class _Hold:
+    """Where held requests wait: while anyone waits, one poller looks at the gate every
+    HOLD_POLL_SECONDS and wakes them all once it opens or the pod leaves the warming
+    states.  (The gate may live in another process, in shared memory: nothing calls back.)"""
+
+    def __init__(self, gate: Gate):
+        self.gate = gate
+        self.waiters = 0
+        self._event: asyncio.Event | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    async def changed(self, timeout: float) -> None:
+        """Return when the hold may be over, or after `timeout` seconds."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        event = self._event
+        self.waiters += 1
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except _TIMEOUTS:
+            pass
+        finally:
+            self.waiters -= 1
+
+    def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+
+    async def _poll(self) -> None:
+        while self.waiters > 0:
+            await asyncio.sleep(HOLD_POLL_SECONDS)
+            if self._event is not None and (self.gate.main_open() or self.gate.state_name not in HOLD_STATES):
+                self._event.set()          # everyone waiting looks again
+                self._event = asyncio.Event()
 
 
 class _Watch:

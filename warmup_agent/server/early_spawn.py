@@ -7,16 +7,20 @@ are exactly its own, else kills it; a run that ends first kills it (`discard`). 
 with a KV budget flag or run as a module (vLLM) is never spawned early: the engine works
 out its command.
 WARMUP_NO_EARLY_SPAWN=1 turns this off; it is not a WARMUP_AGENT_* name, which the config would reject.
+
+With proxy.listen, its address is bound here too (proxy/listener.py): users who arrive
+from the spawn on are connected and held by the proxy, never refused.
 """
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from typing import TYPE_CHECKING
 
 from warmup_agent.config import ConfigError
-from warmup_agent.server import preflight
+from warmup_agent.server import listener, preflight
 from warmup_agent.server import process as server_process
 from warmup_agent.server.command import listen_address, server_env, server_remedy
 from warmup_agent.server.kinds import kind_of_command
@@ -38,6 +42,7 @@ class Early:
 
 
 _early: Early | None = None
+_listener: tuple[str, socket.socket] | None = None       # (proxy.listen, its socket), bound at the spawn
 _loaded: tuple[str | None, dict, Config] | None = None   # (config file, flags, configuration)
 
 
@@ -115,7 +120,8 @@ def start(argv: list[str]) -> None:
         planned = plan(argv, dict(os.environ))
         if planned is None:
             return
-        command, env, _ = planned
+        command, env, cfg = planned
+        _listen_early(cfg.proxy.listen)
         if not _can_start(command):
             return
         from warmup_agent.server.procstart import process_age_seconds
@@ -123,6 +129,29 @@ def start(argv: list[str]) -> None:
     except (OSError, ValueError):
         return   # the engine's own spawn reports it
     _early = Early(proc, command, server_process.final_env(env), time.monotonic(), process_age_seconds())
+
+
+def _listen_early(listen: str | None) -> None:
+    """Bind proxy.listen now; an address in use is left for the proxy to report."""
+    global _listener
+    if not listen or _listener is not None:
+        return
+    try:
+        _listener = (listen, listener.bind(listener.parse(listen)))
+    except (OSError, ValueError):
+        pass
+
+
+def take_listener(listen: str | None) -> socket.socket | None:
+    """proxy.listen's socket if it was bound early for this same address, else None."""
+    global _listener
+    found, _listener = _listener, None
+    if found is None:
+        return None
+    if found[0] == listen:
+        return found[1]
+    found[1].close()
+    return None
 
 
 def loaded_config(path: str | None, flags: dict[str, str | None]) -> Config | None:

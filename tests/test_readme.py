@@ -280,3 +280,18 @@ def test_every_readme_command_runs_as_written_in_a_fresh_setup(tmp_path):
     assert (repo / "report" / "report.png").stat().st_size > 10_000
     record = json.loads((repo / "run.json").read_text())
     assert record["final_state"] == "SERVING"
+
+
+def test_the_probe_counts_the_docs_give_are_the_configs_defaults():
+    """README.md and docs/readiness.md name the gate's probe counts with their defaults
+    in brackets, `readiness.min_probes` (10); each must be the default in config.KEYS
+    (issue 72: the README said 10 where the openai engine needs 2, readiness.md 3)."""
+    from warmup_agent import config
+    defaults = {k.path: k.default for k in config.KEYS}
+    found = 0
+    for doc in ("README.md", "docs/readiness.md"):
+        text = open(os.path.join(ROOT, doc)).read()
+        for key, value in re.findall(r"`(readiness\.(?:min_probes\w*|probe_max_tokens))` \((\d+)", text):
+            assert int(value) == defaults[key], f"{doc}: `{key}` ({value}), but its default is {defaults[key]}"
+            found += 1
+    assert found >= 3, "the docs no longer name the probe counts with their defaults"

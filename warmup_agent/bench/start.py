@@ -186,10 +186,14 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
         process.kill_now(s)
         if code is not None:
             how = f"the {_who(condition)} exited with code {code} mid-run ({e})"
-        elif e.status is not None:
+        elif e.kind == "refused":
             how = f"the server refused a request mid-run ({e})"
             if "context" in str(e).lower():
                 how += "; the prompts do not fit its context: lower --max-context"
+        elif e.kind == "error_event":
+            how = f"a request failed mid-run: the server sent an error event mid-stream ({e})"
+        elif e.kind == "cut_off":
+            how = f"a request failed mid-run: the server cut its stream off ({e})"
         else:
             how = f"the server stopped answering mid-run ({e})"
         raise StartFailed(f"{condition} start {index + 1}: {how}", rec) from None

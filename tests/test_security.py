@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+from typing import Any
 
 import bcrypt
 import pytest
@@ -129,6 +130,11 @@ def test_tls_and_basic_auth_from_the_web_config_file(live):
         requests.get(f"http://127.0.0.1:{live.port}/readyz", timeout=5)
     with pytest.raises(requests.exceptions.SSLError):
         requests.get(live.base + "/readyz", timeout=5)   # system CAs only
+
+
+def test_the_start_up_line_names_https_when_tls_comes_from_the_web_config(live):
+    text = open(live.log).read()
+    assert f"exporter on https://127.0.0.1:{live.port}" in text, text[-3000:]
 
 
 def test_tampered_kernel_cache_entry_rejected_end_to_end(live):
@@ -302,3 +308,85 @@ def test_bcrypt_check_is_cached_but_never_wrong():
     assert not auth.check(h("u", "pw-2")) and not auth.check(h("v", "pw-1"))
     assert not auth.check("Basic !!!") and not auth.check(None) and not auth.check("Bearer x")
     assert all(b"pw-1" not in t for t in auth._ok)
+
+
+# --- non-ASCII basic auth (issue 73) ------------------------------------------------------
+
+NON_ASCII_USER, NON_ASCII_PASSWORD = "prométhée", "пароль-Zq81 ü€"
+
+
+def _basic(user: str, password: str) -> dict:
+    """The header as curl and browsers send it: the UTF-8 bytes, base64-encoded."""
+    import base64
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode("utf-8")).decode()}
+
+
+def _protected(tmp_path, how: str) -> tuple[Any, str, str | bool]:
+    """The agent's HTTP server (exporter.server.ExporterServer, as `warmup-agent run`
+    builds it: config.load + webconfig.resolve) guarding /metrics with a non-ASCII
+    user and password; returns (the server, its base URL, requests' verify)."""
+    d = str(tmp_path)
+    if how == "web config":      # TLS and a bcrypt hash from the web config file
+        ca = make_ca(d)
+        cert, key = make_leaf(d, ca, "server")
+        hashed = bcrypt.hashpw(NON_ASCII_PASSWORD.encode("utf-8"), bcrypt.gensalt(rounds=4)).decode()
+        web = _write(os.path.join(d, "web.yml"), f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                                                 f"basic_auth_users:\n  {NON_ASCII_USER}: '{hashed}'\n")
+        env, verify = {"WARMUP_AGENT_EXPORTER_WEB_CONFIG_FILE": web}, ca[0]
+    else:                        # the older keys: a user name and a plain password file
+        with open(os.path.join(d, "password"), "w", encoding="utf-8") as f:
+            f.write(NON_ASCII_PASSWORD + "\n")
+        env = {"WARMUP_AGENT_EXPORTER_BASIC_AUTH_USERNAME": NON_ASCII_USER,
+               "WARMUP_AGENT_EXPORTER_BASIC_AUTH_PASSWORD_FILE": os.path.join(d, "password")}
+        verify = True
+    from exporter.metrics import AgentMetrics
+    from exporter.server import ExporterServer
+    security = webconfig.resolve(config.load(env=env).exporter)
+    s = ExporterServer(Stub(), AgentMetrics().registry, "127.0.0.1", 0, security=security).start()
+    return s, ("https" if security.tls else "http") + f"://127.0.0.1:{s.port}", verify
+
+
+@pytest.mark.parametrize("how", ["web config", "older keys"])
+def test_a_non_ascii_password_logs_in_and_a_wrong_one_gets_401(tmp_path, how):
+    s, base, verify = _protected(tmp_path, how)
+    try:
+        get = lambda **kw: requests.get(base + "/metrics", verify=verify, timeout=10, **kw)  # noqa: E731
+        r = get(headers=_basic(NON_ASCII_USER, NON_ASCII_PASSWORD))
+        assert r.status_code == 200 and "warmup_" in r.text
+        # wrong, all answered 401 (a dropped connection raises ConnectionError here)
+        for user, password in ((NON_ASCII_USER, NON_ASCII_PASSWORD + "x"), (NON_ASCII_USER, "пароль"),
+                               ("prometheus", NON_ASCII_PASSWORD), (NON_ASCII_USER, NON_ASCII_PASSWORD[:-1]),
+                               (NON_ASCII_USER, "ascii-only")):
+            r = get(headers=_basic(user, password))
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Basic"), (user, password)
+        assert get(headers={"Authorization": "Basic !!!"}).status_code == 401
+        assert get(headers={"Authorization": "Basic " + "bm8tY29sb24="}).status_code == 401   # "no-colon"
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("how, scheme", [("web config", "https"), ("older keys", "http"), ("none", "http")])
+def test_the_start_up_line_names_the_scheme_served(tmp_path, caplog, how, scheme):
+    """`warmup-agent run`'s start-up line (cli._serve_endpoints), in process: https where
+    TLS comes from the web config file, not only from exporter.tls_cert_file."""
+    import logging
+
+    from exporter.metrics import AgentMetrics
+    from warmup_agent import cli
+    d = str(tmp_path)
+    env: dict[str, str] = {"WARMUP_AGENT_EXPORTER_LISTEN": "127.0.0.1:0"}
+    if how == "web config":
+        env["WARMUP_AGENT_EXPORTER_WEB_CONFIG_FILE"] = _web_config(d, *make_leaf(d, make_ca(d), "server"))
+    elif how == "older keys":
+        env["WARMUP_AGENT_EXPORTER_BASIC_AUTH_USERNAME"] = USER
+        env["WARMUP_AGENT_EXPORTER_BASIC_AUTH_PASSWORD_FILE"] = _write(os.path.join(d, "pw"), PASSWORD)
+    agent = Stub()
+    agent.metrics = AgentMetrics()    # type: ignore[attr-defined]
+    with caplog.at_level(logging.INFO, logger="warmup_agent"):
+        server, proxy = cli._serve_endpoints(config.load(env=env), agent, None, "/models/m")
+    try:
+        assert proxy is None and server.tls == (scheme == "https")
+        lines = [r.getMessage() for r in caplog.records if "exporter on " in r.getMessage()]
+        assert len(lines) == 1 and lines[0].endswith(f"exporter on {scheme}://127.0.0.1:{server.port}"), lines
+    finally:
+        server.stop()

@@ -195,19 +195,20 @@ def read_token(path: str, key: str) -> str:
 
 
 class PasswordAuth:
-    """The older single-user basic auth (exporter.basic_auth_username + password file)."""
+    """The older single-user basic auth (exporter.basic_auth_username + password file).
+    Compared as UTF-8 bytes: hmac.compare_digest refuses str with non-ASCII characters."""
 
     def __init__(self, user: str, password: str):
-        self.user, self.password = user, password
+        self.user, self.password = user.encode("utf-8"), password.encode("utf-8")
 
     def check(self, header: str | None) -> bool:
         if not header or not header.startswith("Basic "):
             return False
         try:
-            user, _, password = base64.b64decode(header[6:]).decode().partition(":")
-        except Exception:  # noqa: BLE001 - malformed header
+            user, sep, password = base64.b64decode(header[6:], validate=True).partition(b":")
+        except ValueError:   # not base64 (binascii.Error)
             return False
-        return hmac.compare_digest(user, self.user) & hmac.compare_digest(password, self.password)
+        return bool(sep) & hmac.compare_digest(user, self.user) & hmac.compare_digest(password, self.password)
 
 
 class Authenticator(Protocol):

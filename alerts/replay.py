@@ -20,8 +20,9 @@ How the series evolve from the recorded values (t = minutes after the scrape):
     decays as the pod serves, exactly as the agent computes it; a probe after
     SERVING asks for one token, so it costs its mean time to first token;
   - warmup_engine_requests_finished_total (read from the engine) grows by one
-    request per probe; counters outside the catalogue (an engine's own names)
-    grow at their recorded average rate (value / u0);
+    request per probe; the agent process's CPU seconds
+    (warmup_process_cpu_seconds_total) and counters outside the catalogue (an
+    engine's own names) grow at their recorded average rate (value / u0);
   - every other counter (failures, transitions, warmup requests, cache
     requests) stays flat: nothing fails or re-warms on a healthy pod;
   - a pod recorded SLEEPING (warmup_server_sleeping 1: its server sleeps when idle,
@@ -122,7 +123,7 @@ def evolve(samples, minutes: int, probe_interval: float = 5.0, uptime: float | N
             vals = [v + 60 * t for t in range(minutes + 1)]
         elif name == "warmup_engine_requests_finished_total":
             vals = [v + per_second * 60 * t for t in range(minutes + 1)]
-        elif _cumulative(ftype, name) and not _ours(name):
+        elif _cumulative(ftype, name) and (name == "warmup_process_cpu_seconds_total" or not _ours(name)):
             vals = [v + v / uptime * 60 * t for t in range(minutes + 1)]
         else:
             vals = [v] * (minutes + 1)

@@ -522,6 +522,11 @@ def warmup_economics(th: Thresholds) -> dashboard_b.Dashboard:
             "Agent resident memory",
             "Resident memory of the agent process, engine included when in-process (warmup_process_resident_memory_bytes).",
             "bytes", [target(m("warmup_process_resident_memory_bytes"), "{{namespace}}/{{pod}}")]),
+        timeseries(
+            "Agent CPU",
+            "CPU cores the agent process keeps busy, user and system time, engine included when in-process "
+            "(rate of warmup_process_cpu_seconds_total).",
+            "short", [target(f"rate({m('warmup_process_cpu_seconds_total')}[{RATE}])", "{{namespace}}/{{pod}}")]),
     ]
     return dashboard("warmup-economics", "Warmup agent / Warmup economics",
                      "What warmup costs (engine time, memory) against what it buys (fewer failed and slow cold starts).",

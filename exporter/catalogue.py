@@ -166,9 +166,30 @@ CORE: tuple[MetricSpec, ...] = (
                "Resident-memory jitter of the agent process: (max RSS - min RSS) / mean RSS over the sampling window.",
                unit="percentunit", source="agent",
                doc="Seed 000 §2.3 (ΔRSS / mean RSS); SOTA line 0.023. Sampled every 100 ms over the last 60 s."),
+    # prometheus_client's ProcessCollector(namespace="warmup") writes these, with its own
+    # help texts (exporter/collectors.py process_collector); absent where there is no /proc.
     MetricSpec("warmup_process_resident_memory_bytes", "gauge",
-               "Resident memory of the agent process (engine included when in-process), read at scrape time.",
-               unit="bytes", source="scrape"),
+               "Resident memory size in bytes.",
+               unit="bytes", source="scrape",
+               doc="Of the agent process: the model is included with an in-process engine (torch), not with the "
+                   "openai engine, whose server is another process."),
+    MetricSpec("warmup_process_virtual_memory_bytes", "gauge",
+               "Virtual memory size in bytes.",
+               unit="bytes", source="scrape", doc="Of the agent process."),
+    MetricSpec("warmup_process_cpu_seconds_total", "counter",
+               "Total user and system CPU time spent in seconds.",
+               unit="s", source="scrape", doc="Of the agent process; rate() of it is the CPU cores it keeps busy."),
+    MetricSpec("warmup_process_open_fds", "gauge",
+               "Number of open file descriptors.",
+               unit="short", source="scrape", doc="Of the agent process."),
+    MetricSpec("warmup_process_max_fds", "gauge",
+               "Maximum number of open file descriptors.",
+               unit="short", source="scrape", doc="The agent process's soft limit (RLIMIT_NOFILE)."),
+    MetricSpec("warmup_process_start_time_seconds", "gauge",
+               "Start time of the process since unix epoch in seconds.",
+               unit="s", source="scrape",
+               doc="Of the agent process; a server the agent spawns has a start time of its own (`time() - "
+                   "warmup_process_start_time_seconds` is the agent's uptime)."),
     # --- GPU (NVML / allocator), absent without a GPU --------------------------------
     MetricSpec("warmup_gpu_memory_used_bytes", "gauge",
                "GPU memory in use per device, from NVML.",

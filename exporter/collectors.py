@@ -1,16 +1,19 @@
-"""Collectors for values read at scrape time: process memory, NVML, the allocator.
+"""Collectors for values read at scrape time: the process, NVML, the allocator.
 
 Dependencies are injected through the constructor, and one failing read never blanks
-the rest of the scrape.  Without a GPU the GPU families are absent.
+the rest of the scrape.  Without a GPU the GPU families are absent.  The process
+series (`warmup_process_*`) are prometheus_client's own ProcessCollector under the
+`warmup` namespace, not a copy of it.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-import psutil
+from prometheus_client import ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 
 from exporter.catalogue import spec
@@ -23,17 +26,16 @@ def _family(name: str, labels: Any = None) -> GaugeMetricFamily:
     return GaugeMetricFamily(s.name, s.help, labels=list(s.labels) if labels is None else labels)
 
 
-class ProcessCollector:
-    def __init__(self, process: psutil.Process | None = None):
-        self._proc = process or psutil.Process()
+#: The namespace of the process series: warmup_process_resident_memory_bytes etc.
+PROCESS_NAMESPACE = "warmup"
 
-    def collect(self) -> Any:
-        try:
-            fam = _family("warmup_process_resident_memory_bytes")
-            fam.add_metric([], float(self._proc.memory_info().rss))
-            yield fam
-        except Exception:  # noqa: BLE001 - a /proc read must not blank the scrape
-            log.debug("process memory read failed", exc_info=True)
+
+def process_collector(pid: Callable[[], int | str] = lambda: "self", proc: str = "/proc") -> ProcessCollector:
+    """warmup_process_* of one process (default: this one) from /proc, left unregistered.
+
+    Memory, CPU seconds, open and maximum fds and the start time, as every Prometheus
+    client exports them; absent where there is no /proc."""
+    return ProcessCollector(namespace=PROCESS_NAMESPACE, pid=pid, proc=proc, registry=None)
 
 
 _FROM_ENV = object()
@@ -162,5 +164,6 @@ def _nvml_index(uuid: str) -> str:
 
 
 def register_default_collectors(registry: Any) -> None:
-    for c in (ProcessCollector(), NVMLCollector(), AllocatorCollector()):
+    """Register the scrape-time collectors on the agent's registry: this process, NVML, the allocator."""
+    for c in (process_collector(), NVMLCollector(), AllocatorCollector()):
         registry.register(c)

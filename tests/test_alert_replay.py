@@ -147,6 +147,28 @@ def test_engine_counters_grow_in_the_vllm_recording():
     assert {v[0] for s, v in series.items() if s.startswith("warmup_engine_up{")} == {1.0}
 
 
+def test_the_agents_cpu_seconds_grow_in_the_replay(tmp_path):
+    """warmup_process_cpu_seconds_total (ProcessCollector, issue 73) is a counter of the
+    catalogue that keeps growing on a serving pod, at its recorded average rate; the
+    recordings predate it, so it is added to one here."""
+    path = tmp_path / "pod.prom"
+    path.write_text(open(H200).read() + "# HELP warmup_process_cpu_seconds_total Total user and system CPU time spent in seconds.\n"
+                    "# TYPE warmup_process_cpu_seconds_total counter\nwarmup_process_cpu_seconds_total 120.0\n")
+    samples = replay.parse(str(path))
+    uptime = replay._value(samples, "warmup_engine_seconds_total") / replay._value(samples, "warmup_cost_ratio")
+    cpu = [v for s, v in replay.evolve(samples, minutes=40).items() if s.startswith("warmup_process_cpu_seconds_total{")]
+    assert len(cpu) == 1 and cpu[0][0] == 120.0
+    assert cpu[0][-1] - cpu[0][0] == pytest.approx(120.0 / uptime * 2400)
+
+
+def test_recordings_name_only_catalogue_metrics():
+    """A renamed or removed metric reaches the recordings: every warmup_* family they hold is
+    in the catalogue (an engine's own names, outside warmup_*, are replayed as they are)."""
+    for path in RECORDED + [CONSTRUCTED]:
+        unknown = {n for _, n, _, _ in replay.parse(path) if n.startswith("warmup_") and not replay._ours(n)}
+        assert not unknown, (os.path.basename(path), sorted(unknown))
+
+
 def _old_rules(tmp_path) -> str:
     """The rules as they were before issue 13: one budget for every device kind
     (reserve 0.5 s), which generates exactly the old expression."""

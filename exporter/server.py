@@ -7,7 +7,8 @@
   /               a landing page with links
   POST /admin/rewarm   warm the engine again
   POST /admin/drain    move to DRAINING, so /readyz answers 503 (a preStop hook)
-  POST /admin/wake     wake a sleeping server and warm it ahead of traffic
+  POST /admin/wake     wake a sleeping server and warm it ahead of traffic; answers once
+                       it is warm (?wait=false: at once, with an estimate)
 
 Probe endpoints stay open under basic auth because the kubelet sends no credentials.
 The admin endpoints exist only with `exporter.admin_token_file` and need a bearer
@@ -21,6 +22,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -115,6 +117,20 @@ class _HTTPServer(ThreadingHTTPServer):
         log.debug("connection from %s ended: %s", client_address[0], sys.exc_info()[1])
 
 
+# POST /admin/wake waits at most this long for the pod to be warm (?wait=false: not at all).
+WAKE_WAIT_SECONDS = 300.0
+_WAKING = frozenset({"SLEEPING", "INIT", "PRELOAD", "PRIME"})
+
+
+def _query_flag(path: str, name: str, default: bool) -> bool:
+    """`name` in the query of `path` as a boolean: false, 0 or no turn it off."""
+    from urllib.parse import parse_qs
+    values = parse_qs(path.partition("?")[2]).get(name)
+    if not values:
+        return default
+    return values[-1].strip().lower() not in ("false", "0", "no")
+
+
 class ServedAgent(Protocol):
     """All the exporter may use of the agent."""
 
@@ -179,15 +195,27 @@ class ExporterServer:
             return 409, {"error": f"re-warm needs SERVING or DEGRADED; state is {state}", "state": state}
         return 202, {"state": self.agent.state_name}
 
-    def wake(self) -> tuple[int, dict]:
-        """Wake a sleeping server (202, with the latest wake's duration); 200 when SERVING."""
+    def wake(self, wait: bool = True) -> tuple[int, dict]:
+        """Wake a sleeping server and warm it.  With `wait` the answer comes once the pod is
+        warm again: 200 and the seconds the wake took (503 where it failed, 202 past
+        WAKE_WAIT_SECONDS).  Without, 202 at once with the latest wake's seconds as the
+        estimate (null before the first).  200 when it is SERVING awake already."""
+        t0 = time.monotonic()
         started, warm_in = self.agent.request_wake()
         state = self.agent.state_name
-        if started:
+        if not started:
+            if state == "SERVING":
+                return 200, {"state": state, "warm_in_seconds": 0}
+            return 409, {"error": f"wake needs a sleeping server; state is {state}", "state": state}
+        if not wait:
             return 202, {"state": state, "warm_in_seconds": warm_in}
-        if state == "SERVING":
-            return 200, {"state": state, "warm_in_seconds": 0}
-        return 409, {"error": f"wake needs a sleeping server; state is {state}", "state": state}
+        while state in _WAKING and time.monotonic() - t0 < WAKE_WAIT_SECONDS:
+            time.sleep(0.01)
+            state = self.agent.state_name
+        took = round(time.monotonic() - t0, 3)
+        if state in _WAKING:
+            return 202, {"state": state, "warm_in_seconds": warm_in, "waited_seconds": took}
+        return (200 if state == "SERVING" else 503), {"state": state, "warm_in_seconds": took}
 
     def drain(self) -> tuple[int, dict]:
         outcome = self.agent.request_drain()
@@ -231,7 +259,10 @@ def _make_handler(server: ExporterServer) -> Any:
             if not server.admin_authorized(self.headers.get("Authorization")):
                 log.warning("admin: refused %s from %s (missing or wrong bearer token)", path, self.client_address[0])
                 return self._send(401, b"unauthorized\n", extra={"WWW-Authenticate": 'Bearer realm="warmup-agent"'})
-            code, body = {"/admin/rewarm": server.rewarm, "/admin/wake": server.wake}.get(path, server.drain)()
+            if path == "/admin/wake":
+                code, body = server.wake(wait=_query_flag(self.path, "wait", default=True))
+            else:
+                code, body = {"/admin/rewarm": server.rewarm}.get(path, server.drain)()
             log.info("admin: %s from %s -> %d %s", path, self.client_address[0], code, body.get("state"))
             return self._json(code, body)
 

@@ -295,7 +295,9 @@ class Agent:
             self.life = ServerLife(signals, self.sm, self.readiness, self.context.recorder,
                                    sleeps_when_idle=sleeps == "yes" or (sleeps == "auto" and self.engine.sleeps_when_idle()),
                                    ready_while_asleep=self.cfg.readiness.ready_while_asleep,
-                                   has_fallback=bool(self.cfg.proxy.fallback_url), clock=self.clock)
+                                   has_fallback=bool(self.cfg.proxy.fallback_url), clock=self.clock,
+                                   # the proxy holds users while a wake is warmed (proxy.hold_seconds)
+                                   holds_users=bool(self.cfg.proxy.listen) and self.cfg.proxy.hold_seconds > 0)
             self.life.start_rewarm = self._rewarm_cold
             self.readiness.life = self.life
         if interval > 0:

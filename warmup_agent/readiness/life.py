@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmup_agent.readiness.life")
 
 Action = Literal["probe", "wait", "rewarm"]
+#: Two reads of one process's start time agree within this.  A new process starts later
+#: than the old one's warmup took (seconds at least: the identity is read after SERVING),
+#: so a restart is far outside it; one source read twice differs by nothing or rounding.
+SAME_PROCESS_SECONDS = 1.0
 _WORDS = {"unreachable": "connection refused or reset", "timeout": "no answer in time",
           "server_error": "not 200"}
 
@@ -132,14 +136,16 @@ class ServerLife:
         return "probe"
 
     def _restarted(self) -> str | None:
-        """How a restart shows: "start_time", "came_back" (answering after unreachable) or None."""
+        """How a restart shows: "start_time", "came_back" (answering after unreachable) or None.
+
+        An identity that could not be read (None) is unknown, never a restart by itself."""
         now = self.signals.identity()
         before = self.identity
         if self.identity is None:
             self.identity = now
         breaker = self.readiness.breaker
         came_back = breaker.state != BreakerState.CLOSED and breaker.cause == "unreachable"
-        if now is not None and before is not None and now != before:
+        if now is not None and before is not None and abs(now - before) > SAME_PROCESS_SECONDS:
             return "start_time"
         if came_back and (now is None or before is None):
             return "came_back"

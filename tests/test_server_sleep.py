@@ -166,8 +166,9 @@ def test_a_sleeping_server_sleeps_under_the_agent_and_wakes_warm(tmp_path, embed
         print(f"on demand: users' first request {on_demand * 1000:.1f} ms: held {held * 1000:.1f} ms while the wake "
               f"was warmed, then {exported * 1000:.1f} ms to its first token (exported)")
         assert metric(url, "warmup_proxy_held_requests_total", outcome="served") == 1
-        # never passed to the waking server cold: held, then answered as a warm one is
-        assert exported <= 1.5 * steady + 0.02, (exported, steady)
+        # never passed to the waking server cold (a cold first request pays 3-8x here):
+        # held, then answered near a warm one (the slack: 2 shared cores)
+        assert exported <= 3 * steady + 0.02, (exported, steady)
         assert 0.8 <= (held + exported) / on_demand <= 1.25, (held, exported, on_demand)
         wait_until(lambda: state(url) == "SERVING", 120, interval=0.05, what="SERVING after the users' wake")
         assert metric(url, "warmup_server_wakes_total", cause="request") == 1

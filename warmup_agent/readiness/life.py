@@ -57,11 +57,13 @@ class Wake:
 
 class ServerLife:
     """`sleeps_when_idle`: the server sleeps after an idle time, so it is watched by
-    reads only.  Without `has_fallback`, users' requests reach the sleeping server."""
+    reads only.  Without `has_fallback` or `holds_users`, users' requests reach the
+    sleeping server and the first pays its reload; with `holds_users` the proxy holds
+    them while the wake is warmed (a wake is a start)."""
 
     def __init__(self, signals: ServerSignals, sm: StateMachine, readiness: Judge, recorder: Recorder,
                  sleeps_when_idle: bool, ready_while_asleep: bool, has_fallback: bool,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, holds_users: bool = False):
         self.signals = signals
         self.sm = sm
         self.readiness = readiness
@@ -69,6 +71,7 @@ class ServerLife:
         self.sleeps_when_idle = sleeps_when_idle
         self.ready_while_asleep = ready_while_asleep
         self.has_fallback = has_fallback
+        self.holds_users = holds_users
         self.clock = clock
         self.identity: float | None = None     # the serving process's start time, once read
         self.wake: Wake | None = None          # under way until SERVING again
@@ -86,7 +89,8 @@ class ServerLife:
     def users_wake_it(self) -> bool:
         """Users' requests go to the sleeping server, which wakes on them."""
         kind = self.signals.kind
-        return self.ready_while_asleep and not self.has_fallback and kind is not None and kind.wakes_on_request
+        return (self.ready_while_asleep and not self.has_fallback and not self.holds_users
+                and kind is not None and kind.wakes_on_request)
 
     def main_open(self) -> bool:
         """While SLEEPING, or warming after a wake: may users reach the main server?"""
@@ -152,12 +156,16 @@ class ServerLife:
         return None
 
     # -- sleep and wake --------------------------------------------------------------------
-    def _fell_asleep(self) -> None:
+    def _fell_asleep(self) -> bool:
+        """SERVING -> SLEEPING, once (the watch and a wake call may both see it)."""
         with self._lock:
+            if self.sm.state != State.SERVING:
+                return False
             self._asleep_at = self.clock()
+            self.sm.transition(State.SLEEPING)
         log.info("the model server sleeps (its operator asked it to when idle): SLEEPING, no probes until it wakes")
-        self.sm.transition(State.SLEEPING)
         self.recorder.life(LifeStats(sleeping=True))
+        return True
 
     def _count_asleep(self) -> None:
         with self._lock:
@@ -180,7 +188,13 @@ class ServerLife:
         return True
 
     def request_wake(self) -> bool:
-        """POST /admin/wake: wake a sleeping server and warm it.  False unless SLEEPING."""
+        """POST /admin/wake: wake a sleeping server and warm it.  The server's own word
+        decides, read now: it may have fallen asleep since the last watch.  False unless
+        it sleeps."""
+        kind = self.signals.kind
+        if (self.sm.state == State.SERVING and kind is not None and kind.can_sleep
+                and self.signals.sleeping() is True):
+            self._fell_asleep()
         if self.sm.state != State.SLEEPING or not self._woke("ahead"):
             return False
         self.start_rewarm("wake")

@@ -269,9 +269,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg, progress = _load(args)
     if server_command and cfg.engine != "openai":
         raise ConfigError(f"a server command after `--` needs --engine openai (engine is {cfg.engine})", "engine")
-    from warmup_agent.server import preflight
-    # Before any server starts (early_spawn made the same checks before its spawn).
-    preflight.check(cfg.engine, cfg.openai.url, cfg.exporter, cfg.proxy, server_command)
+    from warmup_agent.server import early_spawn, preflight
+    # Before any server starts (early_spawn made the same checks before its spawn, and
+    # may hold proxy.listen since).
+    preflight.check(cfg.engine, cfg.openai.url, cfg.exporter, cfg.proxy, server_command,
+                    proxy_bound=early_spawn.holds_listener(cfg.proxy.listen))
     model_path = _model_path(cfg)
 
     from warmup_agent.engines import EngineError

@@ -3,6 +3,9 @@
   alone    the server's command; ready when its health endpoint answers 200
   oneshot  the same, plus one 1-token request at health; ready when it is answered
   agent    `warmup-agent run --engine openai ... -- COMMAND`; ready at the agent's /readyz
+  spawn-alone, spawn-agent
+           a user's request sent at the spawn, retried only when refused, to the server
+           alone or through the agent's proxy (bench/spawn.py); that request alone is measured
 
 At ready the first request goes out at once, then the steady ones one by one;
 after a quiet pause the warm control (the same shape: what a warm server's
@@ -22,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmup_agent.bench import client, process
+from warmup_agent.bench import client, process, spawn
 from warmup_agent.bench.traffic import Shape, Traffic
 
 POLL = 0.01        # seconds between health polls
@@ -96,16 +99,19 @@ def _wait_ready(s: process.Started, url: str, timeout: float, what: str) -> floa
         time.sleep(POLL)
 
 
-def _spawn(setup: Setup, condition: str, index: int, port: int) -> tuple[process.Started, str]:
-    """Start the condition's process; returns it and the URL that says it is ready."""
+def _spawn(setup: Setup, condition: str, index: int, port: int,
+           proxy_port: int | None = None) -> tuple[process.Started, str]:
+    """Start the condition's process (the agent with its proxy on `proxy_port` where
+    given); returns it and the URL that says it is ready."""
     log = os.path.join(setup.logs, f"{condition}-{index + 1}.log")
     cmd = setup.server_command(port)
-    if condition != "agent":
+    if condition not in ("agent", "spawn-agent"):
         return process.spawn(cmd, log, env=setup.env), _url(setup.host, port) + setup.health_path
     listen = process.free_port()
-    record = os.path.join(setup.logs, f"agent-{index + 1}.record.json")
+    record = os.path.join(setup.logs, f"{condition}-{index + 1}.record.json")
+    proxy = ["--proxy-listen", f"127.0.0.1:{proxy_port}"] if proxy_port is not None else []
     agent = [sys.executable, "-m", "warmup_agent", "run", "--no-progress", "--engine", "openai",
-             "--listen", f"127.0.0.1:{listen}", "--record", record, *setup.agent_args, "--", *cmd]
+             "--listen", f"127.0.0.1:{listen}", "--record", record, *proxy, *setup.agent_args, "--", *cmd]
     env = dict(setup.env if setup.env is not None else os.environ, **setup.agent_env)
     return process.spawn(agent, log, env=env), f"http://127.0.0.1:{listen}/readyz"
 
@@ -163,6 +169,8 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
     shape = traffic.shape(index)
     rec: dict[str, Any] = {"condition": condition, "start": index + 1, "port": port, "shape": shape.describe()}
     _wait_port(setup.host, port, rec)
+    if condition.startswith("spawn-"):
+        return _spawn_start(setup, traffic.request(shape), condition, index, port, rec)
     s, ready_url = _spawn(setup, condition, index, port)
     rec.update(pid=s.pid, log=s.log_path)
     base = _url(setup.host, port)
@@ -204,6 +212,30 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
         process.kill_now(s)
         raise
     try:
+        rec["sigterm"] = process.stop(s, setup.stop_timeout)
+    except KeyboardInterrupt:
+        process.kill_now(s)
+        raise StartInterrupted(rec) from None
+    return rec
+
+
+def _spawn_start(setup: Setup, body: dict[str, Any], condition: str, index: int, port: int,
+                 rec: dict[str, Any]) -> dict[str, Any]:
+    """A user who arrives at the spawn: their request, sent to what users reach (the
+    server; the agent's proxy), timed from the spawn to its whole answer; then the
+    time to ready (/health; the agent's /readyz) and SIGTERM."""
+    proxy_port = process.free_port() if condition == "spawn-agent" else None
+    s, ready_url = _spawn(setup, condition, index, port, proxy_port)
+    rec.update(pid=s.pid, log=s.log_path)
+    users = f"http://127.0.0.1:{proxy_port}" if proxy_port is not None else _url(setup.host, port)
+    try:
+        try:
+            rec["spawn_arrival"] = spawn.arrive(users, setup.model, body, s.t0, setup.ready_timeout)
+            rec["ready_seconds"] = _wait_ready(s, ready_url, setup.ready_timeout, "ready")
+        except (client.RequestFailed, RuntimeError) as e:
+            process.kill_now(s)
+            raise StartFailed(f"{condition} start {index + 1}: the user sent at the spawn got no answer: {e}",
+                              rec) from None
         rec["sigterm"] = process.stop(s, setup.stop_timeout)
     except KeyboardInterrupt:
         process.kill_now(s)

@@ -41,6 +41,14 @@ AGENT_FIGURES: tuple[tuple[str, str], ...] = (
     ("exported_over_measured_ttft_tax", "the agent's exported first-TTFT tax / the bench's first_ttft_tax"),
     ("exported_over_measured_total_tax", "the agent's exported whole-answer tax / the bench's first_total_tax"),
 )
+# Measured in the spawn-alone and spawn-agent starts only (bench/spawn.py).
+SPAWN_FIGURES: tuple[tuple[str, str], ...] = (
+    ("spawn_arrival_seconds", "a user's request sent at the spawn, retried only when refused: spawn to its whole "
+                              "answer"),
+    ("spawn_arrival_ttft_seconds", "the same request: spawn to its first token"),
+    ("spawn_arrival_503", "503 answers that user got before the answer"),
+    ("spawn_arrival_refused", "connections that user had refused (nothing listening yet) before the answer"),
+)
 #: The figures whose oneshot/alone and agent/alone ratios are reported.
 RATIO_FIGURES = ("ready_seconds", "first_ttft_seconds", "first_total_seconds", "first_ttft_tax",
                  "first_total_tax", "burst_ttft_over_steady")
@@ -50,6 +58,11 @@ def figure(rec: dict[str, Any], key: str) -> float | None:
     """One figure of a start's record, or None where it was not measured."""
     if key in ("first_ttft_seconds", "first_total_seconds"):
         v = (rec.get("first") or {}).get(key.removeprefix("first_"))
+    elif key.startswith("spawn_arrival_"):
+        arrival = rec.get("spawn_arrival") or {}
+        v = {"spawn_arrival_seconds": arrival.get("seconds"), "spawn_arrival_ttft_seconds": arrival.get("ttft_seconds"),
+             "spawn_arrival_503": arrival.get("status_503"),
+             "spawn_arrival_refused": arrival.get("refused_connections")}[key]
     elif key in ("sigterm_exit_seconds", "orphans"):
         v = (rec.get("sigterm") or {}).get(key.removeprefix("sigterm_"))
     else:
@@ -67,7 +80,9 @@ def summarize(starts: list[dict[str, Any]], conditions: list[str]) -> dict[str, 
     for cond in conditions:
         recs = [r for r in starts if r["condition"] == cond]
         out[cond] = {}
-        for key, _ in FIGURES + (AGENT_FIGURES if cond == "agent" else ()):
+        figures = SPAWN_FIGURES + FIGURES[:1] + FIGURES[-2:] if cond.startswith("spawn-") else \
+            FIGURES + (AGENT_FIGURES if cond == "agent" else ())
+        for key, _ in figures:
             vals = [v for r in recs if (v := figure(r, key)) is not None]
             out[cond][key] = spread(vals) if vals else None
     return out
@@ -85,6 +100,19 @@ def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
             a, b = (summary[cond].get(key) or {}).get("median"), (base.get(key) or {}).get("median")
             out[f"{cond}_over_alone"][key] = a / b if a is not None and b else None
     return out
+
+
+def spawn_arrival(summary: dict[str, dict[str, Any]], starts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The user at the spawn: the agent's median seconds to their answer over alone's,
+    and the most 503s one of them met through the agent (issue 71's names)."""
+    if "spawn-agent" not in summary:
+        return None
+    agent = (summary["spawn-agent"].get("spawn_arrival_seconds") or {}).get("median")
+    alone = ((summary.get("spawn-alone") or {}).get("spawn_arrival_seconds") or {}).get("median")
+    seen = [v for r in starts if r["condition"] == "spawn-agent" and (v := figure(r, "spawn_arrival_503")) is not None]
+    return {"spawn_arrival_agent_over_alone": agent / alone if agent is not None and alone else None,
+            "spawn_arrival_agent_minus_alone_seconds": agent - alone if agent is not None and alone else None,
+            "spawn_arrival_503": max(seen) if seen else None}
 
 
 def commit() -> str:
@@ -120,8 +148,11 @@ def provenance() -> dict[str, Any]:
 def result(head: dict[str, Any], starts: list[dict[str, Any]], conditions: list[str]) -> dict[str, Any]:
     """The whole JSON: `head` (tool, server, seed, status, ...), the figures, the starts."""
     summary = summarize(starts, conditions)
-    return {**head, "summary": summary, "ratios": ratios(summary),
-            "definitions": dict(FIGURES + AGENT_FIGURES), "starts": starts}
+    out = {**head, "summary": summary, "ratios": ratios(summary),
+           "definitions": dict(FIGURES + AGENT_FIGURES + SPAWN_FIGURES), "starts": starts}
+    if (arrival := spawn_arrival(summary, starts)) is not None:
+        out["spawn_arrival"] = arrival
+    return out
 
 
 def dumps(res: dict[str, Any]) -> str:

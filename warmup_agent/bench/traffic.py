@@ -17,7 +17,9 @@ from typing import Any
 from warmup_agent.warmup.requests_file import check_file, read_error
 
 #: The bench's conditions, in the order a start cycles through them.
-CONDITIONS = ("alone", "oneshot", "agent")
+# spawn-alone and spawn-agent: a user's request sent at the spawn (bench/spawn.py), to the
+# server alone and through the agent's proxy; nothing else is measured in those starts.
+CONDITIONS = ("alone", "oneshot", "agent", "spawn-alone", "spawn-agent")
 
 # Plain words: any tokenizer splits them into few tokens, so a prompt of N words
 # stays within a small context.

@@ -142,6 +142,11 @@ def _listen_early(listen: str | None) -> None:
         pass
 
 
+def holds_listener(listen: str | None) -> bool:
+    """Whether proxy.listen was bound early, for this same address."""
+    return _listener is not None and _listener[0] == listen
+
+
 def take_listener(listen: str | None) -> socket.socket | None:
     """proxy.listen's socket if it was bound early for this same address, else None."""
     global _listener

@@ -71,8 +71,10 @@ def _check_proxy(engine: str, openai_url: str | None, pc: ProxySection, command:
                           "proxy.upstream_url")
 
 
-def _check_addresses(exporter: ExporterSection, proxy: ProxySection, server_command: list[str] | None) -> None:
-    """The exporter's and the proxy's addresses: free, and not the supervised server's own."""
+def _check_addresses(exporter: ExporterSection, proxy: ProxySection, server_command: list[str] | None,
+                     proxy_bound: bool = False) -> None:
+    """The exporter's and the proxy's addresses: free (the proxy's: unless this process
+    bound it already, at the early spawn), and not the supervised server's own."""
     server = listen_address(fix_command(server_command)) if server_command else None
     taken: list[tuple[str, int, str]] = []
     if server is not None:
@@ -84,7 +86,7 @@ def _check_addresses(exporter: ExporterSection, proxy: ProxySection, server_comm
         for other_host, other_port, what in taken:
             if port and port == other_port and _overlap(host, other_host):
                 raise ConfigError(f"key '{key}': {listen} is {what}; give it a port of its own", key)
-        if port:
+        if port and not (key == "proxy.listen" and proxy_bound):
             _can_listen(key, listen)
         taken.append((host, port, f"already {key}'s"))
 
@@ -96,7 +98,8 @@ def _overlap(a: str, b: str) -> bool:
 
 
 def check(engine: str, openai_url: str | None, exporter: ExporterSection, proxy: ProxySection,
-          command: list[str] | None) -> None:
-    """Run every check that needs no server; ConfigError names the key."""
+          command: list[str] | None, proxy_bound: bool = False) -> None:
+    """Run every check that needs no server; ConfigError names the key.  `proxy_bound`:
+    proxy.listen is this process's own already (server/listener.py)."""
     _check_proxy(engine, openai_url, proxy, command)
-    _check_addresses(exporter, proxy, command if engine == "openai" else None)
+    _check_addresses(exporter, proxy, command if engine == "openai" else None, proxy_bound)

@@ -1,13 +1,15 @@
 """Text prompts of an exact token length (chat template included), for servers that take text only.
 
 Decode/encode round trips can merge tokens at a boundary, so the length is searched
-for, not assumed.  Needs only `tokenizers` and jinja2, not transformers.
+for, not assumed.  Needs only `tokenizers` and jinja2, not transformers: the chat template
+is rendered by engines/chat_template.py, as transformers renders it.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from warmup_agent.engines import chat_template
 
 
 class ChatTemplateMissing(Exception):
@@ -20,39 +22,14 @@ class TextPrompts:
     def __init__(self, tokenizer: Any, template: str | None = None, special: dict | None = None, seed_text: str = "") -> None:
         self.tok = tokenizer
         self.special = special or {}
-        self._template = None
-        if template:
-            import jinja2
-            import jinja2.sandbox
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                               extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
-
-            def raise_exception(message: Any) -> None:
-                raise jinja2.exceptions.TemplateError(message)
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(template)
+        self._template = chat_template.compile_template(template) if template else None
         self._ids = self.encode(seed_text * 8) or [0]
 
     @classmethod
     def from_model_dir(cls, model_dir: str, seed_text: str) -> "TextPrompts":
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-        cfg: dict = {}
-        try:
-            with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-                cfg = json.load(f)
-        except (OSError, ValueError):
-            pass
-        template = cfg.get("chat_template")
-        if isinstance(template, list):      # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if template is None and os.path.exists(os.path.join(model_dir, "chat_template.jinja")):
-            with open(os.path.join(model_dir, "chat_template.jinja"), encoding="utf-8") as f:
-                template = f.read()
-        special = {k: (v if isinstance(v, str) else (v or {}).get("content", "")) for k, v in cfg.items()
-                   if k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return cls(tok, template, special, seed_text)
+        return cls(tok, chat_template.read_source(model_dir), chat_template.special_tokens(model_dir), seed_text)
 
     @property
     def has_chat_template(self) -> bool:
@@ -64,7 +41,7 @@ class TextPrompts:
     def render(self, messages: list[dict]) -> str:
         if self._template is None:
             raise ChatTemplateMissing("the model's tokenizer_config.json has no chat_template")
-        return self._template.render(messages=messages, add_generation_prompt=True, **self.special)
+        return chat_template.render(self._template, messages, self.special)
 
     def count_chat(self, messages: list[dict]) -> int:
         """Prompt tokens of a chat request: the rendered template, tokenized."""

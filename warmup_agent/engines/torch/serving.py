@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from warmup_agent.engines import chat_template
 from warmup_agent.engines.torch.batcher import Batcher, Delta, Done, Event, Failed, Job, Sampling, ServedEngine
 from warmup_agent.proxy import BackendResponse
 
@@ -55,70 +56,30 @@ def _sse(payload: dict | str) -> bytes:
     return b"data: " + (payload if isinstance(payload, str) else json.dumps(payload)).encode() + b"\n\n"
 
 
-def read_chat_template(model_dir: str) -> str | None:
-    """tokenizer_config.json's `chat_template` (the "default" of a list), else chat_template.jinja."""
-    try:
-        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        cfg = {}
-    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if isinstance(template, str) and template:
-        return template
-    try:
-        with open(os.path.join(model_dir, "chat_template.jinja"), encoding="utf-8") as f:
-            return f.read() or None
-    except OSError:
-        return None
-
-
-def _special(model_dir: str) -> dict[str, str]:
-    """bos_token and eos_token as text, which templates use."""
-    try:
-        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for key in ("bos_token", "eos_token"):
-        value = cfg.get(key) if isinstance(cfg, dict) else None
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            out[key] = value
-    return out
-
-
 class ChatTemplate:
-    """The template compiled once in jinja2's sandbox, with transformers' raise_exception helper."""
+    """The model's chat template, compiled once and rendered as transformers does (engines/chat_template.py)."""
 
     def __init__(self, model_dir: str):
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        self.source = read_chat_template(model_dir)
+        self.source = chat_template.read_source(model_dir)
         self.fallback = self.source is None
-
-        def raise_exception(message: str) -> None:
-            raise BadRequest(f"the chat template refused the messages: {message}", "messages")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
-        self._special = _special(model_dir)
+        self._special = chat_template.special_tokens(model_dir)
         self._broken: str | None = None
         try:
-            self._template = env.from_string(self.source or FALLBACK_TEMPLATE)
+            self._template = chat_template.compile_template(self.source or FALLBACK_TEMPLATE)
         except TemplateError as e:
             # Chat answers 500 saying so; completions still work.
             self._broken = f"the model's chat template does not compile: {e}"
-            self._template = env.from_string(FALLBACK_TEMPLATE)
+            self._template = chat_template.compile_template(FALLBACK_TEMPLATE)
 
     def render(self, messages: list[dict]) -> str:
         from jinja2 import TemplateError
         if self._broken:
             raise BadRequest(self._broken, status=500, kind="server_error")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+            return chat_template.render(self._template, messages, self._special)
+        except chat_template.TemplateRefused as e:
+            raise BadRequest(f"the chat template refused the messages: {e}", "messages") from None
         except TemplateError as e:
             raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from None
 

@@ -101,6 +101,22 @@ def agent_config_text(docs) -> str:
     return one(docs, "ConfigMap", "rel-warmup-agent-config")["data"]["config.yaml"]
 
 
+def service_targets(docs) -> dict[str, tuple[str, int]]:
+    """Each Service port's target as the Service resolves it: (container, containerPort) of
+    the pod port its targetPort names (a number targets that port in no container)."""
+    named = {p["name"]: (c["name"], p["containerPort"]) for c in pod_spec(docs)["containers"] for p in c.get("ports", [])}
+    out = {}
+    for sp in one(docs, "Service", "rel-warmup-agent")["spec"]["ports"]:
+        tp = sp["targetPort"]
+        assert not isinstance(tp, str) or tp in named, f"Service port {sp['name']} targets {tp!r}, which no container declares"
+        out[sp["name"]] = named[tp] if isinstance(tp, str) else ("", tp)
+    return out
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
 def rule_groups_in_alerts() -> list:
     groups = []
     for pattern in RULE_SOURCES:
@@ -191,14 +207,11 @@ def test_probes_point_at_the_agent_endpoints(rendered, name):
     assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    svc = one(docs, "Service", "rel-warmup-agent")
-    by_name = {p["name"]: p for p in svc["spec"]["ports"]}
-    assert by_name["metrics"]["targetPort"] == "metrics"
-    assert by_name["http"]["targetPort"] == "http"
-    # the http port is declared by the container that runs vLLM, on vLLM's --port
-    server = next(c for c in pod_spec(docs)["containers"] if any(p["name"] == "http" for p in c["ports"]))
-    vllm_port = server["command"][server["command"].index("--port") + 1]
-    assert {p["name"]: p["containerPort"] for p in server["ports"]}["http"] == int(vllm_port)
+    targets = service_targets(docs)
+    assert targets["metrics"] == (c["name"], 9400)
+    # the API goes to the agent's routing proxy (on by default), which the agent listens on
+    proxy_port = int(yaml.safe_load(agent_config_text(docs))["proxy"]["listen"].rsplit(":", 1)[1])
+    assert targets["http"] == (c["name"], proxy_port) and proxy_port != 9400
 
 
 def test_agent_port_moves_listen_container_port_and_probes_together(helm_env):
@@ -229,8 +242,8 @@ def test_entrypoint_mode_runs_vllm_under_the_agent(rendered):
     assert c["image"] == "registry.example.com/ml/warmup-agent-vllm:0.1.0"
     cmd = c["command"]
     assert cmd[:4] == ["warmup-agent", "run", "--config", "/etc/warmup-agent/config.yaml"]
-    assert cmd[cmd.index("--") + 1:] == [
-        "vllm", "serve", "/models/Qwen2-7B-Instruct", "--host", "0.0.0.0", "--port", "8000",
+    assert cmd[cmd.index("--") + 1:] == [   # on loopback: the agent's proxy is the way in (proxy.enabled)
+        "vllm", "serve", "/models/Qwen2-7B-Instruct", "--host", "127.0.0.1", "--port", "8000",
         "--served-model-name", "qwen2-7b", "--max-model-len", "8192", "--gpu-memory-utilization", "0.90"]
     mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/warmup-agent/config.yaml")
     vol = next(v for v in pod_spec(docs)["volumes"] if v["name"] == mount["name"])
@@ -249,7 +262,10 @@ def test_sidecar_mode_runs_stock_vllm_and_points_the_agent_at_it(rendered):
     cfg = yaml.safe_load(agent_config_text(docs))
     assert cfg["openai"]["url"] == f"http://127.0.0.1:{server['ports'][0]['containerPort']}"
     assert cfg["openai"]["model"] == "qwen2-1.5b"
-    assert server["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # the server's port is named for its own probes; the Service's http port is the agent's proxy
+    assert server["ports"] == [{"name": "server", "containerPort": 8000, "protocol": "TCP"}]
+    assert server["livenessProbe"]["httpGet"] == {"path": "/health", "port": "server"}
+    assert server["startupProbe"]["httpGet"] == {"path": "/health", "port": "server"}
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
@@ -275,6 +291,78 @@ def test_agent_config_values_are_merged_but_derived_keys_win(helm_env):
     assert cfg["exporter"]["listen"] == "0.0.0.0:9400"      # probes depend on it
     assert cfg["openai"]["ready_timeout_seconds"] == 42       # a default: the user's value wins
     assert cfg["log"]["format"] == "json"                     # values.yaml's agent.config stays
+
+
+# -- the routing proxy -------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["entrypoint", "sidecar"])
+def test_service_sends_users_to_the_proxy_and_the_server_port_stays_in_the_pod(helm_env, mode, tmp_path):
+    docs = render(helm_env, "--set", f"mode={mode}", "--set", "proxy.port=8555", "--set", "server.port=8100")
+    _validate_all(docs)
+    agent = agent_container(docs)
+    targets = service_targets(docs)
+    assert targets["http"] == (agent["name"], 8555)
+    assert 8100 not in [port for _c, port in targets.values()], targets
+    path = tmp_path / "config.yaml"
+    path.write_text(agent_config_text(docs))
+    cfg = agent_config.load(str(path), env={})
+    assert cfg["proxy.listen"] == "0.0.0.0:8555"
+    assert cfg["openai.url"] == "http://127.0.0.1:8100"   # the proxy's main engine (proxy.upstream_url empty)
+    declared = {(c["name"], p["name"]): p["containerPort"] for c in pod_spec(docs)["containers"] for p in c["ports"]}
+    if mode == "entrypoint":
+        server_cmd = agent["command"][agent["command"].index("--") + 1:]
+        assert (flag(server_cmd, "--host"), flag(server_cmd, "--port")) == ("127.0.0.1", "8100")
+        assert 8100 not in declared.values(), declared   # nothing declares a port the pod's address does not answer
+    else:
+        server = next(c for c in pod_spec(docs)["containers"] if c["name"] == "server")
+        # the kubelet probes the server container at the pod's address, so it listens there
+        assert flag(server["command"], "--host") == "0.0.0.0"
+        assert declared[("server", "server")] == 8100 and server["livenessProbe"]["httpGet"]["port"] == "server"
+
+
+def test_proxy_is_on_by_default(rendered):
+    """Users first: without the proxy a Kubernetes user is never held while the pod warms,
+    never sent to the fallback, never wakes a sleeping server, and their real first request
+    is never measured (issue 71)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["proxy"] == {"enabled": True, "port": 8001}
+    for name in ("defaults", "sidecar", "everything"):
+        assert service_targets(rendered[name])["http"] == (agent_container(rendered[name])["name"], 8001), name
+
+
+@pytest.mark.parametrize("mode", ["entrypoint", "sidecar"])
+def test_without_the_proxy_the_service_targets_the_server(rendered, helm_env, mode):
+    docs = render(helm_env, "--set", f"mode={mode}", "--set", "proxy.enabled=false")
+    targets = service_targets(docs)
+    server = next(c for c in pod_spec(docs)["containers"] if c["name"] == "server")
+    assert targets["http"] == ("server", 8000)
+    cmd = server["command"]
+    assert flag(cmd[cmd.index("--") + 1:] if "--" in cmd else cmd, "--host") == "0.0.0.0"
+    assert "proxy" not in yaml.safe_load(agent_config_text(docs))
+    assert "proxy" not in yaml.safe_load(agent_config_text(rendered["minimal"]))   # examples/values-minimal.yaml: off
+
+
+def test_proxy_keys_of_agent_config_are_kept_beside_the_charts_listen(helm_env, tmp_path):
+    docs = render(helm_env, "--set", "agent.config.proxy.fallback_url=http://small-model:8000",
+                  "--set", "agent.config.proxy.retry_after_seconds=2")
+    path = tmp_path / "config.yaml"
+    path.write_text(agent_config_text(docs))
+    cfg = agent_config.load(str(path), env={})
+    assert (cfg["proxy.listen"], cfg["proxy.fallback_url"], cfg["proxy.retry_after_seconds"]) == (
+        "0.0.0.0:8001", "http://small-model:8000", 2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "proxy.port=8000"], "proxy.port 8000 is also server.port or agent.port"),
+    (["--set", "proxy.port=9400"], "proxy.port 9400 is also server.port or agent.port"),
+    (["--set", "proxy.port=8100", "--set", "server.port=8100", "--set", "mode=sidecar"], "proxy.port 8100 is also"),
+    (["--set", "agent.config.proxy.listen=0.0.0.0:9000"], "agent.config.proxy.listen is the chart's"),
+    (["--set", "proxy.enabled=false", "--set", "agent.config.proxy.listen=0.0.0.0:9000"],
+     "agent.config.proxy.listen is the chart's"),
+])
+def test_proxy_port_clashes_and_a_hand_set_listen_are_refused(helm_env, args, message):
+    out = helm(helm_env, "template", "rel", "CHART", *args, check=False)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
 # -- optional features --------------------------------------------------------------------
@@ -402,6 +490,12 @@ def test_min_above_max_is_refused(helm_env):
     (["--set", "mode=sidecars"], ["mode"]),
     (["--set", "serviceMonitor.interval=15 seconds"], ["serviceMonitor.interval"]),
     (["--set", "autoscaling.warmupPoolSize=-1"], ["warmupPoolSize"]),
+    (["--set", "proxy.enable=true"], ["proxy", "enable"]),
+    (["--set", "proxy.listen=0.0.0.0:8001"], ["proxy", "listen"]),
+    (["--set-string", "proxy.enabled=yes"], ["proxy.enabled", "boolean"]),
+    (["--set", "proxy.port=0"], ["proxy.port"]),
+    (["--set", "proxy.port=65536"], ["proxy.port"]),
+    (["--set-string", "proxy.port=8001"], ["proxy.port", "integer"]),
 ])
 def test_schema_rejects_typos_and_wrong_types(helm_env, args, words):
     out = helm(helm_env, "template", "rel", "CHART", *args, check=False)
@@ -631,14 +725,19 @@ def _validate_all(docs, kube="1.30.0"):
                         pytrace=False)
 
 
+@pytest.mark.parametrize("proxy", ["proxy", "no-proxy"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_renders_its_command_line_in_every_mode(helm_env, preset, mode, tmp_path):
-    docs = render(helm_env, *preset_args(preset, mode))
+def test_every_preset_renders_its_command_line_in_every_mode(helm_env, preset, mode, proxy, tmp_path):
+    docs = render(helm_env, *preset_args(preset, mode), "--set", f"proxy.enabled={str(proxy == 'proxy').lower()}")
     _validate_all(docs)
     containers = pod_spec(docs)["containers"]
     agent = agent_container(docs)
-    expected = EXPECTED_SERVER_COMMAND[preset]
+    expected = list(EXPECTED_SERVER_COMMAND[preset])
+    if proxy == "proxy" and mode == "entrypoint" and preset != "custom":
+        # only the agent's proxy, in the same container, reaches the server: it listens on loopback
+        expected[expected.index("0.0.0.0")] = "127.0.0.1"
+    port_name = "server" if proxy == "proxy" else "http"
     if mode == "entrypoint":
         assert len(containers) == 1
         cmd = agent["command"]
@@ -658,10 +757,12 @@ def test_every_preset_renders_its_command_line_in_every_mode(helm_env, preset, m
             assert "args" not in server
         own = KIND_PRESETS.get(preset)
         assert server["image"] == (f"{own.image}:{own.image_tag}" if own and own.image else f"example.com/{preset}:1.0")
-        health = {"path": EXPECTED_HEALTH[preset], "port": "http"}
+        health = {"path": EXPECTED_HEALTH[preset], "port": port_name}
         assert server["startupProbe"]["httpGet"] == health and server["livenessProbe"]["httpGet"] == health
+        assert {p["name"]: p["containerPort"] for p in server["ports"]} == {port_name: PORT}
     assert server_cmd == expected
-    assert {p["name"]: p["containerPort"] for p in server["ports"]}["http"] == PORT
+    # the Service's http port: the agent's proxy (8001 by default), else the server's port
+    assert service_targets(docs)["http"] == ((agent["name"], 8001) if proxy == "proxy" else (server["name"], PORT))
     # the agent's probes stay on its own endpoints whatever the server
     assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert agent["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
@@ -673,6 +774,8 @@ def test_every_preset_renders_its_command_line_in_every_mode(helm_env, preset, m
     cfg = agent_config.load(str(path), env={})
     assert cfg["openai.url"] == f"http://127.0.0.1:{PORT}"
     assert cfg["openai.health_path"] == EXPECTED_HEALTH[preset]
+    assert cfg["proxy.listen"] == ("0.0.0.0:8001" if proxy == "proxy" else None)
+    assert cfg["proxy.upstream_url"] is None   # the proxy's main engine is openai.url, the server
     from tests.helpers.engines import openai_engine
 
     engine = openai_engine(cfg, server_command=server_cmd if mode == "entrypoint" else None)
@@ -689,7 +792,8 @@ def test_default_preset_is_vllm_and_unchanged(helm_env):
     explicit = render(helm_env, "--set", "server.preset=vllm")
     assert default == explicit
     cmd = agent_container(default)["command"]
-    assert cmd[cmd.index("--") + 1:] == ["vllm", "serve", "/models/model", "--host", "0.0.0.0", "--port", "8000"]
+    # with the proxy (default) the server listens on loopback: only the agent's proxy reaches it
+    assert cmd[cmd.index("--") + 1:] == ["vllm", "serve", "/models/model", "--host", "127.0.0.1", "--port", "8000"]
 
 
 def test_server_command_overrides_a_presets_executable(helm_env):

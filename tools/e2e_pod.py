@@ -4,11 +4,18 @@
 Builds the images of docker/ with podman on a locally made stand-in base, puts llama.cpp's
 `llama-server` (the static CPU build of tools/build_llama_server.py) into a test image,
 converts the embedded model to GGUF, renders the chart with `helm template` (llamacpp
-preset, the GGUF mounted as the model volume) in sidecar and entrypoint mode, plays it with
-`podman kube play`, and checks: SERVING on /readyz, a chat answer through the server port,
+preset, the GGUF mounted as the model volume, proxy.enabled) in sidecar and entrypoint mode,
+plays it with `podman kube play`, and checks: the Service's http port targets the agent's
+routing proxy and no Service port the server's (rendered), SERVING on /readyz, users'
+requests through the Service's port (the pod port it targets: podman has no Service), the
+server's own port closed to the pod's address in entrypoint mode (it listens on 127.0.0.1),
+the users' real first request exported on /metrics (warmup_first_user_request_tax_ratio
+and its whole-answer twin, once readiness.first_user_steady_requests answers followed it),
 uid 1000, a read-only root filesystem, the agent as PID 1 of its container, the chart's
 environment and arguments in the processes, and the drain on stop (exit code and time
-within the grace period).
+within the grace period).  A user who arrives at the pod's start (sent as soon as the
+proxy accepts a connection) is reported, not judged: what the proxy answered and when,
+against when /readyz first said SERVING.
 
 Then the apt Prometheus scrapes the pod with the ServiceMonitor's relabelling, loads the
 rendered PrometheusRule, every dashboard panel's query is run against it (panels with
@@ -30,12 +37,16 @@ logs once a pod runs); the exit status is 1.  Nothing is built twice:
     and copying in would not pay, and this Python, 3.11.7, is not the stand-in's 3.11.2,
     whose markers ask for other packages).
   - the GGUF: tools/gguf_convert.py, redone only when the model changed.
-Measured on 2 shared cores (Debian 12): 185-216 s with an empty --work and no cached base
-(podman's apt packages 12 s when missing, the base 80-110 s), about 65 s with everything
+Measured on 2 shared cores (Debian 12): 168-216 s with an empty --work and no cached base
+(podman's apt packages 12-14 s when missing, the base 56-110 s), about 65 s with everything
 cached; the pods take about 30 s per mode, 20 s of that waiting for Prometheus's rate
-windows.  On the llamacpp preset with a CPU, 33 (sidecar) and 29 (entrypoint) of 43 panels
-have data: GPU, vLLM-only and failure panels stay empty, and in entrypoint mode the kernel
-cache too (the agent skips the cache for a supervised server that compiles nothing).
+windows.  On the llamacpp preset with a CPU and the proxy, 43 (sidecar) and 39 (entrypoint)
+of 52 panels have data: GPU, vLLM-only and failure panels stay empty, and in entrypoint mode
+the kernel cache too (the agent skips the cache for a supervised server that compiles
+nothing).  The user sent at the start (0-0.2 s after the play) was held by the proxy and
+answered 200 0.9-1.0 s after the play; /readyz first read SERVING 1.0-1.3 s after it
+(polled every 0.25 s), and the first-request figures then read 0.99-1.05 (time to first
+token) and 1.00-1.06 (whole answer).
 
 What podman 4.3 (Debian bookworm) needs, all handled below:
   overlay storage where the kernel has it (else vfs: each container a full copy, about 5 s),
@@ -74,7 +85,8 @@ BASE_TAG = "docker.io/library/python:3.12-slim-bookworm"   # docker/agent.Docker
 # The stand-in base: pip for the Dockerfile's install, CA certificates for its index.
 BASE_PACKAGES = ["python3", "python3-pip", "python-is-python3", "ca-certificates"]
 GLIBC = ("linux-vdso", "libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "ld-linux")
-SERVER_PORT, AGENT_PORT = 18080, 19400
+SERVER_PORT, AGENT_PORT, PROXY_PORT = 18080, 19400, 18001
+USER_REQUESTS = 8   # through the Service's port after SERVING: the first user's request and more than the 5 steady ones
 # podman and what it needs on Debian 12; mmdebstrap for the base; the Prometheus that scrapes
 # the pod; cmake, ninja and g++ only if llama-server is not built yet (make test-setup builds it).
 APT = ["podman", "runc", "catatonit", "containernetworking-plugins", "mmdebstrap", "prometheus", "file",
@@ -332,6 +344,7 @@ def render(mode: str, image: str, work: Path) -> tuple[list[dict], dict, list[di
                    "env": [{"name": "E2E_SERVER_MARK", "value": f"server-{mode}"}]},
         "agent": {"image": {"repository": repo, "tag": tag, "pullPolicy": "Never"}, "port": AGENT_PORT,
                   "resources": {}, "env": [{"name": "E2E_AGENT_MARK", "value": f"agent-{mode}"}]},
+        "proxy": {"enabled": True, "port": PROXY_PORT},
         "model": {"volume": {"hostPath": {"path": str(work / "model"), "type": "Directory"}}},
         "cache": {"sizeLimit": "1Gi"}, "tmpSizeLimit": "256Mi",
         "podDisruptionBudget": {"enabled": False}, "serviceAccount": {"create": False, "name": "default"},
@@ -468,6 +481,113 @@ def http(url: str, body: dict | None = None, timeout: float = 10) -> tuple[int, 
         return e.code, e.read().decode()
 
 
+def service_http_port(docs: list[dict], dep: dict) -> tuple[str, int]:
+    """(container, port) of the pod port the Service's http port targets, read from the
+    rendered objects as a Service resolves a named targetPort; it must be the agent's
+    routing proxy, and no Service port may target the server's own port."""
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == dep["metadata"]["name"])
+    containers = dep["spec"]["template"]["spec"]["containers"]
+    named = {p["name"]: (c["name"], p["containerPort"]) for c in containers for p in c.get("ports", [])}
+    targets: dict[str, tuple[str, int]] = {}
+    for sp in svc["spec"]["ports"]:
+        tp = sp["targetPort"]
+        targets[sp["name"]] = named[tp] if isinstance(tp, str) else ("", int(tp))
+    agent = next(c["name"] for c in containers if c["command"][0] == "warmup-agent")
+    if targets["http"] != (agent, PROXY_PORT):
+        raise StepFailed(f"the Service's http port targets {targets['http']}, not the agent's proxy ({agent}, {PROXY_PORT})")
+    if any(port == SERVER_PORT for _c, port in targets.values()):
+        raise StepFailed(f"a Service port targets the server's own port {SERVER_PORT}: {targets}")
+    return targets["http"]
+
+
+def stream_chat(url: str, prompt: str, max_tokens: int = 8, timeout: float = 60) -> dict:
+    """One streamed chat as a user's client sends it: status, time to the first event and to
+    the end (client side), the content chunks and their text."""
+    body = json.dumps({"model": "embedded", "max_tokens": max_tokens, "stream": True,
+                       "messages": [{"role": "user", "content": prompt}]}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    first, chunks, text = None, 0, []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                if first is None:
+                    first = time.monotonic() - t0
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    continue
+                for choice in json.loads(data).get("choices", []):
+                    content = (choice.get("delta") or {}).get("content")
+                    if isinstance(content, str):
+                        chunks += 1
+                        text.append(content)
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "seconds": round(time.monotonic() - t0, 3), "body": e.read().decode()[:300],
+                "retry_after": e.headers.get("Retry-After")}
+    return {"status": status, "ttft": round(first or 0.0, 4), "seconds": round(time.monotonic() - t0, 4),
+            "chunks": chunks, "text": "".join(text)}
+
+
+def metric_values(url: str, names: tuple[str, ...]) -> dict:
+    """Samples of NAMES on the agent's /metrics: {name or name{labels}: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(http(url + "/metrics")[1]):
+        for s in fam.samples:
+            if s.name in names:
+                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+                out[key] = s.value
+    return out
+
+
+class EarlyUser:
+    """A user who arrives as the pod starts: one streamed chat sent to the Service's port as
+    soon as the proxy accepts a connection (the agent is then still warming).  What it met
+    is reported beside when /readyz first said SERVING; it is not judged here (the hold is
+    the agent's: proxy.hold_seconds)."""
+
+    def __init__(self, url: str):
+        import threading
+
+        self.url = url
+        self.result: dict = {}
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.t0 = time.monotonic()
+        self.thread.start()
+
+    def run(self) -> None:
+        import socket
+
+        where = urllib.parse.urlsplit(self.url)
+        host, port = where.hostname, where.port or 80
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        sent = time.monotonic() - self.t0
+        try:
+            r = stream_chat(self.url, "a user at the start of the pod says hello", timeout=300)
+        except OSError as e:
+            r = {"status": None, "error": str(e)}
+        self.result = {"sent_after_play_seconds": round(sent, 2), **{k: v for k, v in r.items() if k != "text"}}
+
+    def report(self, serving_after: float) -> dict:
+        self.thread.join(timeout=330)
+        out = dict(self.result, serving_after_play_seconds=round(serving_after, 2))
+        print(f"    a user at the start: sent {out.get('sent_after_play_seconds')} s after play, answered "
+              f"{out.get('status')} after {out.get('seconds')} s; /readyz SERVING {out['serving_after_play_seconds']} s "
+              "after play", flush=True)
+        return out
+
+
 def proc_cmdline(podman: Podman, ctr: str, pid: str = "1") -> list[str]:
     return podman("exec", ctr, "cat", f"/proc/{pid}/cmdline").stdout.split("\0")[:-1]
 
@@ -485,11 +605,13 @@ def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
     agent_ctr = f"{pod}-{'warmup-agent' if mode == 'sidecar' else 'server'}"
     server_ctr = f"{pod}-server"
     grace = spec["terminationGracePeriodSeconds"]
+    _proxy_ctr, service_port = step(f"{mode}: the Service's http port targets the agent's proxy")(service_http_port)(docs, dep)
     playfile = work / f"play-{mode}.yaml"
     playfile.write_text(yaml.safe_dump_all(play))
     podman("kube", "down", str(playfile), check=False)
     try:
         step(f"{mode}: podman kube play")(podman)("kube", "play", str(playfile))
+        played = time.monotonic()
         infra = podman("pod", "inspect", pod, "--format", "{{.InfraContainerID}}").stdout.strip()
         ip = podman("inspect", infra, "--format",
                     "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}").stdout.split()[0:1]
@@ -497,6 +619,8 @@ def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
         if not ip:
             raise StepFailed(f"pod {pod} has no IP address (podman's default bridge network)")
         result["pod_ip"] = ip
+        users = f"http://{ip}:{service_port}"   # the Service's http port, as it resolves to the pod
+        early = EarlyUser(users)
         prom = step(f"{mode}: Prometheus scraping the pod as the ServiceMonitor says")(Prometheus)(
             work / f"prometheus-{mode}", docs, ip, pod)
 
@@ -512,23 +636,59 @@ def run_mode(mode: str, image: str, work: Path, podman: Podman) -> dict:
                         return json.loads(http(f"http://{ip}:{AGENT_PORT}/startupz")[1])
                 except OSError as e:
                     last = str(e)
-                time.sleep(2)
+                time.sleep(0.25)   # often enough to say when SERVING came, for the user sent at the start
             raise StepFailed(f"no SERVING within 600 s; last /readyz: {last[:500]}")
         startupz = serving()
+        serving_after = time.monotonic() - played
         result["state"] = startupz.get("state")
         assert result["state"] == "SERVING", startupz
+        result["user_at_start"] = early.report(serving_after)
 
-        @step(f"{mode}: chat through the server port")
-        def chat() -> dict:
-            code, body = http(f"http://{ip}:{SERVER_PORT}/v1/chat/completions",
-                              {"model": "embedded", "max_tokens": 8,
-                               "messages": [{"role": "user", "content": "hello there"}]}, timeout=60)
-            if code != 200:
-                raise StepFailed(f"chat answered {code}: {body[:500]}")
-            answer = json.loads(body)
-            assert answer["choices"][0]["message"] is not None and answer["usage"]["completion_tokens"] > 0, answer
-            return answer
-        result["chat_completion_tokens"] = chat()["usage"]["completion_tokens"]
+        @step(f"{mode}: users' requests through the Service's port (the proxy); the server's port")
+        def users_requests() -> dict:
+            # fresh prompts of about the same length, so that no prefix cache answers one
+            answers = [stream_chat(users, f"user {i} asks about the {w} in the garden today")
+                       for i, w in enumerate(("roses", "bees", "fence", "pond", "path", "trees", "shed", "birds")[:USER_REQUESTS])]
+            bad = [a for a in answers if a["status"] != 200 or a["chunks"] < 1]
+            if bad:
+                raise StepFailed(f"users' requests through the proxy: {bad}")
+            out: dict = {"requests": len(answers), "client_ttft_seconds": [a["ttft"] for a in answers],
+                         "client_first_over_median_ttft": round(answers[0]["ttft"] / sorted(a["ttft"] for a in answers[1:])[
+                             (len(answers) - 1) // 2], 2)}
+            # the server's own port: entrypoint mode binds it to 127.0.0.1, so the pod's address refuses it
+            try:
+                code, _ = http(f"http://{ip}:{SERVER_PORT}/health", timeout=5)
+                out["server_port_from_outside"] = code
+            except OSError as e:
+                out["server_port_from_outside"] = f"refused ({type(e).__name__})"
+            if mode == "entrypoint" and isinstance(out["server_port_from_outside"], int):
+                raise StepFailed(f"the server's port {SERVER_PORT} answers on the pod's address ({out['server_port_from_outside']}): "
+                                 "with the proxy it should listen on 127.0.0.1 only")
+            return out
+        result["users"] = users_requests()
+
+        @step(f"{mode}: the pod exports the users' real first request")
+        def first_user() -> dict:
+            names = ("warmup_first_user_request_tax_ratio", "warmup_first_user_request_total_tax_ratio",
+                     "warmup_proxy_requests_total")
+            deadline = time.monotonic() + 30
+            got: dict = {}
+            while time.monotonic() < deadline:   # the proxy's reports reach the agent every 10 ms
+                got = metric_values(f"http://{ip}:{AGENT_PORT}", names)
+                if got.get("warmup_first_user_request_tax_ratio", 0) > 0 and got.get("warmup_first_user_request_total_tax_ratio", 0) > 0:
+                    break
+                time.sleep(0.5)
+            main_ok = sum(v for k, v in got.items() if k.startswith("warmup_proxy_requests_total{code=200,route=main"))
+            print(f"    first user request tax {got.get('warmup_first_user_request_tax_ratio')}, whole answer "
+                  f"{got.get('warmup_first_user_request_total_tax_ratio')}; user requests answered by the server "
+                  f"through the proxy: {main_ok:.0f}", flush=True)
+            if not got.get("warmup_first_user_request_tax_ratio", 0) > 0 or not got.get("warmup_first_user_request_total_tax_ratio", 0) > 0:
+                raise StepFailed(f"the users' real first request is not exported after {USER_REQUESTS} requests through the proxy: {got}")
+            if main_ok < USER_REQUESTS:
+                raise StepFailed(f"warmup_proxy_requests_total counts {main_ok:.0f} users' answers of the server, "
+                                 f"{USER_REQUESTS} were sent: {got}")
+            return got
+        result["first_user_request"] = first_user()
 
         @step(f"{mode}: uid 1000, read-only root, PID 1, environment and arguments")
         def security() -> dict:

@@ -95,7 +95,8 @@ warmup_agent/server/kinds.py), as YAML; {} for custom.
 The model server's command line, built from server.preset, as JSON:
   {"command": [...], "args": [...]}.
 A preset puts its executable (server.command, else the preset's own) and every argument
-in "command": its model flag and server.model, its host flag with 0.0.0.0, its port flag
+in "command": its model flag and server.model, its host flag with 0.0.0.0 (127.0.0.1 in
+entrypoint mode with proxy.enabled: then only the agent's proxy reaches it), its port flag
 with server.port, its served-model-name flag with server.servedModelName, then
 server.extraArgs. custom takes server.command verbatim, and server.args then
 server.extraArgs as "args". Entrypoint mode runs command and args after the agent's `--`;
@@ -125,7 +126,8 @@ sidecar mode gives them to the server container.
 {{- end }}
 {{- $cmd = default $p.executable $exe }}
 {{- if $p.modelFlag }}{{ $cmd = append $cmd $p.modelFlag }}{{ end }}
-{{- $cmd = concat $cmd (list $s.model $p.hostFlag "0.0.0.0" $p.portFlag (toString $s.port)) }}
+{{- $host := and .Values.proxy.enabled (eq .Values.mode "entrypoint") | ternary "127.0.0.1" "0.0.0.0" }}
+{{- $cmd = concat $cmd (list $s.model $p.hostFlag $host $p.portFlag (toString $s.port)) }}
 {{- if $name }}{{ $cmd = concat $cmd (list $p.servedNameFlag $name) }}{{ end }}
 {{- $cmd = concat $cmd $extra }}
 {{- end }}
@@ -165,7 +167,7 @@ The agent's configuration file, in three layers:
   agent.config;
   derived   keys the probes, Service and volumes are built from; these win, so each has
             one place (engine, exporter.listen, data_dir, openai.url, openai.health_path,
-            kernel_cache).
+            kernel_cache, proxy.listen).
 */}}
 {{- define "warmup-agent.config" -}}
 {{- $load := .Values.server.loadTimeoutSeconds }}
@@ -191,6 +193,12 @@ The agent's configuration file, in three layers:
                    "health_path" (include "warmup-agent.healthPath" .)) }}
 {{- if .Values.kernelCache.enabled }}
 {{- $_ := set $derived "kernel_cache" (dict "redis_url" (include "warmup-agent.redisUrl" .) "secret_file" (include "warmup-agent.hmacKeyPath" .)) }}
+{{- end }}
+{{- if hasKey (default (dict) (get (default (dict) .Values.agent.config) "proxy")) "listen" }}
+{{- fail "agent.config.proxy.listen is the chart's: set proxy.enabled and proxy.port instead (the Service's http port must target the proxy's port)" }}
+{{- end }}
+{{- if .Values.proxy.enabled }}
+{{- $_ := set $derived "proxy" (dict "listen" (printf "0.0.0.0:%d" (int .Values.proxy.port))) }}
 {{- end }}
 {{- if .Values.tracing.enabled }}
 {{- $_ := set $derived "tracing" (dict "enabled" true "endpoint" .Values.tracing.endpoint "protocol" .Values.tracing.protocol) }}

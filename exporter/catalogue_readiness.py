@@ -51,6 +51,17 @@ SPECS = (
     MetricSpec("warmup_proxy_hold_seconds", "histogram",
                "How long each held user request waited for the gate, whatever its outcome.",
                buckets=HOLD_BUCKETS, unit="s", requires="proxy"),
+    # --- the traffic profile learned from users' requests (shapes, never text) ------
+    MetricSpec("warmup_learned_profile_shapes", "gauge",
+               "Shape bins (endpoint, sampling family, model, stream, prompt-length bin, max_tokens) in the traffic profile learned from users' requests through the proxy.",
+               unit="short", requires="proxy",
+               doc="Bounded whatever the traffic (warmup/learned.py); loaded from the data dir and the kernel cache's Redis at start."),
+    MetricSpec("warmup_learned_profile_requests", "gauge",
+               "Users' requests the learned traffic profile holds, decayed (half-life 5000 requests).",
+               unit="short", requires="proxy"),
+    MetricSpec("warmup_learned_profile_updated_timestamp_seconds", "gauge",
+               "Unix time of the newest user request in the learned traffic profile; time() minus it is the profile's age.",
+               unit="s", requires="proxy"),
     # --- the pod's life after SERVING: restarts, sleep and wake --------------------
     MetricSpec("warmup_server_restarts_total", "counter",
                "Restarts of the model server noticed after SERVING (a new process, cold), each followed by a re-warm, by how it was noticed.",

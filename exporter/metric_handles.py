@@ -62,6 +62,9 @@ class MetricHandles:
     warmup_proxy_first_token_seconds: Histogram
     warmup_proxy_held_requests_total: Counter
     warmup_proxy_hold_seconds: Histogram
+    warmup_learned_profile_shapes: Gauge
+    warmup_learned_profile_requests: Gauge
+    warmup_learned_profile_updated_timestamp_seconds: Gauge
     warmup_server_restarts_total: Counter
     warmup_server_sleeping: Gauge
     warmup_server_asleep_seconds_total: Counter
@@ -129,6 +132,9 @@ NAMES: tuple[str, ...] = (
     "warmup_proxy_first_token_seconds",
     "warmup_proxy_held_requests_total",
     "warmup_proxy_hold_seconds",
+    "warmup_learned_profile_shapes",
+    "warmup_learned_profile_requests",
+    "warmup_learned_profile_updated_timestamp_seconds",
     "warmup_server_restarts_total",
     "warmup_server_sleeping",
     "warmup_server_asleep_seconds_total",

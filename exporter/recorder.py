@@ -82,6 +82,15 @@ class LifeStats:
     wake_first_user_seconds: float | None = None
 
 
+@dataclass(frozen=True)
+class LearnedStats:
+    """The traffic profile learned from users (readiness/traffic_memory.py): its shape
+    bins, its decayed request weight, and when its newest request came (Unix seconds)."""
+    shapes: int
+    requests: float
+    updated_at: float | None
+
+
 RESTART_SIGNALS = ("start_time", "came_back", "supervisor")
 WAKE_CAUSES = ("request", "ahead", "other")
 
@@ -300,6 +309,13 @@ class Recorder:
             m.warmup_wake_duration_seconds.set(s.wake_seconds)
         if s.wake_first_user_seconds is not None:
             m.warmup_wake_first_user_request_seconds.set(s.wake_first_user_seconds)
+
+    def learned(self, s: LearnedStats) -> None:
+        m = self.metrics
+        m.warmup_learned_profile_shapes.set(s.shapes)
+        m.warmup_learned_profile_requests.set(s.requests)
+        if s.updated_at is not None:
+            m.warmup_learned_profile_updated_timestamp_seconds.set(s.updated_at)
 
     # -- the state machine, the breaker, the watch probes -------------------------------
     def state(self, s: StateStats) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import platform
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +40,7 @@ from warmup_agent.states import State, StateMachine
 
 if TYPE_CHECKING:  # types only
     from warmup_agent.config_sections import DeadlinesSection, OpenaiSection
+    from warmup_agent.readiness.traffic_memory import TrafficMemory
 
 __all__ = ["STAGES", "Agent", "AgentFailure", "StageTiming", "preload_deadline"]
 
@@ -96,6 +99,8 @@ class Agent:
         self._engine_crashed = False
         self.life: ServerLife | None = None   # watch() builds it for an engine with a server
         self._init_metrics()
+        if cfg.proxy.listen:     # what users send through the proxy, learned (shapes, never text)
+            self.readiness.traffic = self._traffic_memory()
 
     # -- the timeline (kept by the run record) and what tests and tools read ----------------
     @property
@@ -405,10 +410,22 @@ class Agent:
         if probe is not None:
             probe.join(30)
         self.memory.stop()
+        if self.readiness.traffic is not None:
+            self.readiness.traffic.stop()      # saved, and shared
         self.sm.stop_watchdog()
         cache = self.context.kernel_cache
         if cache is not None:
             cache.close()  # its Redis connection and invalidation listener
+
+    def _traffic_memory(self) -> TrafficMemory:
+        """The learned traffic profile of this model: kept in data_dir/traffic, shared
+        through the kernel cache's Redis where it has one and a secret."""
+        from warmup_agent.kernel_cache.shared_findings import SharedFindings
+        from warmup_agent.readiness.traffic_memory import TrafficMemory
+        name = os.path.basename((self.engine.model_path or self.cfg.engine).rstrip("/")) or self.cfg.engine
+        key = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+        return TrafficMemory(os.path.join(self.cfg.data_dir, "traffic", key), self.recorder,
+                             SharedFindings.from_config(self.cfg.kernel_cache), shared_key=key).start()
 
     # -- reporting ---------------------------------------------------------------------------
     def _init_metrics(self) -> None:

@@ -16,6 +16,7 @@ on the same socket.  With an engine in the agent's process the proxy stays there
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import mmap
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from warmup_agent.proxy.routing import DEFAULT_MAX_BODY_BYTES, Backend, RoutedAgent, RoutingProxy, _bind
 from warmup_agent.server import listener
 from warmup_agent.states import State
+from warmup_agent.warmup.learned import Shape
 
 if TYPE_CHECKING:
     from warmup_agent.config_sections import ProxySection
@@ -230,6 +232,11 @@ class ProxyProcess:
                 gate.user_answer(ttft, total, output_tokens=tokens)
             except Exception:  # noqa: BLE001 - as in process
                 log.exception("gate.user_answer failed")
+        for *fields, params in batch.get("s", ()):
+            try:
+                gate.user_shape(Shape(*fields), params)
+            except Exception:  # noqa: BLE001 - as in process
+                log.exception("gate.user_shape failed")
         for level, name, message in batch.get("l", ()):
             logging.getLogger(name).log(level, "%s", message)
 
@@ -249,15 +256,16 @@ class _Report:
         self.o: list[float] = []
         self.a: list[tuple[float, float, int | None]] = []
         self.h: list[tuple[str, float]] = []
+        self.s: list[list[Any]] = []
         self.logs: list[tuple[int, str, str]] = []
 
     def take(self) -> bytes | None:
-        if not (self.u or self.c or self.f or self.o or self.a or self.h or self.logs):
+        if not (self.u or self.c or self.f or self.o or self.a or self.h or self.s or self.logs):
             return None
         logs, self.logs = self.logs, []
         batch = {"u": self.u, "c": [[r, c, n] for (r, c), n in self.c.items()], "f": self.f, "o": self.o, "a": self.a,
-                 "h": self.h, "l": logs}
-        self.u, self.c, self.f, self.o, self.a, self.h = 0, {}, [], [], [], []
+                 "h": self.h, "s": self.s, "l": logs}
+        self.u, self.c, self.f, self.o, self.a, self.h, self.s = 0, {}, [], [], [], [], []
         return json.dumps(batch).encode() + b"\n"
 
 
@@ -289,6 +297,9 @@ class _ChildGate:
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         self.report.a.append((ttft, total, output_tokens))
+
+    def user_shape(self, shape: Shape, params: dict[str, Any]) -> None:
+        self.report.s.append([*dataclasses.astuple(shape), params])
 
 
 class _Counter:

@@ -44,6 +44,8 @@ from warmup_agent.proxy.stream_tokens import StreamTokens
 from warmup_agent.proxy.upstream import HOP as _HOP
 from warmup_agent.proxy.upstream import BackendUnavailable, UpstreamBackend, UpstreamConnection
 from warmup_agent.server import listener
+from warmup_agent.warmup import learned
+from warmup_agent.warmup.learned import Shape
 
 log = logging.getLogger("warmup_agent.proxy")
 
@@ -58,6 +60,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The last `"completion_tokens": N` of an answer (the usage object ends OpenAI and vLLM
 # answers); a quote inside generated text is escaped, so it cannot match there.
 _COMPLETION_TOKENS = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'(?<!\\)"prompt_tokens"\s*:\s*(\d+)')
 
 
 class Gate(Protocol):
@@ -84,6 +87,9 @@ class Gate(Protocol):
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         """A user request the main engine answered with 200: seconds to its first body
         chunk and to its end, and its output tokens where known."""
+
+    def user_shape(self, shape: Shape, params: dict[str, Any]) -> None:
+        """The shape of a user request the main engine answered (never its text)."""
 
 
 class RoutedAgent(Protocol):
@@ -370,13 +376,13 @@ class RoutingProxy:
         measured = not warmup and answer.status == 200
         return await self._relay(request, answer, route, backend, warmup, t0, watch,
                                  stream=measured and _is_stream(body),
-                                 answered=measured and route == "main" and method == "POST")
+                                 answered=measured and route == "main" and method == "POST", body=body)
 
     async def _relay(self, request: web.BaseRequest, answer: BackendResponse, route: str, backend: Backend, warmup: bool,
-                     t0: float, watch: _Watch, stream: bool, answered: bool) -> web.StreamResponse:
+                     t0: float, watch: _Watch, stream: bool, answered: bool, body: bytes = b"") -> web.StreamResponse:
         """Relay each chunk as it comes.  The head waits for the first chunk, so an
         upstream that stalls before it is a clean 504."""
-        body = answer.body
+        request_body, stream_body = body, answer.body
         headers = dict(answer.headers)
         length = None
         for k in list(headers):
@@ -386,7 +392,7 @@ class RoutingProxy:
         first: float | None = None
         prev = last = b""
         tokens = StreamTokens() if stream and answered else None
-        nxt = body.__aiter__().__anext__
+        nxt = stream_body.__aiter__().__anext__
         try:
             while True:
                 watch.waiting = True
@@ -416,6 +422,7 @@ class RoutingProxy:
                 await resp.prepare(request)
             elif answered:
                 self._user_answer(first - t0, end - t0, prev + last, tokens)
+                self._user_shape(request.path, request_body, prev + last, tokens)
             await resp.write_eof()
             return resp
         except _CANCELLED_OR_TIMEOUTS as e:
@@ -445,7 +452,7 @@ class RoutingProxy:
             _hang_up(request)
             return resp
         finally:
-            aclose = getattr(body, "aclose", None)
+            aclose = getattr(stream_body, "aclose", None)
             if aclose is not None:
                 await aclose()     # the work behind it ends (a no-op once the body is done)
 
@@ -485,7 +492,9 @@ class RoutingProxy:
             conn.attach(transport, request.protocol, reframe=conn.length is None and not conn.chunked)
             await _pump(conn, request, watch)
             if first is not None and answered:
-                self._user_answer(first - t0, time.perf_counter() - t0, conn.tail_prev + conn.tail_last, conn.tokens)
+                tail = conn.tail_prev + conn.tail_last
+                self._user_answer(first - t0, time.perf_counter() - t0, tail, conn.tokens)
+                self._user_shape(request.path, body, tail, conn.tokens)
             conn.flush()                         # a sized answer's last bytes, once it is recorded
             await resp.write_eof()
             return resp
@@ -569,6 +578,21 @@ class RoutingProxy:
         except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
             log.exception("gate.user_answer failed")
 
+    def _user_shape(self, path: str, body: bytes, tail: bytes, streamed: StreamTokens | None) -> None:
+        """Report what the user asked for, as a shape (warmup/learned.py): never its text.
+        Prompt tokens as the server counted them (its usage), else estimated."""
+        try:
+            request = json.loads(body)
+            if not isinstance(request, dict):
+                return
+            found = _PROMPT_TOKENS.findall(tail)
+            answer = streamed.tokens if streamed is not None else _last_int(_COMPLETION_TOKENS.findall(tail))
+            shape, params = learned.shape_of("chat" if path.endswith("/chat/completions") else "completions",
+                                             request, _last_int(found), answer)
+            self.gate.user_shape(shape, params)
+        except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
+            log.exception("gate.user_shape failed")
+
     def _count(self, route: str, code: int, warmup: bool) -> None:
         if not warmup:
             self.metrics.warmup_proxy_requests_total.labels(route=route, code=str(code)).inc()
@@ -641,6 +665,10 @@ def _uncancel(watch: _Watch) -> None:
     """The sweep's cancel was handled (a 504): the task goes on as if not cancelled."""
     if sys.version_info >= (3, 11):
         watch.task.uncancel()
+
+
+def _last_int(found: list[bytes]) -> int | None:
+    return int(found[-1]) if found else None
 
 
 def _is_stream(body: bytes) -> bool:

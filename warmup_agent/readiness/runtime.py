@@ -36,7 +36,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from exporter.recorder import (
     BreakerStats,
@@ -60,6 +60,8 @@ if TYPE_CHECKING:
     from exporter.recorder import Recorder
     from warmup_agent.config_sections import BreakerSection, ReadinessSection
     from warmup_agent.readiness.life import ServerLife
+    from warmup_agent.readiness.traffic_memory import TrafficMemory
+    from warmup_agent.warmup.learned import Shape
 
 log = logging.getLogger("warmup_agent.readiness")
 
@@ -123,6 +125,7 @@ class Readiness:
         self._first_user = FirstUserRequest(rc.first_user_steady_requests)
         #: The server's restarts, sleep and wake (life.py); the agent sets it for a server engine.
         self.life: ServerLife | None = None
+        self.traffic: TrafficMemory | None = None     # what users send, learned (the pipeline sets it)
         sm.on_change(self._state_moved)
         recorder.declare_series(Known(
             trip_causes=TRIP_CAUSES,
@@ -231,6 +234,11 @@ class Readiness:
         self.water.request()
         if self.life is not None:
             self.life.user_request()
+
+    def user_shape(self, shape: Shape, params: dict[str, Any]) -> None:
+        """The shape of a user request the main engine answered (the proxy): learned."""
+        if self.traffic is not None:
+            self.traffic.observe(shape, params)
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         """A user request answered by the main engine with status 200 (the proxy):

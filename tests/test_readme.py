@@ -295,3 +295,8 @@ def test_the_probe_counts_the_docs_give_are_the_configs_defaults():
             assert int(value) == defaults[key], f"{doc}: `{key}` ({value}), but its default is {defaults[key]}"
             found += 1
     assert found >= 3, "the docs no longer name the probe counts with their defaults"
+
+
+def test_the_readme_is_a_guide_of_at_most_300_lines():
+    """A user's guide (issue 72): what is longer belongs in docs/, linked from here."""
+    assert len(readme_text().splitlines()) <= 300

@@ -111,3 +111,19 @@ def test_a_damaged_file_is_a_fresh_profile(tmp_path):
     assert LearnedProfile.load(str(tmp_path)) is None
     memory = TrafficMemory(str(tmp_path), Recorder(AgentMetrics()))
     assert memory.profile.seen == 0
+
+
+def test_watch_probes_send_the_lengths_users_send_in_turn(embedded_model, tmp_path):
+    """Issue 72: after SERVING, a quiet spell must not let the users' paths go cold, so
+    the watch probes take the learned prompt lengths in turn (before any user: None, the
+    probe length prewarm chose)."""
+    from tests.test_proxy import make_agent
+    from warmup_agent.states import State
+    agent = make_agent(embedded_model, State.SERVING)
+    assert agent._watch_length() is None
+    agent.readiness.traffic = TrafficMemory(str(tmp_path), agent.recorder)
+    for s in traffic(random.Random(3), 500):
+        agent.readiness.traffic.observe(s)
+    wanted = agent.readiness.traffic.profile.traffic_profile(0.95).prompt_lengths
+    sent = [agent._watch_length() for _ in range(2 * len(wanted))]
+    assert sorted(set(sent)) == sorted(wanted) and len(wanted) >= 2

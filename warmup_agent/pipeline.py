@@ -95,6 +95,7 @@ class Agent:
         self._watch: Periodic | None = None   # watch() starts it after SERVING
         self._watch_interval = 0.0
         self._watch_skipping = False
+        self._watch_turn = 0                 # which learned length the next watch probe sends
         self._probe_thread: threading.Thread | None = None   # the watch loop's probe in flight
         self._engine_crashed = False
         self.life: ServerLife | None = None   # watch() builds it for an engine with a server
@@ -361,9 +362,11 @@ class Agent:
         failed: list[BaseException] = []
         timed_out = threading.Event()
 
+        length = self._watch_length()
+
         def send() -> None:
             try:
-                self.context.probe(decode=False, still_wanted=lambda: not timed_out.is_set())
+                self.context.probe(decode=False, still_wanted=lambda: not timed_out.is_set(), length=length)
             except Exception as e:  # noqa: BLE001 - a failed probe must not end the agent
                 failed.append(e)
             finally:
@@ -375,6 +378,17 @@ class Agent:
             timed_out.set()
             return f"no answer to a probe within {timeout:g} s"
         return failed[0] if failed else None
+
+    def _watch_length(self) -> int | None:
+        """The prompt length of the next watch probe: in turn each length users send (the
+        learned profile), so that a quiet spell does not let their paths go cold; None
+        (the probe length) before any user was seen."""
+        traffic = self.readiness.traffic
+        learned = traffic.profile.traffic_profile(prewarm.USERS_COVERAGE) if traffic is not None else None
+        if learned is None or not learned.prompt_lengths:
+            return None
+        self._watch_turn += 1
+        return learned.prompt_lengths[self._watch_turn % len(learned.prompt_lengths)]
 
     def _server_busy_with_others(self) -> bool:
         """Whether the supervised server took another client's request in the last two

@@ -138,15 +138,16 @@ class StageContext:
             raise AgentFailure("illegal_transition", f"{self.sm.state.name} -> {to.name} is not allowed")
 
     def probe(self, decode: bool = True, max_tokens: int | None = None,
-              still_wanted: Callable[[], bool] | None = None) -> float:
+              still_wanted: Callable[[], bool] | None = None, length: int | None = None) -> float:
         """Send one readiness probe, record it, and return its time to first token.
 
         decode=False asks for one output token: the breaker judges time to first
         token only, and decoding on every watch probe costs engine time.
-        `still_wanted` is asked when the answer comes; False drops it."""
+        `still_wanted` is asked when the answer comes; False drops it.  `length`: its
+        prompt tokens (None: the probe length prewarm chose)."""
         rc = self.cfg.readiness
         tokens = (max_tokens or rc.probe_max_tokens) if decode else 1
-        r = self.driver.send_probe(self.profile, self.probe_length or rc.probe_prompt_length, tokens)
+        r = self.driver.send_probe(self.profile, length or self.probe_length or rc.probe_prompt_length, tokens)
         if still_wanted is not None and not still_wanted():
             return r.first_token_seconds    # answered after its watch timeout: already judged a failure
         probe = Probe(r.first_token_seconds, r.total_seconds, r.output_tokens, r.prompt_tokens, r.server_prefill_seconds)

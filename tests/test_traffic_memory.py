@@ -41,10 +41,11 @@ def chat(proxy: int, words: int, stream: bool) -> None:
 
 def start(tmp_path, name, data, embedded_model, command, env):
     listen, proxy = free_port(), free_port()
+    record = tmp_path / f"{name}.record.json"
     log = open(tmp_path / f"{name}.log", "w")
     agent = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", embedded_model,
                                        "--data-dir", str(data), "--listen", f"127.0.0.1:{listen}",
-                                       "--proxy-listen", f"127.0.0.1:{proxy}", "--", *command),
+                                       "--proxy-listen", f"127.0.0.1:{proxy}", "--record", str(record), "--", *command),
                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{listen}"
     wait_until(lambda: agent.poll() is not None or http_get(url + "/readyz")[0] == 200, 300, what="SERVING")
@@ -78,6 +79,14 @@ def test_users_shapes_are_learned_kept_and_never_their_text(tmp_path, embedded_m
     agent, url, proxy, log = start(tmp_path, "second", data, embedded_model, command, env)
     try:
         assert metric(url, "warmup_learned_profile_requests") >= 11      # decayed a little, never lost
+        wait_until(lambda: (tmp_path / "second.record.json").exists(), 30, what="the run record")
+        record = json.loads((tmp_path / "second.record.json").read_text())
+        profile = next(s for s in record["stages"] if s["name"] == "prewarm")["profile"]
+        assert profile["source"].startswith("learned from 12 user request(s)"), profile
+        # the users' two lengths (about 12 and 60 words), as the server counted them
+        first = json.loads((tmp_path / "first.record.json").read_text())
+        assert max(profile["prompt_lengths"]) > max(next(s for s in first["stages"] if s["name"] == "prewarm")
+                                                    ["profile"]["prompt_lengths"] or [0])
         scrapes.append(http_get(url + "/metrics")[1])
     finally:
         agent.send_signal(signal.SIGTERM)

@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # types only
     from warmup_agent.engines.base import EngineFacts
 
 log = logging.getLogger("warmup_agent.stages.prewarm")
+# The learned shapes warmed before SERVING: those that hold this share of users' requests.
+USERS_COVERAGE = 0.95
 
 
 def warmup_lengths(pc: PrewarmSection, tokenize: Callable[[str], list[int]]) -> list[int]:
@@ -85,18 +87,27 @@ def _start_ramp(ctx: StageContext) -> None:
 
 
 def load_profile(ctx: StageContext, lengths: list[int]) -> traffic.TrafficProfile:
-    """The traffic to warm: learned from prewarm.requests_file, else the default
-    (greedy and sampled on every API the server answers), limited to openai.api."""
+    """The traffic to warm: what users sent through the proxy (learned, readiness/
+    traffic_memory.py) and prewarm.requests_file, merged where both exist; else the
+    default (greedy and sampled on every API the server answers); limited to openai.api."""
     cfg, engine = ctx.cfg, ctx.engine
     path = cfg.prewarm.requests_file
+    learned = ctx.readiness.traffic.profile.traffic_profile(USERS_COVERAGE) if ctx.readiness.traffic else None
     if path:
         text = engine.text
         if text is None:
             raise EngineError("invalid_config", "key 'prewarm.requests_file': prompts are counted with the model's "
                               "tokenizer; give --model DIR (model.path) with a tokenizer.json")
         profile = read_requests_file(ctx, text.count_chat, text.count_text)
+        if learned is not None:
+            profile = traffic.merged(profile, learned)
+    elif learned is not None:
+        profile = learned
     else:
         profile = traffic.default_profile(engine.apis, cfg.prewarm.max_output_tokens, [])
+    if learned is not None:
+        log.info(f"warming what users sent: {learned.source}, prompt lengths {learned.prompt_lengths}, "
+                 f"answers up to {learned.max_tokens} tokens")
     missing = [e for e in profile.endpoints if e not in engine.apis]
     if missing:
         log.warning(f"the traffic uses {', '.join(missing)} but the server does not answer it: not warmed")

@@ -230,6 +230,19 @@ def load_requests_file(path: str, count_chat: Any, count_text: Any, max_lengths:
                           family_lines=family_lines)
 
 
+def merged(first: TrafficProfile, second: TrafficProfile, max_lengths: int = 8) -> TrafficProfile:
+    """Both profiles' traffic: `first`'s endpoints and families first, the prompt lengths
+    of both (spread over at most max_lengths), the longer answer."""
+    return TrafficProfile(endpoints=list(dict.fromkeys([*first.endpoints, *second.endpoints])),
+                          families={**first.families, **{k: v for k, v in second.families.items()
+                                                         if k not in first.families}},
+                          prompt_lengths=spread([*first.prompt_lengths, *second.prompt_lengths], max_lengths),
+                          max_tokens=max(first.max_tokens, second.max_tokens),
+                          source=f"{first.source} and {second.source}",
+                          requests_seen=first.requests_seen + second.requests_seen, bad_lines=first.bad_lines,
+                          family_lines=first.family_lines)
+
+
 def spread(values: list[int], k: int) -> list[int]:
     """At most k distinct values at the quantiles 0, 1/(k-1), ..., 1."""
     s = sorted(set(values))

@@ -54,7 +54,11 @@ class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     def log_message(self, *a): pass
     def do_GET(self):
-        self.send_response(503 if mode == "hang" else 200); self.end_headers(); self.wfile.write(b"{}")
+        body = b"{}"
+        if self.path == "/props" and "--n-ctx" in args:     # llama-server's way of saying its context
+            body = json.dumps({"default_generation_settings": {"n_ctx": int(args["--n-ctx"])},
+                               "total_slots": 4}).encode()
+        self.send_response(503 if mode == "hang" else 200); self.end_headers(); self.wfile.write(body)
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         n = count()
@@ -227,6 +231,45 @@ def test_usage_errors_are_one_line(tmp_path, args, needle):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert _one_line(r.stderr, needle).startswith("warmup-agent bench: ")
+
+
+def test_the_prompts_fit_the_context_the_server_gives_each_of_the_burst(tmp_path):
+    """--max-context is an override (issue 72): without it the built-in prompts fit what
+    the server gives each of the burst's requests at once, at most 2048 tokens."""
+    from warmup_agent.bench.context import resolve
+    from warmup_agent.bench.start import Setup
+
+    def fit(command, burst=4, override=None):
+        return resolve(override, Setup(command=command, host="127.0.0.1", port=1, model=None), burst)
+    llama = ["llama-server", "-m", "m.gguf", "-c", "2048", "--port", "1"]
+    assert (fit(llama).tokens, fit(llama, burst=2).tokens, fit(llama, burst=1).tokens) == (508, 1020, 2044)
+    assert "command line" in fit(llama).source and fit(llama).server["shared_tokens"] == 2048
+    assert fit(["vllm", "serve", "/m", "--max-model-len", "256", "--port", "1"]).tokens == 252
+    assert fit(["vllm", "serve", "/m", "--max-model-len", "32768", "--port", "1"]).tokens == 2048
+    assert fit(llama, override=300).tokens == 300 and fit(llama, override=300).source == "--max-context"
+    # the prompts the traffic draws fit: words are at most 3 tokens, plus the prefix's few
+    t = Traffic(11, max_context=fit(llama).tokens, max_tokens=32)
+    longest = max(len(t.request(t.shape(i))["messages"][-1]["content"].split()) for i in range(40))
+    assert 3 * longest + 32 <= 508
+
+
+def test_the_context_is_read_from_the_server_where_its_command_line_does_not_say(tmp_path):
+    """A server of no kind the table knows, which says its context on /props (as
+    llama-server does, 4 slots sharing 1024 tokens): one start alone reads it, the
+    measured starts follow, nothing is left running."""
+    r = _bench(tmp_path, "--conditions", "alone", "--starts", "1", "--steady", "2", "--burst", "4",
+               server=_fake(tmp_path, "--n-ctx", "1024"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    _one_line(r.stderr, "reading it from the server, started alone once")
+    res = _result(tmp_path)
+    assert res["traffic"]["max_context"] == 252 and res["traffic"]["context"]["server"] == {
+        "per_request_tokens": 1024, "shared_tokens": 1024, "source": "the server"}
+    assert os.path.exists(tmp_path / "out" / "logs" / "context-look.log")
+    assert _left_running(tmp_path, res) == []
+    # a server that says nothing: the default, 2048
+    r = _bench(tmp_path / "b", "--conditions", "alone", "--starts", "1", "--steady", "2", server=_fake(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _result(tmp_path / "b")["traffic"]["max_context"] == 2048
 
 
 def test_help_explains():
@@ -404,7 +447,7 @@ def _ready_agrees(res: dict, observer: Observer, condition: str) -> None:
     _agree([r["ready_seconds"] for r in recs], [observer.ready[r["pid"]] for r in recs], f"{condition} ready")
 
 
-def _tax_agrees(tmp_path, server: list[str], env: dict, *args: str) -> None:
+def _tax_agrees(tmp_path, server: list[str], env: dict, *args: str) -> dict:
     """The first-TTFT tax, the bench against an independent observer of the same
     requests: three starts of the server alone behind tests/helpers/tap.py, which
     times each chat request from its first byte in to the first token event out,
@@ -429,6 +472,7 @@ def _tax_agrees(tmp_path, server: list[str], env: dict, *args: str) -> None:
         theirs.append(ttft[0] / statistics.median(ttft[1:]))
     _agree(ours, theirs, "alone first-TTFT tax")
     assert _left_running(out, res) == []
+    return res
 
 
 @pytest.mark.slow
@@ -438,12 +482,18 @@ def test_real_llama_server_two_starts_per_condition(tmp_path, llama_server, gguf
     server = [llama_server, "-m", str(model), "-c", "2048", "--host", "127.0.0.1", "--port", "{port}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMUP_AGENT_")}
     # -c 2048 is shared by llama-server's 4 slots, and the burst sends 4 at once: 512 each
-    res, observer = _real_run(tmp_path, server, env, "--agent-model", embedded_model, "--max-context", "512")
+    # No --max-context (issue 72): -c 2048 is shared by llama-server's 4 slots, and the burst
+    # sends 4 at once: 512 each (4 kept spare), read from the command line
+    res, observer = _real_run(tmp_path, server, env, "--agent-model", embedded_model)
     assert res["server"] == "llama.cpp"
+    assert res["traffic"]["max_context"] == 508 and "command line" in res["traffic"]["context"]["source"]
     # llama-server alone is healthy in tens of ms, below what a start time read from the
     # kernel resolves (10 ms): its ready time is compared under the agent.
     _ready_agrees(res, observer, "agent")
-    _tax_agrees(tmp_path, server, env, "--max-context", "512")
+    # behind the tap the command line names no server kind: the context is read from the
+    # server itself (its /props, through the tap), started alone once
+    tapped = _tax_agrees(tmp_path, server, env)
+    assert tapped["traffic"]["max_context"] == 508 and tapped["traffic"]["context"]["source"].startswith("read from the server,")
 
 
 @pytest.mark.slow
@@ -454,9 +504,10 @@ def test_real_cpu_vllm_two_starts_per_condition(tmp_path, embedded_model):
     import tempfile
     scratch = tempfile.mkdtemp(prefix="vb-", dir="/tmp")   # vLLM's IPC socket paths must stay under 108 bytes
     env = vllm_server.server_env(scratch)
-    res, observer = _real_run(tmp_path, cmd, env, "--agent-model", embedded_model, "--max-context", "256",
-                              "--max-tokens", "16")
+    # No --max-context (issue 72): the command line's --max-model-len 256
+    res, observer = _real_run(tmp_path, cmd, env, "--agent-model", embedded_model, "--max-tokens", "16")
     assert res["server"] == "vLLM" and res["model"] == vllm_server.SERVED_NAME
+    assert res["traffic"]["max_context"] == 252 and "command line" in res["traffic"]["context"]["source"]
     _ready_agrees(res, observer, "alone")
     _ready_agrees(res, observer, "agent")
     _tax_agrees(tmp_path, cmd, env, "--model", vllm_server.SERVED_NAME, "--max-context", "256", "--max-tokens", "16")

@@ -249,3 +249,74 @@ def test_data_dir_follows_the_agents_rule(monkeypatch, tmp_path):
     assert str(build.default_data_dir()) == config._default_data_dir() == str(tmp_path / "warmup-agent")
     monkeypatch.setenv("WARMUP_AGENT_DATA_DIR", str(tmp_path / "d"))
     assert build.default_data_dir() == tmp_path / "d"
+
+
+def _chat_of_tokens(text, tokens: int, words: list[str], **params) -> dict:
+    """A chat request body whose rendered prompt is `tokens` long, or the first word more."""
+    content: list[str] = []
+    while text.count_chat([{"role": "user", "content": " ".join(content)}]) < tokens:
+        content.append(words[len(content) % len(words)])
+    return {"model": "m", "messages": [{"role": "user", "content": " ".join(content)}], **params}
+
+
+@SLOW[0]
+@SLOW[1]
+def test_a_requests_file_of_600_token_prompts_fits_the_context_its_4_slots_share(
+        tmp_path, embedded_model, data_dir, llama_server, gguf):
+    """Issue 72, part 3: traffic of 600-token prompts, warmed at batch sizes 1, 2 and 4,
+    against `llama-server -c 2048` (its 4 automatic slots share that one pool).  4 such
+    prompts at once overflow it ("Context size has been exceeded": the start failed with
+    request_failed).  The agent reads the server's context (/props: each slot 2048, 4
+    slots; the command line: -c 2048 shared), sends the batch of 4 at the length they fit
+    together, and reaches SERVING."""
+    from warmup_agent.bench.traffic import WORDS
+    from warmup_agent.engines.text_prompts import TextPrompts
+    from warmup_agent.server.context import SPARE
+    text = TextPrompts.from_model_dir(embedded_model, "")
+    bodies = [_chat_of_tokens(text, 600 + i, list(WORDS[i * 7:]) + list(WORDS), max_tokens=16,
+                              **({"temperature": 0.7, "top_p": 0.9} if i % 2 else {"temperature": 0.0}))
+              for i in range(4)]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    port, listen = free_port(), free_port()
+    rec = tmp_path / "run.json"
+    env = ls.server_env(str(tmp_path))
+    env.update(WARMUP_AGENT_PREWARM_REQUESTS_FILE=str(requests), WARMUP_AGENT_PREWARM_BATCH_SIZES="[1, 2, 4]",
+               # about fitting the context, not the budget: every path gets its calls on busy cores
+               WARMUP_AGENT_PREWARM_BUDGET_SECONDS="300", WARMUP_AGENT_PREWARM_REMEMBER_FINDINGS="false",
+               WARMUP_AGENT_OPENAI_API="chat", WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO="1000",
+               WARMUP_AGENT_READINESS_P50_THRESHOLD_SECONDS="60", WARMUP_AGENT_READINESS_P90_THRESHOLD_SECONDS="60")
+    agent = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", embedded_model,
+                                       "--data-dir", data_dir, "--listen", f"127.0.0.1:{listen}", "--record", str(rec),
+                                       "--", *ls.server_command(llama_server, gguf, port)),
+                             cwd=ROOT, env=env, stdout=open(tmp_path / "agent.log", "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{listen}"
+
+    def state() -> str | None:
+        try:
+            return json.loads(http_get(url + "/startupz", timeout=2)[1]).get("state")
+        except Exception:  # noqa: BLE001 - not listening yet
+            return None
+    try:
+        # a failed start stays up in FAILED (it keeps serving its metrics): stop waiting there
+        wait_until(lambda: state() in ("SERVING", "FAILED") or agent.poll() is not None, 600, what="SERVING")
+        assert agent.poll() is None and state() == "SERVING", (tmp_path / "agent.log").read_text()[-3000:]
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        rc = agent.wait(60)
+    assert rc == 0, (tmp_path / "agent.log").read_text()[-3000:]
+    record = json.loads(rec.read_text())
+    assert [t["state"] for t in record["transitions"]][:4] == ["INIT", "PRELOAD", "PRIME", "SERVING"]
+    prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
+    assert min(prewarm["profile"]["prompt_lengths"]) >= 600
+    fit = prewarm["warmup"]["server_context"]
+    assert fit["per_request_tokens"] == 2048 and fit["shared_tokens"] == 2048, fit
+    assert fit["source"] == "the server and its command line" and fit["dropped_lengths"] == []
+    # the batch of 4 was sent, each prompt with its answer within a quarter of the pool;
+    # the batch of 2 at the traffic's longest prompt
+    paths = {p["path"]: p for p in prewarm["paths"]}
+    four = [p for name, p in paths.items() if "/batch4/" in name]
+    assert len(four) == 1 and four[0]["calls"] >= 1, paths
+    longest = max(prewarm["profile"]["prompt_lengths"])
+    assert int(next(iter(n for n in paths if "/batch4/" in n)).rsplit("len", 1)[1]) == 2048 // 4 - SPARE - 2
+    assert any(f"/batch2/len{longest}" in n and p["calls"] >= 1 for n, p in paths.items()), paths

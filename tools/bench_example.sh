@@ -8,6 +8,6 @@ PY=${PY:-.venv/bin/python}
 model=$($PY -c 'from warmup_agent.model.embedded import ensure_embedded_model as e; print(e(".cache/test-data"))' | tail -n 1)
 server=$($PY tools/build_llama_server.py --cuda off | tail -n 1)
 gguf=$($PY tools/gguf_convert.py "$model" --outtype bf16 | tail -n 1)
-# --max-context 512: llama-server's -c 2048 is shared by its 4 slots, and the burst sends 4 at once
-exec "$PY" -m warmup_agent bench --starts "${STARTS:-2}" --max-context 512 --agent-model "$model" --out "${OUT:-warmup-bench}" "$@" \
+# The prompts fit llama-server's -c 2048, shared by its 4 slots: the bench reads it from the command line
+exec "$PY" -m warmup_agent bench --starts "${STARTS:-2}" --agent-model "$model" --out "${OUT:-warmup-bench}" "$@" \
     -- "$server" -m "$gguf" -c 2048 --host 127.0.0.1 --port '{port}'

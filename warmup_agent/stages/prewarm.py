@@ -173,7 +173,8 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
         coverage = w.decode_coverage()
         w.settle()
         ctx.first_pairs = []        # the gate sends a new first pair, with the profile's longest answer
-        ctx.first_probe_tokens = w.profile.max_tokens
+        assert ctx.probe_length is not None, "choose_probe_length ran"
+        ctx.first_probe_tokens = w.answer_at(ctx.probe_length, w.profile.max_tokens)
     w.skip_lengths(per_length)
     w.record(per_length, coverage, batches, detail, t_start)
 

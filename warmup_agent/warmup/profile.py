@@ -8,6 +8,7 @@ warmup/benefit.py's.  It sees the stage context through `WarmupContext` only.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # types only
     from warmup_agent.engines.text_prompts import TextPrompts
     from warmup_agent.readiness.probes import ProbeLog
     from warmup_agent.run.progress import Progress
+    from warmup_agent.server.context import ServerContext
 
 # The stage's logger: these lines are the prewarm stage's.
 log = logging.getLogger("warmup_agent.stages.prewarm")
@@ -154,7 +156,17 @@ def per_length_line(decode_ratios: list[float], first_token_ratios: list[float],
 
 class ProfileWarmup:
     """One profile warmup: the budget, the steady levels, what was sent and decoded, the
-    outcome of every path, the families the server refuses."""
+    outcome of every path, the families the server refuses.
+
+    Requests sent together fit the server's context (`server_context`): a wave's chunk
+    holds what fits at once, a batch path's prompts are as long as its batch fits, and
+    a prompt length that never fits is left out with one log line."""
+
+    #: The context the server gives requests sent at once; None: unknown, nothing sized.
+    server_context: ServerContext | None = None
+    #: The profile's prompt lengths that never fit it, and requests sent shorter to fit it.
+    dropped_lengths: list[int] = []
+    resized = 0
 
     def __init__(self, ctx: WarmupContext, profile: traffic.TrafficProfile, lengths: list[int], batches: list[int]):
         from warmup_agent.warmup.traffic import probe_endpoint, probe_family
@@ -170,7 +182,8 @@ class ProfileWarmup:
         self.fam0 = probe_family(profile)
         self.ep0 = probe_endpoint(profile)
         self.b0 = min(batches) if batches else 1
-        self.plens = sorted({*profile.prompt_lengths} or {*lengths})
+        self.server_context = ctx.engine.server_context
+        self.plens = self.fitting_lengths(sorted({*profile.prompt_lengths} or {*lengths}), lengths)
         self.lo, self.hi = self.plens[0], self.plens[-1]
         self.steady = benefit.SteadyLevels()
         self.refused: dict[str, str] = {}
@@ -187,6 +200,50 @@ class ProfileWarmup:
         self.settle_tokens = settle_prompt_tokens(ctx.engine.text)
         self.settled_by_discovery = False  # discovery's request stood in for the first settle request
 
+    def fitting_lengths(self, wanted: list[int], grid: list[int]) -> list[int]:
+        """The prompt lengths of `wanted` that fit the server's context with the warmup's
+        answer and the probes'; the others can never be served and are left out, with one
+        log line.  Where none fits: the grid's that do, else the longest that fits."""
+        fit = self.server_context
+        room = fit.each(1) if fit is not None else None
+        if fit is None or room is None:
+            return wanted
+        need = max(self.answer, self.pc.per_length_tokens)
+        self.dropped_lengths = [n for n in wanted if n + need > room]
+        if self.dropped_lengths:
+            log.warning(f"prompt lengths {self.dropped_lengths} of the traffic ({self.profile.source}) never fit the "
+                        f"server's context of {room} tokens a request, prompt and answer (read from {fit.source}): not warmed")
+        return ([n for n in wanted if n + need <= room] or [n for n in grid if n + need <= room]
+                or [max(1, room - need)])
+
+    def length_at(self, batch: int, length: int) -> int | None:
+        """`length`, or the longest prompt that `batch` requests sent at once (with the
+        warmup's answer) fit in the server's context; None: none fits."""
+        fit = self.server_context
+        return length if fit is None else fit.prompt_for(batch, length, self.answer)
+
+    def answer_at(self, length: int, tokens: int) -> int:
+        """`tokens`, or as many as one request of `length` prompt tokens has room for."""
+        room = self.server_context.each(1) if self.server_context is not None else None
+        return tokens if room is None else max(1, min(tokens, room - length))
+
+    def fitted(self, reqs: list[traffic.WarmRequest]) -> list[traffic.WarmRequest]:
+        """`reqs`, or where they do not fit the server's context together, each shortened
+        to its share: the answer first (to one token), then the prompt."""
+        fit = self.server_context
+        if fit is None or fit.fits(r.prompt_tokens + r.max_tokens for r in reqs):
+            return reqs
+        room = fit.each(len(reqs))
+        if room is None:
+            return reqs
+        out = []
+        for r in reqs:
+            answer = max(1, min(r.max_tokens, room - r.prompt_tokens))
+            out.append(dataclasses.replace(r, prompt_tokens=max(1, min(r.prompt_tokens, room - answer)),
+                                           max_tokens=answer))
+        self.resized += sum(a != b for a, b in zip(reqs, out, strict=True))
+        return out
+
     def request(self, path: benefit.Path, tokens: int | None = None) -> traffic.WarmRequest:
         from warmup_agent.warmup.traffic import WarmRequest, _frozen
         tokens = self.answer if tokens is None else tokens
@@ -197,6 +254,7 @@ class ProfileWarmup:
         """Send `reqs` together (fresh prompts); they become the predecessor.  The record
         accounts for every request sent here (tests/helpers/warmup_record.py)."""
         self.ctx.checkpoint()
+        reqs = self.fitted(reqs)
         results = self.ctx.driver.send(reqs, "warmup")
         self.decoded += [(r.prompt_tokens, r.prompt_tokens + r.max_tokens) for r in reqs]
         self.last = list(reqs)
@@ -209,10 +267,14 @@ class ProfileWarmup:
         return benefit.call_of(self.send_requests([req] * path.batch, f"{path.label} out={req.max_tokens}"))
 
     def send_wave(self, paths: Sequence[benefit.Path], tokens: dict[benefit.Path, int]) -> list[benefit.Call]:
-        """One call per path, in chunks the server takes at once (a path's batch stays in
-        one chunk); the Call of each path, in order."""
+        """One call per path, in chunks the server takes at once, as many requests as it
+        serves together and whose prompts and answers fit its context together (a path's
+        batch stays in one chunk); the Call of each path, in order."""
         calls: dict[int, benefit.Call] = {}
         chunk: list[int] = []
+
+        def sizes(i: int) -> list[int]:
+            return [paths[i].prompt_tokens + tokens.get(paths[i], self.answer)] * paths[i].batch
 
         def flush() -> None:
             if not chunk:
@@ -225,7 +287,9 @@ class ProfileWarmup:
                 at += paths[i].batch
             chunk.clear()
         for i, p in enumerate(paths):
-            if chunk and sum(paths[j].batch for j in chunk) + p.batch > self.concurrency:
+            if chunk and (sum(paths[j].batch for j in chunk) + p.batch > self.concurrency or (
+                    self.server_context is not None
+                    and not self.server_context.fits([n for j in [*chunk, i] for n in sizes(j)]))):
                 flush()
             chunk.append(i)
         flush()
@@ -457,14 +521,24 @@ class ProfileWarmup:
         return sent
 
     def other_paths(self, batches: list[int]) -> None:
-        """Every other family and endpoint, every larger batch: one call each, together."""
+        """Every other family and endpoint, every larger batch: one call each, together.
+        A batch's prompts are as long as the server's context holds that many at once."""
         from warmup_agent.warmup.benefit import Path
-        profile, ep0, fam0, b0, hi = self.profile, self.ep0, self.fam0, self.b0, self.hi
-        paths: list[Path] = [Path(ep0, fam, b0, hi) for fam in profile.families if fam != fam0]
-        for ep in profile.endpoints:
-            if ep != ep0:
-                paths += [Path(ep, fam, b0, hi) for fam in profile.families if not (fam == "json_schema" and ep != "chat")]
-        paths += [Path(ep0, fam0, b, hi) for b in sorted({*batches}) if b != b0]
+        profile, ep0, fam0, b0 = self.profile, self.ep0, self.fam0, self.b0
+        paths: list[Path] = []
+        for b in sorted({*batches, b0}):
+            hi = self.length_at(b, self.hi)
+            if hi is None:
+                reason = f"{b} requests at once do not fit the server's context"
+                self.outcomes.append(benefit.Outcome(Path(ep0, fam0, b, self.hi), "skipped", reason))
+            elif b == b0:
+                paths += [Path(ep0, fam, b0, hi) for fam in profile.families if fam != fam0]
+                for ep in profile.endpoints:
+                    if ep != ep0:
+                        paths += [Path(ep, fam, b0, hi) for fam in profile.families
+                                  if not (fam == "json_schema" and ep != "chat")]
+            else:
+                paths.append(Path(ep0, fam0, b, hi))
         self.warm_together(paths, {})
 
     def skip_lengths(self, per_length: dict) -> None:
@@ -520,7 +594,10 @@ class ProfileWarmup:
             "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
             "replayed_requests": self.replayed, "replays": self.replays, "settle_requests": self.settled,
             "settle_prompt_tokens": self.settle_tokens, "settled_by_discovery": self.settled_by_discovery,
-            "ladder_requests": len(per_length.get("ladder", []))}
+            "ladder_requests": len(per_length.get("ladder", [])),
+            "server_context": (None if self.server_context is None else
+                               {**self.server_context.as_dict(), "dropped_lengths": list(self.dropped_lengths),
+                                "resized_requests": self.resized})}
         if budget.exhausted():
             unreached = sum(1 for o in outcomes if o.result == "skipped" and o.reason == "budget")
             log.warning(f"warmup budget of {budget.seconds:.1f} s ({budget.why}) ran out: "

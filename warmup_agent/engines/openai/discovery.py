@@ -34,6 +34,7 @@ class Discovery:
         self.concurrency = 1
         self.capabilities: dict = {}
         self.models_info: dict = {}            # the served model's entry in /v1/models
+        self.props: dict = {}                  # what a kind's slots_path answered (llama.cpp's /props)
 
     def listed_models(self) -> list[dict]:
         """/v1/models, or [] when it fails (`transformers serve` fails without a hub cache)."""
@@ -109,16 +110,20 @@ class Discovery:
                       sorted(client.rejected_fields) or "none")
 
     def _concurrency(self) -> int:
-        """openai.concurrency, else the slots a kind's `slots_path` gives, else the owner kind's default, else 1."""
-        if self.configured_concurrency > 0:
-            return self.configured_concurrency
+        """openai.concurrency, else the slots a kind's `slots_path` gives, else the owner kind's
+        default, else 1.  What that path answered is kept in `props` (the server's context)."""
+        self.props = {}
         for path, key in dict.fromkeys((k.slots_path, k.slots_key) for k in KINDS if k.slots_path):
             try:
-                slots = int(self.client.get_json(path).get(key) or 0)
+                props = self.client.get_json(path)
+                slots = int(props.get(key) or 0)
                 if slots > 0:
-                    return slots
+                    self.props = props
+                    return self.configured_concurrency if self.configured_concurrency > 0 else slots
             except Exception:  # noqa: BLE001 - not that kind (404), or an old one
                 pass
+        if self.configured_concurrency > 0:
+            return self.configured_concurrency
         kind = BY_OWNER.get(str(self.models_info.get("owned_by", "")))
         return kind.concurrency if kind is not None and kind.concurrency else 1
 

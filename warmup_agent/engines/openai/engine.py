@@ -25,6 +25,7 @@ from warmup_agent.engines.openai.server_traffic import ServerTraffic
 from warmup_agent.engines.text_prompts import TextPrompts
 from warmup_agent.gpu import sizing
 from warmup_agent.server.command import parse_adapters
+from warmup_agent.server.context import ServerContext, of_server
 from warmup_agent.server.kinds import BY_OWNER, kind_of_command, sleeps_when_idle
 from warmup_agent.warmup.traffic import _SEED_TEXT, WarmRequest
 
@@ -108,6 +109,11 @@ class OpenAIEngine(Engine):
     @property
     def capabilities(self) -> dict:
         return self.discovery.capabilities
+
+    @property
+    def server_context(self) -> ServerContext | None:
+        """What discovery read (/props, /v1/models), completed by the command line."""
+        return of_server(self.discovery.props, self.discovery.models_info, self.command)
 
     @property
     def server_start_seconds(self) -> float | None:

@@ -49,8 +49,8 @@ def watch_all(identities):
 
 
 def test_reads_of_one_process_within_the_tolerance_are_the_same_process():
-    # 0.26 s: the /proc figure against the server's own, for one process (issue 73)
-    actions, restarts, state = watch_all([1000.0, 1000.26, 999.9, 1000.0 + SAME_PROCESS_SECONDS])
+    # one source read again: the same figure, or a clock tick off
+    actions, restarts, state = watch_all([1000.0, 1000.01, 999.99, 1000.0 + SAME_PROCESS_SECONDS])
     assert actions == ["probe"] * 4
     assert restarts == {"start_time": 0, "came_back": 0} and state == State.SERVING
 
@@ -67,6 +67,7 @@ def test_unknown_at_first_then_known_is_no_restart():
 
 
 def test_a_later_start_time_is_a_restart_warmed_again():
-    actions, restarts, _ = watch_all([1000.0, None, 1000.0 + SAME_PROCESS_SECONDS + 0.5])
+    # a server restarted within a second of the last start (a CPU llama-server re-warms in 0.5 s)
+    actions, restarts, _ = watch_all([1000.0, None, 1000.0 + 0.3])
     assert actions == ["probe", "probe", "rewarm"]
     assert restarts == {"start_time": 1, "came_back": 0}

@@ -54,6 +54,8 @@ REASONS: dict[str, str] = {
     "stopped": "stopped before the server became healthy",
     "no_openai_api": "the server answers neither /v1/chat/completions nor /v1/completions",
     "no_model_name": "no model name in the config, on /v1/models or in the server command",
+    "wrong_answer_after_wake": "after a wake the server answers the agent's fixed greedy prompts otherwise than the model it warmed",
+    "wrong_answer_after_restart": "after a restart the same served model answers the agent's fixed greedy prompts otherwise",
     "decode_not_converged": "probes never met the time-per-output-token gate",
     "quantization_unsupported": "the checkpoint's quantization is one the engine cannot load",
     "native_unsupported": "model.implementation native, but the model is not a Llama/Qwen2 the native forward runs",

@@ -28,6 +28,7 @@ from warmup_agent.errors import AgentFailure, EngineError
 from warmup_agent.host.memory import MemorySampler
 from warmup_agent.periodic import Periodic
 from warmup_agent.readiness.breaker import BreakerState
+from warmup_agent.readiness.golden import GoldenAnswers
 from warmup_agent.readiness.life import ServerLife
 from warmup_agent.readiness.probes import ProbeLog
 from warmup_agent.readiness.runtime import Readiness, failure_cause
@@ -99,6 +100,7 @@ class Agent:
         self._probe_thread: threading.Thread | None = None   # the watch loop's probe in flight
         self._engine_crashed = False
         self.life: ServerLife | None = None   # watch() builds it for an engine with a server
+        self.golden: GoldenAnswers | None = None   # ... and records the warmed model's answers
         self._init_metrics()
         if cfg.proxy.listen:     # what users send through the proxy, learned (shapes, never text)
             self.readiness.traffic = self._traffic_memory()
@@ -251,6 +253,18 @@ class Agent:
         """What /readyz answers (Readiness.ready)."""
         return self.readiness.ready()
 
+    def _check_golden(self) -> None:
+        """Before a re-warm: the server must answer as the model the pod warmed did."""
+        if self.golden is None:
+            return
+        t0 = time.perf_counter()
+        problem = self.golden.check()
+        log.info("golden answers checked in %.0f ms: %s", (time.perf_counter() - t0) * 1000,
+                 "they differ" if problem else "as warmed")
+        if problem is not None:
+            cause = "wake" if self.life is not None and self.life.wake is not None else "restart"
+            self.context.fail(f"wrong_answer_after_{cause}", problem)
+
     def _rewarm_cold(self, why: str) -> None:
         """The server is cold again (a restart, a wake): PRELOAD, then the stages again."""
         if self.sm.transition(State.PRELOAD):
@@ -281,8 +295,11 @@ class Agent:
             if self.life is not None:
                 self.life.wake_server()    # a server woken ahead by its own wake call (vLLM)
             self.prewarm()
+            self._check_golden()       # the server is up again here, whatever restarted it
             self.solidify()
             self.ready()
+            if self.life is not None and self.sm.state == State.SERVING:
+                self.life.remember_identity()   # the process just warmed: a restart from now on is news
         except AgentFailure as e:
             log.error("re-warm failed: %s: %s", e.reason, e.message)
         finally:
@@ -306,6 +323,9 @@ class Agent:
                                    holds_users=bool(self.cfg.proxy.listen) and self.cfg.proxy.hold_seconds > 0)
             self.life.start_rewarm = self._rewarm_cold
             self.readiness.life = self.life
+            self.life.remember_identity()
+            self.golden = GoldenAnswers(signals.url)
+            self.golden.record()       # the warmed model's answers, asked again after a wake or restart
         if interval > 0:
             self._watch_interval = interval
             self._watch = Periodic(interval, self._watch_probe, "readiness-watch")

@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmup_agent.readiness.life")
 
 Action = Literal["probe", "wait", "rewarm"]
-#: Two reads of one process's start time agree within this.  A new process starts later
-#: than the old one's warmup took (seconds at least: the identity is read after SERVING),
-#: so a restart is far outside it; one source read twice differs by nothing or rounding.
-SAME_PROCESS_SECONDS = 1.0
+#: Two reads of one process's start time agree within this: one source read twice differs
+#: by nothing or rounding (the clock ticks are 10 ms).  Not more: a server restarted within
+#: a second of the last (a CPU llama-server re-warms in 0.5 s) is a new process.
+SAME_PROCESS_SECONDS = 0.05
 _WORDS = {"unreachable": "connection refused or reset", "timeout": "no answer in time",
           "server_error": "not 200"}
 
@@ -138,6 +138,11 @@ class ServerLife:
             self.readiness.server_answered()
             return "wait"
         return "probe"
+
+    def remember_identity(self) -> None:
+        """Read the serving process's start time now (at SERVING), so that a restart
+        before the first watch tick is a new start time, not the first one read."""
+        self.identity = self.signals.identity()
 
     def _restarted(self) -> str | None:
         """How a restart shows: "start_time", "came_back" (answering after unreachable) or None.

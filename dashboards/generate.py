@@ -392,7 +392,8 @@ def cold_start_overview(th: Thresholds) -> dashboard_b.Dashboard:
     if has("warmup_engine_requests_running", "warmup_engine_requests_waiting", "warmup_engine_kv_cache_usage_ratio"):
         panels.append(timeseries(
             "Engine queue and KV cache",
-            "Read from the engine's own /metrics at scrape time (vLLM): requests running and waiting "
+            "Read from the server's own /metrics at scrape time, under each server kind's names "
+            "(vLLM; llama.cpp with --metrics; SGLang with --enable-metrics; TGI): requests running and waiting "
             "(warmup_engine_requests_running, warmup_engine_requests_waiting) and KV-cache usage "
             "(warmup_engine_kv_cache_usage_ratio, right axis). Only with an engine that exports metrics.",
             "short", [

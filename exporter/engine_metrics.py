@@ -1,13 +1,14 @@
 """The engine's own /metrics, read at scrape time.
 
-vLLM already measures its queue, KV cache and latencies, so the collector re-exports
-the few numbers the agent needs as `warmup_engine_*`.  An engine that does not
-answer yields `warmup_engine_up 0` and never blanks the rest of the scrape.
+A model server already measures its queue, KV cache and latencies, so the collector
+re-exports the few numbers the agent needs as `warmup_engine_*`, under the names the
+agent passes from its table (warmup_agent/server/kinds.py).  An engine that does not answer yields `warmup_engine_up 0` and never blanks the rest
+of the scrape.
 """
 from __future__ import annotations
 
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -33,6 +34,32 @@ class EngineStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class EngineMetricNames:
+    """Which of a server's series give each EngineStats figure: summed, but `kv_use` (0..1) its
+    largest; `kv_info` an info gauge with vLLM's labels; `first_token` histograms (_sum, _count)."""
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    kv_use: tuple[str, ...] = ()
+    kv_info: tuple[str, ...] = ()
+    finished: tuple[str, ...] = ()
+    first_token: tuple[str, ...] = ()
+
+    def __add__(self, other: EngineMetricNames) -> EngineMetricNames:
+        return EngineMetricNames(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def roles(self) -> dict[str, str]:
+        """Sample name -> the EngineStats field it gives."""
+        roles = {n: "requests_running" for n in self.running}
+        roles.update({n: "requests_waiting" for n in self.waiting})
+        roles.update({n: "kv_cache_usage_ratio" for n in self.kv_use})
+        roles.update({n: "kv_info" for n in self.kv_info})
+        roles.update({n: "requests_finished" for n in self.finished})
+        roles.update({n + "_sum": "first_token_seconds_sum" for n in self.first_token})
+        roles.update({n + "_count": "first_token_seconds_count" for n in self.first_token})
+        return roles
+
+
 def _int(v: Any) -> int | None:
     try:
         return int(float(v))
@@ -40,49 +67,49 @@ def _int(v: Any) -> int | None:
         return None
 
 
-def parse_engine_metrics(text: str) -> EngineStats:
-    """EngineStats from a vLLM exposition (values summed over engines/models)."""
+def parse_engine_metrics(text: str, names: EngineMetricNames) -> EngineStats:
+    """EngineStats from a server's exposition, read through `names` (values summed over engines/models)."""
     s = EngineStats()
+    roles = names.roles()
 
     def add(attr: str, value: float) -> None:
         setattr(s, attr, (getattr(s, attr) or 0.0) + value)
 
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name, labels, value = sample.name, sample.labels, sample.value
-            if name == "vllm:num_requests_running":
-                add("requests_running", value)
-            elif name == "vllm:num_requests_waiting":
-                add("requests_waiting", value)
-            elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-                # vLLM calls it "perc" but exports a 0..1 fraction.
-                s.kv_cache_usage_ratio = max(s.kv_cache_usage_ratio or 0.0, value)
-            elif name == "vllm:cache_config_info":
-                s.kv_cache_blocks = _int(labels.get("num_gpu_blocks"))
-                s.kv_block_size = _int(labels.get("block_size"))
-                s.kv_cache_memory_bytes = _int(labels.get("kv_cache_memory_bytes"))
-            elif name == "vllm:request_success_total":
-                add("requests_finished", value)
-            elif name == "vllm:time_to_first_token_seconds_sum":
-                add("first_token_seconds_sum", value)
-            elif name == "vllm:time_to_first_token_seconds_count":
-                add("first_token_seconds_count", value)
+            role = roles.get(sample.name)
+            if role is None:
+                continue
+            if role == "kv_cache_usage_ratio":
+                s.kv_cache_usage_ratio = max(s.kv_cache_usage_ratio or 0.0, sample.value)
+            elif role == "kv_info":
+                s.kv_cache_blocks = _int(sample.labels.get("num_gpu_blocks"))
+                s.kv_block_size = _int(sample.labels.get("block_size"))
+                s.kv_cache_memory_bytes = _int(sample.labels.get("kv_cache_memory_bytes"))
+            else:
+                add(role, sample.value)
     return s
 
 
-def fetch_engine_stats(url: str, timeout: float = 2.0) -> EngineStats:
+def fetch_engine_stats(url: str, names: EngineMetricNames, timeout: float = 2.0) -> EngineStats:
     """GET the engine's /metrics and parse it.  Raises OSError/ValueError on failure."""
     with urllib.request.urlopen(url, timeout=timeout) as r:
-        return parse_engine_metrics(r.read().decode("utf-8", "replace"))
+        return parse_engine_metrics(r.read().decode("utf-8", "replace"), names)
 
 
 class EngineMetricsCollector:
-    """`url` may be a callable returning the current URL (None: no engine yet)."""
+    """`url` may be a callable returning the current URL (None: no engine yet).  `names`
+    say which series to read; `fetch(url, timeout)` replaces the read."""
 
-    def __init__(self, url: Any, timeout: float = 2.0, fetch: Any = fetch_engine_stats) -> None:
+    def __init__(self, url: Any, names: EngineMetricNames = EngineMetricNames(), timeout: float = 2.0,
+                 fetch: Any = None) -> None:
         self._url = url
+        self._names = names
         self._timeout = timeout
-        self._fetch = fetch
+        self._fetch = fetch or self._read
+
+    def _read(self, url: str, timeout: float) -> EngineStats:
+        return fetch_engine_stats(url, self._names, timeout)
 
     def describe(self) -> Any:
         return []  # collected lazily: never hit the engine at registration time

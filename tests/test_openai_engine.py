@@ -22,6 +22,7 @@ from tests.helpers.warmup_record import requests_in_record
 from warmup_agent import config
 from warmup_agent.engines.base import EngineError
 from warmup_agent.pipeline import Agent
+from warmup_agent.server.signals import engine_metric_names
 from warmup_agent.states import State
 
 pytestmark = pytest.mark.slow
@@ -121,9 +122,9 @@ def test_agent_warms_the_server_then_serves(served):
 
 def test_streams_and_measures_time_to_first_token(served):
     eng, _, _ = served
-    before = fetch_engine_stats(eng.metrics_url)
+    before = fetch_engine_stats(eng.metrics_url, engine_metric_names())
     results = eng.generate([_prompt(16), _prompt(32)], max_new_tokens=3)
-    after = fetch_engine_stats(eng.metrics_url)
+    after = fetch_engine_stats(eng.metrics_url, engine_metric_names())
     assert [(r.prompt_tokens, r.output_tokens) for r in results] == [(16, 3), (32, 3)]
     for r in results:
         assert 0 < r.first_token_seconds < r.total_seconds
@@ -177,7 +178,7 @@ def test_facts_and_engine_metrics_at_scrape_time(served):
     assert facts.extra["kv_cache_blocks"] == expected_blocks
 
     registry = CollectorRegistry()
-    registry.register(EngineMetricsCollector(eng.metrics_url))
+    registry.register(EngineMetricsCollector(eng.metrics_url, engine_metric_names()))
     assert registry.get_sample_value("warmup_engine_up") == 1.0
     assert registry.get_sample_value("warmup_engine_kv_cache_blocks") == expected_blocks
     assert registry.get_sample_value("warmup_engine_kv_cache_memory_bytes") == vllm_server.KV_BYTES

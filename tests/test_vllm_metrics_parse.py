@@ -1,4 +1,5 @@
-"""exporter/engine_metrics.py on a recorded vLLM 0.32 exposition (CPU build).
+"""exporter/engine_metrics.py on a recorded vLLM 0.32 exposition (CPU build), read
+through vLLM's names in server/kinds.py.
 
 The live path is covered in test_openai_engine.py; this pins the parsing of
 each field and the collector's behaviour on a bad or missing engine.
@@ -8,6 +9,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from exporter.engine_metrics import EngineMetricsCollector, EngineStats, parse_engine_metrics
+from warmup_agent.server.kinds import BY_NAME
+from warmup_agent.server.signals import engine_metric_names
+
+VLLM = engine_metric_names(BY_NAME["vllm"])
 
 # Recorded from `vllm.entrypoints.launchers.api_server.entry` serving the embedded
 # model with --kv-cache-memory-bytes 67108864 after 3 requests (trimmed).
@@ -39,14 +44,14 @@ vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching
 
 
 def test_parses_every_field():
-    s = parse_engine_metrics(RECORDED)
+    s = parse_engine_metrics(RECORDED, VLLM)
     assert s == EngineStats(requests_running=1.0, requests_waiting=2.0, kv_cache_usage_ratio=0.125,
                             kv_cache_blocks=256, kv_block_size=128, kv_cache_memory_bytes=67108864,
                             requests_finished=4.0, first_token_seconds_sum=0.1, first_token_seconds_count=4.0)
 
 
 def test_missing_fields_stay_none():
-    s = parse_engine_metrics("# TYPE other gauge\nother 1\n")
+    s = parse_engine_metrics("# TYPE other gauge\nother 1\n", VLLM)
     assert s == EngineStats()
 
 
@@ -55,7 +60,7 @@ def test_collector_exports_at_scrape_time():
 
     def fetch(url, timeout):
         calls.append(url)
-        return parse_engine_metrics(RECORDED)
+        return parse_engine_metrics(RECORDED, VLLM)
 
     reg = CollectorRegistry()
     reg.register(EngineMetricsCollector("http://engine/metrics", fetch=fetch))
@@ -70,7 +75,7 @@ def test_collector_exports_at_scrape_time():
 
 def test_garbage_or_no_engine_is_up_zero_and_nothing_else():
     def bad(url, timeout):
-        return parse_engine_metrics("this is { not an exposition")
+        return parse_engine_metrics("this is { not an exposition", VLLM)
 
     reg = CollectorRegistry()
     reg.register(EngineMetricsCollector("http://engine/metrics", fetch=bad))

@@ -344,11 +344,13 @@ def connect_engine(engine: Engine, agent: Agent, registry: Any) -> None:
     to PRELOAD (readiness false at once); once it answers again the agent re-warms
     it; engines without a server ignore the callbacks.  An engine with its own
     Prometheus endpoint (metrics_url) gets a collector that reads it at scrape
-    time; an engine without one (metrics_url None) gets none."""
+    time, through every server kind's names (server/kinds.py); an engine without
+    one (metrics_url None) gets none."""
     engine.set_server_callbacks(agent.on_engine_exit, agent.on_engine_ready)
     if engine.metrics_url is not None:
         from exporter.engine_metrics import EngineMetricsCollector
-        registry.register(EngineMetricsCollector(lambda: engine.metrics_url))
+        from warmup_agent.server.signals import engine_metric_names
+        registry.register(EngineMetricsCollector(lambda: engine.metrics_url, engine_metric_names()))
 
 
 def _summary(record: dict) -> str:

@@ -58,7 +58,11 @@ class ServerKind:
     Its context, where the server does not say it (server/context.py): `context_flags`
     give the most tokens a request holds, prompt and answer together; with
     `context_shared` they are one pool its slots share (llama-server's -c), split into
-    one per slot where `slots_flags` give a count."""
+    one per slot where `slots_flags` give a count.
+
+    Its own /metrics names (None, (): not exported), read by exporter/engine_metrics.py:
+    requests running and queued (whether users wait), KV use 0..1, vLLM's KV info, requests
+    finished, time to first token.  Each has its server's prefix: all kinds' may be read at once."""
     name: str
     label: str
     command_words: tuple[str, ...]
@@ -86,6 +90,12 @@ class ServerKind:
     sleep_key: str = "is_sleeping"
     sleep_option: str | None = None
     wake_path: str | None = None
+    running_metric: str | None = None
+    waiting_metric: str | None = None
+    kv_use_metrics: tuple[str, ...] = ()
+    kv_info_metric: str | None = None
+    finished_metric: str | None = None
+    first_token_metric: str | None = None
 
     @property
     def can_sleep(self) -> bool:
@@ -119,25 +129,38 @@ KINDS: tuple[ServerKind, ...] = (
                startup_log=_VLLM_STARTUP_LOG,
                start_time_metric="process_start_time_seconds",
                # vLLM serves these only with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode.
-               sleep_path="/is_sleeping", sleep_option="--enable-sleep-mode", wake_path="/wake_up"),
+               sleep_path="/is_sleeping", sleep_option="--enable-sleep-mode", wake_path="/wake_up",
+               running_metric="vllm:num_requests_running", waiting_metric="vllm:num_requests_waiting",
+               # "perc" but a 0..1 fraction; gpu_cache_usage_perc is its older name.
+               kv_use_metrics=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+               kv_info_metric="vllm:cache_config_info", finished_metric="vllm:request_success_total",
+               first_token_metric="vllm:time_to_first_token_seconds"),
     ServerKind("llamacpp", "llama.cpp", ("llama-server", "llama_cpp"), owned_by="llamacpp", default_port=8080,
                slots_path="/props", slots_key="total_slots",
                context_flags=("-c", "--ctx-size"), context_shared=True, slots_flags=("-np", "--parallel"),
                preset=Preset(("llama-server",), model_flag="-m", served_name_flag="--alias",
                              model_example="MODEL.gguf"),
-               sleep_path="/props", sleep_option="--sleep-idle-seconds"),
+               sleep_path="/props", sleep_option="--sleep-idle-seconds",
+               # Only with --metrics; "deferred": waiting for a slot.
+               running_metric="llamacpp:requests_processing", waiting_metric="llamacpp:requests_deferred"),
     ServerKind("sglang", "SGLang", ("sglang",), owned_by="sglang", concurrency=4, default_port=30000,
                context_flags=("--context-length",),
                preset=Preset(("python3", "-m", "sglang.launch_server"), model_flag="--model-path",
                              gives_model_path=True),
-               start_time_metric="process_start_time_seconds"),
+               start_time_metric="process_start_time_seconds",
+               # Only with --enable-metrics; from SGLang's metrics/collector.py, not run here.
+               running_metric="sglang:num_running_reqs", waiting_metric="sglang:num_queue_reqs",
+               kv_use_metrics=("sglang:token_usage",), first_token_metric="sglang:time_to_first_token_seconds"),
+    # transformers serve (5.x) serves no /metrics.
     ServerKind("transformers", "transformers serve", ("transformers serve",),
                preset=Preset(("transformers", "serve"), served_name_flag=None, gives_model_path=True),
                remedy_env={"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"},
                remedy=("set TORCH_CUDNN_SDPA_DEPRIORITIZED=1 in the server's environment "
                        "(PyTorch's cuDNN attention builds a plan per sequence length)")),
     ServerKind("tgi", "text-generation-inference", ("text-generation-launcher",), default_port=3000,
-               context_flags=("--max-total-tokens",)),
+               context_flags=("--max-total-tokens",),
+               # From TGI's metrics reference, not run here.
+               running_metric="tgi_batch_current_size", waiting_metric="tgi_queue_size"),
 )
 
 BY_NAME = {k.name: k for k in KINDS}

@@ -13,12 +13,16 @@ import os
 import socket
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from warmup_agent.server.kinds import ServerKind
+from warmup_agent.server.kinds import KINDS, ServerKind
+
+if TYPE_CHECKING:
+    from exporter.engine_metrics import EngineMetricNames, EngineStats
 
 log = logging.getLogger("warmup_agent.server.signals")
 
@@ -106,6 +110,18 @@ class ServerSignals:
             return None
         return None
 
+    def water_level(self) -> EngineStats | None:
+        """Requests running and waiting, from the server's /metrics through its kind's names: whether users
+        wait, without the proxy.  None: no exposition (llama-server needs --metrics); a figure not exported is None."""
+        body = self._get("/metrics")
+        if body is None:
+            return None
+        from exporter.engine_metrics import parse_engine_metrics
+        try:
+            return parse_engine_metrics(body.decode("utf-8", "replace"), engine_metric_names(self.kind))
+        except ValueError:
+            return None
+
     def _listener_start_time(self) -> float | None:
         """The create time of the process listening on the URL's port, from psutil: the
         kernel's boot time plus the process's start ticks, as the server's own figure
@@ -125,6 +141,24 @@ class ServerSignals:
             self._listener = proc
         # The Process keeps the create time it read first: the same figure at every read.
         return proc.create_time() if proc is not None else None
+
+
+def engine_metric_names(kind: ServerKind | None = None) -> EngineMetricNames:
+    """The series exporter/engine_metrics.py reads for `kind` (server/kinds.py); every kind's
+    where None: each name has its server's prefix, so no server's figures read as another's."""
+    from exporter.engine_metrics import EngineMetricNames
+
+    def names(k: ServerKind) -> EngineMetricNames:
+        def one(name: str | None) -> tuple[str, ...]:
+            return (name,) if name else ()
+        return EngineMetricNames(running=one(k.running_metric), waiting=one(k.waiting_metric),
+                                 kv_use=k.kv_use_metrics, kv_info=one(k.kv_info_metric),
+                                 finished=one(k.finished_metric), first_token=one(k.first_token_metric))
+
+    total = EngineMetricNames()
+    for k in [kind] if kind is not None else KINDS:
+        total += names(k)
+    return total
 
 
 def _listening_inodes(port: int) -> set[str]:

@@ -305,7 +305,8 @@ class OpenAIEngine(Engine):
                                        "healthy_after_spawn_seconds": server.supervisor.start_seconds})
         try:
             from exporter.engine_metrics import fetch_engine_stats
-            stats = fetch_engine_stats(self.metrics_url, timeout=2)
+            from warmup_agent.server.signals import engine_metric_names
+            stats = fetch_engine_stats(self.metrics_url, engine_metric_names(), timeout=2)
             extra.update(kv_cache_blocks=stats.kv_cache_blocks, kv_block_size=stats.kv_block_size,
                          kv_cache_usage_ratio=stats.kv_cache_usage_ratio)
         except Exception as e:  # noqa: BLE001 - facts stay useful without engine metrics

@@ -34,7 +34,9 @@ def test_supervised_vllm_server_reaches_serving_and_exits_clean(tmp_path, embedd
     port = free_port()
     rec = tmp_path / "run.json"
     env = server_env(str(tmp_path))
-    env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[16, 64]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1, 2]")
+    # every path before SERVING (--once ends there; the default warms the others behind the users)
+    env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[16, 64]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1, 2]",
+               WARMUP_AGENT_PREWARM_BEHIND_USERS="false")
     r = run_agent("run", "--once", "--no-progress", "--engine", "openai", "--data-dir", data_dir,
                   "--listen", "127.0.0.1:0", "--record", str(rec), "--", *server_command(embedded_model, port),
                   env=env, timeout=400)

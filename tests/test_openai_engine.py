@@ -54,6 +54,7 @@ def served(tmp_path_factory):
                            "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
                            "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": "[16, 64]",
                            "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 4]",
+                           "WARMUP_AGENT_PREWARM_BEHIND_USERS": "false",   # every path before SERVING
                            "WARMUP_AGENT_OPENAI_READY_TIMEOUT_SECONDS": "240",
                            "WARMUP_AGENT_OPENAI_RESTART_BACKOFF_INITIAL_SECONDS": "0.5",
                            "WARMUP_AGENT_OPENAI_DRAIN_SECONDS": "5"})

@@ -157,6 +157,7 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
     rec = tmp_path / "run.json"
     env = ls.server_env(str(tmp_path))
     env.update(WARMUP_AGENT_PREWARM_PROMPT_LENGTHS="[16, 24, 40]", WARMUP_AGENT_PREWARM_BATCH_SIZES="[1]",
+               WARMUP_AGENT_PREWARM_BEHIND_USERS="false",      # every path before SERVING, as recorded
                WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS="4", WARMUP_AGENT_PREWARM_CONVERGE_TOLERANCE="1000",
                # decode on busy cores can read "pays per length": no coverage tiles in the count below
                WARMUP_AGENT_PREWARM_DECODE_COVERAGE="never",
@@ -282,6 +283,7 @@ def test_a_requests_file_of_600_token_prompts_fits_the_context_its_4_slots_share
     rec = tmp_path / "run.json"
     env = ls.server_env(str(tmp_path))
     env.update(WARMUP_AGENT_PREWARM_REQUESTS_FILE=str(requests), WARMUP_AGENT_PREWARM_BATCH_SIZES="[1, 2, 4]",
+               WARMUP_AGENT_PREWARM_BEHIND_USERS="false",      # the batch of 4 before SERVING, as recorded
                # about fitting the context, not the budget: every path gets its calls on busy cores
                WARMUP_AGENT_PREWARM_BUDGET_SECONDS="300", WARMUP_AGENT_PREWARM_REMEMBER_FINDINGS="false",
                WARMUP_AGENT_OPENAI_API="chat", WARMUP_AGENT_READINESS_TPOT_CONVERGENCE_RATIO="1000",

@@ -46,6 +46,7 @@ def served(tmp_path_factory, embedded_model):
                            "WARMUP_AGENT_OPENAI_DRAIN_SECONDS": "5",
                            "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": json.dumps(LENGTHS),
                            "WARMUP_AGENT_PREWARM_BATCH_SIZES": json.dumps(BATCHES),
+                           "WARMUP_AGENT_PREWARM_BEHIND_USERS": "false",   # every path before SERVING
                            "WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS": "4",
                            "WARMUP_AGENT_READINESS_PROBE_MAX_TOKENS": "4",
                            "WARMUP_AGENT_READINESS_PROBE_PROMPT_LENGTH": str(PROBE_LEN),
@@ -385,6 +386,7 @@ def no_budget_agent(tmp_path, model: str, lengths: list[int]):
                            "WARMUP_AGENT_MODEL_PATH": model,
                            "WARMUP_AGENT_DEADLINES_PRELOAD_SECONDS": "300",
                            "WARMUP_AGENT_PREWARM_BUDGET_SECONDS": "0.000001",
+                           "WARMUP_AGENT_PREWARM_BEHIND_USERS": "false",
                            "WARMUP_AGENT_PREWARM_PROMPT_LENGTHS": json.dumps(lengths),
                            "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1]",
                            "WARMUP_AGENT_PREWARM_MAX_OUTPUT_TOKENS": "4",

@@ -99,7 +99,7 @@ class _Driver:
 
 
 def _warmup(fit: ServerContext | None, lengths: list[int]) -> tuple[ProfileWarmup, _Driver]:
-    cfg = config.load(env={})
+    cfg = config.load(env={"WARMUP_AGENT_PREWARM_BEHIND_USERS": "false"})    # the batches now, not after SERVING
     driver = _Driver()
     profile = traffic.TrafficProfile(endpoints=["chat"], families={"sampled": {"temperature": 0.7},
                                                                    "greedy": {"temperature": 0.0}},

@@ -300,6 +300,7 @@ KEYS: tuple[Key, ...] = (
     # --- warmup by measured benefit (issue 30) ---
     Key("prewarm.budget_ratio", "float", 0.3, "openai engine: the warmup may take at most this x the server's own start-up (spawn to healthy). When the budget runs out, the paths not yet warmed are skipped (recorded with reason budget) and readiness probes decide as usual.",
         check=_non_negative, expected="a number >= 0"),
+    Key("prewarm.behind_users", "bool", True, "openai engine: the gate opens once the users' own shapes answer warm; the other paths (larger batches; without learned or file traffic, the other endpoints and families) are warmed after SERVING, only while no user request is in flight. false: all before SERVING."),
     Key("prewarm.budget_min_seconds", "float", 1.0, "openai engine: the warmup budget is at least this many seconds.",
         check=_non_negative, expected="a number >= 0"),
     Key("prewarm.budget_seconds", "float", 0.0, "openai engine: a fixed warmup budget in seconds instead of budget_ratio (0: derived; a server already running, whose start-up is unknown, gets 30 s).",

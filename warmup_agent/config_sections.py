@@ -69,7 +69,7 @@ class ReserveSection(_Section):
 
 class PrewarmSection(_Section):
     """`prewarm.*` (docs/config.md)."""
-    __slots__ = ("prompt_lengths", "batch_sizes", "requests_per_shape", "max_new_tokens", "progressive_load", "staging_chunk_bytes", "staging_buffers", "loader_threads", "weights_manifest", "length_source", "length_mean", "length_sd", "sampled_lengths", "prompts_file", "max_prompt_length", "batch_sizes_from_memory", "max_batch", "memory_budget_bytes", "requests_file", "requests_file_bad_lines", "decode_coverage", "budget_ratio", "budget_min_seconds", "budget_seconds", "converge_tolerance", "max_calls_per_path", "warm_answer_tokens", "per_length_ratio", "per_length_tokens", "remember_findings", "length_ladder", "max_output_tokens")
+    __slots__ = ("prompt_lengths", "batch_sizes", "requests_per_shape", "max_new_tokens", "progressive_load", "staging_chunk_bytes", "staging_buffers", "loader_threads", "weights_manifest", "length_source", "length_mean", "length_sd", "sampled_lengths", "prompts_file", "max_prompt_length", "batch_sizes_from_memory", "max_batch", "memory_budget_bytes", "requests_file", "requests_file_bad_lines", "decode_coverage", "budget_ratio", "behind_users", "budget_min_seconds", "budget_seconds", "converge_tolerance", "max_calls_per_path", "warm_answer_tokens", "per_length_ratio", "per_length_tokens", "remember_findings", "length_ladder", "max_output_tokens")
     prompt_lengths: list[int]
     batch_sizes: list[int]
     requests_per_shape: int
@@ -92,6 +92,7 @@ class PrewarmSection(_Section):
     requests_file_bad_lines: str
     decode_coverage: str
     budget_ratio: float
+    behind_users: bool
     budget_min_seconds: float
     budget_seconds: float
     converge_tolerance: float

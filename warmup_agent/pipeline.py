@@ -46,6 +46,8 @@ if TYPE_CHECKING:  # types only
 __all__ = ["STAGES", "Agent", "AgentFailure", "StageTiming", "preload_deadline"]
 
 log = logging.getLogger("warmup_agent.pipeline")
+# The warm-up behind the users waits this long after another client's request began.
+QUIET_SECONDS = 0.5
 
 STAGES = ("reserve", "prewarm", "solidify", "ready")
 
@@ -101,6 +103,8 @@ class Agent:
         self._engine_crashed = False
         self.life: ServerLife | None = None   # watch() builds it for an engine with a server
         self.golden: GoldenAnswers | None = None   # ... and records the warmed model's answers
+        self.behind_record: dict = {}              # the latest warm-up behind the users
+        self._stopped = False
         self._init_metrics()
         if cfg.proxy.listen:     # what users send through the proxy, learned (shapes, never text)
             self.readiness.traffic = self._traffic_memory()
@@ -253,6 +257,44 @@ class Agent:
         """What /readyz answers (Readiness.ready)."""
         return self.readiness.ready()
 
+    def _start_warm_behind(self) -> None:
+        """After SERVING, once the agent stays (watch(), or a re-warm meanwhile): what prewarm
+        left for later (prewarm.behind_users), in a thread, each request only while no user
+        request is in flight.  A run that ends at SERVING (--once) leaves it unwarmed."""
+        behind, self.context.warm_behind = self.context.warm_behind, None
+        if behind is None or self.sm.state != State.SERVING:
+            return
+
+        def run() -> None:
+            try:
+                done = behind(self._users_quiet)
+            except AgentFailure as e:      # draining, stopped, or no longer SERVING: nothing more to warm
+                log.info("warm-up behind the users stopped: %s", e.message or e.reason)
+                return
+            except EngineError as e:         # the pod serves on; the watch judges the server
+                log.warning("warm-up behind the users stopped: %s: %s", e.reason, e.message)
+                return
+            except Exception:  # noqa: BLE001 - the pod serves; a bug in the background warm-up is logged
+                log.exception("warm-up behind the users failed; the pod serves on")
+                return
+            self.behind_record = done
+            log.info("warmed behind the users in %.2f s after SERVING: %d path(s)", done.get("seconds", 0.0),
+                     len(done.get("paths", ())))
+        threading.Thread(target=run, name="warm-behind", daemon=True).start()
+
+    def _users_quiet(self) -> None:
+        """Wait until no user request is in flight (the proxy's count) and, for a server the
+        agent supervises, none of another client's has started within QUIET_SECONDS."""
+        while True:
+            self.context.checkpoint()
+            if self._stopped:
+                raise AgentFailure("stopped", "the agent stops")
+            if self.sm.state != State.SERVING:   # asleep, degraded or re-warming: that warm-up decides
+                raise AgentFailure("left_serving", f"the pod is {self.sm.state.name}")
+            if self.readiness.users_in_flight == 0 and self.engine.others_served_within(QUIET_SECONDS) is None:
+                return
+            time.sleep(0.01)
+
     def _check_golden(self) -> None:
         """Before a re-warm: the server must answer as the model the pod warmed did."""
         if self.golden is None:
@@ -300,6 +342,7 @@ class Agent:
             self.ready()
             if self.life is not None and self.sm.state == State.SERVING:
                 self.life.remember_identity()   # the process just warmed: a restart from now on is news
+            self._start_warm_behind()
         except AgentFailure as e:
             log.error("re-warm failed: %s: %s", e.reason, e.message)
         finally:
@@ -330,6 +373,7 @@ class Agent:
             self._watch_interval = interval
             self._watch = Periodic(interval, self._watch_probe, "readiness-watch")
             self._watch.start()
+        self._start_warm_behind()      # the agent stays: what prewarm left for later goes on now
 
     def _watch_probe(self) -> None:
         rd = self.readiness
@@ -435,6 +479,7 @@ class Agent:
         return True
 
     def stop(self) -> None:
+        self._stopped = True       # the warm-up behind the users sends nothing more
         # Wait for a probe in flight: a daemon thread still inside a forward pass when
         # the interpreter finalises aborts the process ("terminate called without an
         # active exception", exit -6) instead of the drain's exit 0.

@@ -218,6 +218,8 @@ class ProxyProcess:
         m, gate = self.metrics, self.gate
         for _ in range(batch.get("u", 0)):
             gate.user_request()
+        for _ in range(batch.get("d", 0)):
+            gate.user_done()
         for route, code, n in batch.get("c", ()):
             m.warmup_proxy_requests_total.labels(route=route, code=code).inc(n)
         for outcome, seconds in batch.get("h", ()):
@@ -250,7 +252,7 @@ class _Report:
         self.clear()
 
     def clear(self) -> None:
-        self.u = 0
+        self.u = self.d = 0
         self.c: dict[tuple[str, str], int] = {}
         self.f: list[tuple[str, float]] = []
         self.o: list[float] = []
@@ -260,12 +262,12 @@ class _Report:
         self.logs: list[tuple[int, str, str]] = []
 
     def take(self) -> bytes | None:
-        if not (self.u or self.c or self.f or self.o or self.a or self.h or self.s or self.logs):
+        if not (self.u or self.d or self.c or self.f or self.o or self.a or self.h or self.s or self.logs):
             return None
         logs, self.logs = self.logs, []
-        batch = {"u": self.u, "c": [[r, c, n] for (r, c), n in self.c.items()], "f": self.f, "o": self.o, "a": self.a,
+        batch = {"u": self.u, "d": self.d, "c": [[r, c, n] for (r, c), n in self.c.items()], "f": self.f, "o": self.o, "a": self.a,
                  "h": self.h, "s": self.s, "l": logs}
-        self.u, self.c, self.f, self.o, self.a, self.h, self.s = 0, {}, [], [], [], [], []
+        self.u, self.d, self.c, self.f, self.o, self.a, self.h, self.s = 0, 0, {}, [], [], [], [], []
         return json.dumps(batch).encode() + b"\n"
 
 
@@ -288,6 +290,9 @@ class _ChildGate:
 
     def user_request(self) -> None:
         self.report.u += 1
+
+    def user_done(self) -> None:
+        self.report.d += 1
 
     def first_token(self, ttft: float) -> None:
         self.report.o.append(ttft)

@@ -76,7 +76,10 @@ class Gate(Protocol):
         """Seconds a rejected client should wait."""
 
     def user_request(self) -> None:
-        """A user request arrived (the water level's QPS)."""
+        """A user request arrived (the water level's QPS; in flight until user_done)."""
+
+    def user_done(self) -> None:
+        """A user request the proxy answered, refused or lost: no longer in flight."""
 
     def first_token(self, ttft: float) -> None:
         """A user request's time to first token on the main engine (the window, the breaker)."""
@@ -323,8 +326,16 @@ class RoutingProxy:
             except asyncio.IncompleteReadError:
                 return _error(400, "invalid_request_error", "the request body ended early")
         warmup = request.headers.get(WARMUP_HEADER, "").strip().lower() == "true"
-        if not warmup:
-            self.gate.user_request()      # first: while asleep, this starts the wake it will wait for
+        if warmup:
+            return await self._route(request, method, body, warmup, t0)
+        self.gate.user_request()      # first: while asleep, this starts the wake it will wait for
+        try:
+            return await self._route(request, method, body, warmup, t0)
+        finally:
+            self.gate.user_done()     # in flight no more: the warm-up behind the users may go on
+
+    async def _route(self, request: web.BaseRequest, method: str, body: bytes, warmup: bool,
+                     t0: float) -> web.StreamResponse:
         route = self.route(warmup)
         if route == "rejected" and self.hold_seconds > 0 and self.gate.state_name in HOLD_STATES:
             route = await self._wait_for_gate()

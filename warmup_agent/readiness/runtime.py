@@ -126,6 +126,7 @@ class Readiness:
         #: The server's restarts, sleep and wake (life.py); the agent sets it for a server engine.
         self.life: ServerLife | None = None
         self.traffic: TrafficMemory | None = None     # what users send, learned (the pipeline sets it)
+        self._in_flight = 0                            # user requests the proxy holds or relays now
         sm.on_change(self._state_moved)
         recorder.declare_series(Known(
             trip_causes=TRIP_CAUSES,
@@ -229,11 +230,23 @@ class Readiness:
         return self.sm.state.name
 
     def user_request(self) -> None:
-        """A user request arrived (the proxy): counted in the water level's QPS; while
-        the server sleeps, it starts a wake."""
+        """A user request arrived (the proxy): counted in the water level's QPS and in
+        flight until user_done; while the server sleeps, it starts a wake."""
+        with self._user_lock:
+            self._in_flight += 1
         self.water.request()
         if self.life is not None:
             self.life.user_request()
+
+    def user_done(self) -> None:
+        """A user request the proxy answered, refused or lost."""
+        with self._user_lock:
+            self._in_flight = max(0, self._in_flight - 1)
+
+    @property
+    def users_in_flight(self) -> int:
+        """User requests the proxy holds or relays now (0 without a proxy)."""
+        return self._in_flight
 
     def user_shape(self, shape: Shape, params: dict[str, Any]) -> None:
         """The shape of a user request the main engine answered (the proxy): learned."""

@@ -177,6 +177,8 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
         ctx.first_probe_tokens = w.answer_at(ctx.probe_length, w.profile.max_tokens)
     w.skip_lengths(per_length)
     w.record(per_length, coverage, batches, detail, t_start)
+    detail["behind_users"] = [p.label for p in w.behind]
+    ctx.warm_behind = w.warm_behind if w.behind else None
 
 
 def run(ctx: StageContext, detail: dict) -> None:

@@ -87,6 +87,8 @@ def _refused(e: EngineError) -> bool:
 
 #: The settle request's prompt tokens: at least this many, and at least
 #: SETTLE_OPENING_SHARE times the chat template's opening (settle_prompt_tokens).
+# After SERVING the paths left behind the users have at least this long (they wait for quiet).
+BEHIND_BUDGET_SECONDS = 60.0
 SETTLE_PROMPT_TOKENS = 64
 SETTLE_OPENING_SHARE = 12
 
@@ -199,6 +201,9 @@ class ProfileWarmup:
         self.settled = 0        # settle requests sent
         self.settle_tokens = settle_prompt_tokens(ctx.engine.text)
         self.settled_by_discovery = False  # discovery's request stood in for the first settle request
+        #: Paths left for after SERVING (prewarm.behind_users), and what waits for the users to be quiet.
+        self.behind: list[benefit.Path] = []
+        self.before_send: Callable[[], None] | None = None
 
     def fitting_lengths(self, wanted: list[int], grid: list[int]) -> list[int]:
         """The prompt lengths of `wanted` that fit the server's context with the warmup's
@@ -253,6 +258,8 @@ class ProfileWarmup:
     def send_requests(self, reqs: list[traffic.WarmRequest], label: str) -> list:
         """Send `reqs` together (fresh prompts); they become the predecessor.  The record
         accounts for every request sent here (tests/helpers/warmup_record.py)."""
+        if self.before_send is not None:
+            self.before_send()
         self.ctx.checkpoint()
         reqs = self.fitted(reqs)
         results = self.ctx.driver.send(reqs, "warmup")
@@ -539,7 +546,29 @@ class ProfileWarmup:
                                   if not (fam == "json_schema" and ep != "chat")]
             else:
                 paths.append(Path(ep0, fam0, b, hi))
+        if self.pc.behind_users:
+            now = [p for p in paths if p.batch == b0 and profile.source != "default"]
+            self.behind = [p for p in paths if p not in now]
+            paths = now
         self.warm_together(paths, {})
+
+    def warm_behind(self, quiet: Callable[[], None]) -> dict:
+        """After SERVING, in the background: the paths other_paths left for later, each
+        request sent only once `quiet()` returns (no user request in flight).  Their
+        outcomes and the seconds it took, for the log and the record."""
+        if not self.behind:
+            return {}
+        t0 = time.perf_counter()
+        first = len(self.outcomes)
+        self.budget = benefit.Budget(max(self.budget.seconds, BEHIND_BUDGET_SECONDS), "behind the users")
+        self.before_send = quiet
+        try:
+            self.warm_together(self.behind, {})
+        finally:
+            self.before_send = None
+            self.behind = []
+        outcomes = self.outcomes[first:]
+        return {"seconds": round(time.perf_counter() - t0, 3), "paths": [o.as_dict() for o in outcomes]}
 
     def skip_lengths(self, per_length: dict) -> None:
         """The profile's prompt lengths, recorded as skipped with length_skip_reason."""

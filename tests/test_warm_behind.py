@@ -1,0 +1,83 @@
+"""The warm-up behind the users (issue 71, prewarm.behind_users): the gate opens once the
+users' own shape answers warm; the other paths are warmed after SERVING, in the
+background, and a request of theirs goes out only while no user request is in flight.
+
+Real processes: `warmup-agent run --proxy-listen ... -- llama-server` (CPU), started
+twice, with and without the warm-up behind the users."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.conftest import ROOT, agent_cmd
+from tests.helpers import llamacpp_server as ls
+from tests.helpers.servers import free_port, http_get, wait_until
+from tests.test_proxy import make_agent
+from warmup_agent.states import State
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_quiet_wait_lets_users_go_first(embedded_model):
+    """Each request of the warm-up behind the users waits while one is in flight (the
+    proxy's count), and stops once the pod is no longer SERVING."""
+    agent = make_agent(embedded_model, State.SERVING)
+    agent.readiness.user_request()            # a user's request arrives at the proxy
+    passed = threading.Event()
+    threading.Thread(target=lambda: (agent._users_quiet(), passed.set()), daemon=True).start()
+    time.sleep(0.3)
+    assert not passed.is_set(), "a warm-up request went out while a user's was in flight"
+    agent.readiness.user_done()               # answered
+    assert passed.wait(2)
+    assert agent.sm.transition(State.DEGRADED)
+    from warmup_agent.errors import AgentFailure
+    with pytest.raises(AgentFailure):
+        agent._users_quiet()
+
+
+def start(tmp_path, name, embedded_model, data_dir, command, env):
+    listen, proxy = free_port(), free_port()
+    record, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
+    agent = subprocess.Popen(agent_cmd("run", "--no-progress", "--engine", "openai", "--model", embedded_model,
+                                       "--data-dir", data_dir, "--listen", f"127.0.0.1:{listen}",
+                                       "--proxy-listen", f"127.0.0.1:{proxy}", "--record", str(record), "--",
+                                       *command), cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{listen}"
+    t0 = time.monotonic()
+    wait_until(lambda: agent.poll() is not None or http_get(url + "/readyz")[0] == 200, 300, interval=0.02,
+               what="SERVING")
+    ready = time.monotonic() - t0
+    assert agent.poll() is None, log.read_text()[-3000:]
+    wait_until(record.exists, 30, what="the record")
+    return agent, log, json.loads(record.read_text()), ready
+
+
+def test_the_other_paths_are_warmed_after_serving(tmp_path, embedded_model, data_dir, llama_server, gguf):
+    env = {**ls.server_env(str(tmp_path)), "WARMUP_AGENT_PREWARM_BATCH_SIZES": "[1, 2]"}
+    command = ls.server_command(llama_server, gguf, free_port())
+    runs = {}
+    for name, behind in (("behind", "true"), ("before", "false")):
+        agent, log, record, ready = start(tmp_path, name, embedded_model, data_dir, command,
+                                          dict(env, WARMUP_AGENT_PREWARM_BEHIND_USERS=behind))
+        try:
+            prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
+            if behind == "true":
+                wait_until(lambda log=log: "warmed behind the users" in log.read_text(), 60, what="the warm-up behind")
+            runs[name] = {"ready": ready, "requests": record["warmup_requests"], "behind": prewarm["behind_users"]}
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            assert agent.wait(60) == 0
+        text = log.read_text()
+        assert "Traceback" not in text, text[-3000:]
+    print(f"behind the users: {runs}")
+    assert runs["behind"]["behind"] and not runs["before"]["behind"]
+    # the larger batch and the other endpoints and families went after SERVING, not before it
+    assert any("batch2" in p for p in runs["behind"]["behind"])
+    assert runs["behind"]["requests"] < runs["before"]["requests"]
+    line = [ln for ln in (tmp_path / "behind.log").read_text().splitlines() if "warmed behind the users" in ln][-1]
+    assert f"{len(runs['behind']['behind'])} path(s)" in line, line

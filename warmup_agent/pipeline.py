@@ -262,11 +262,18 @@ class Agent:
         left for later (prewarm.behind_users), in a thread, each request only while no user
         request is in flight.  A run that ends at SERVING (--once) leaves it unwarmed."""
         behind, self.context.warm_behind = self.context.warm_behind, None
-        if behind is None or self.sm.state != State.SERVING:
+        golden = self.golden if self.golden is not None and self.golden.answers is None else None
+        if (behind is None and golden is None) or self.sm.state != State.SERVING:
             return
 
         def run() -> None:
             try:
+                time.sleep(QUIET_SECONDS)      # a user who arrives with SERVING goes first
+                if golden is not None:         # the warmed model's answers, asked again after a wake or restart
+                    self._users_quiet()
+                    golden.record()
+                if behind is None:
+                    return
                 done = behind(self._users_quiet)
             except AgentFailure as e:      # draining, stopped, or no longer SERVING: nothing more to warm
                 log.info("warm-up behind the users stopped: %s", e.message or e.reason)
@@ -367,8 +374,7 @@ class Agent:
             self.life.start_rewarm = self._rewarm_cold
             self.readiness.life = self.life
             self.life.remember_identity()
-            self.golden = GoldenAnswers(signals.url)
-            self.golden.record()       # the warmed model's answers, asked again after a wake or restart
+            self.golden = GoldenAnswers(signals.url)   # recorded behind the users (_start_warm_behind)
         if interval > 0:
             self._watch_interval = interval
             self._watch = Periodic(interval, self._watch_probe, "readiness-watch")

@@ -44,7 +44,7 @@ COPY exporter /src/exporter
 # --no-deps: nothing of vLLM's environment is replaced.  The second line is the agent's
 # core dependencies and its redis extra, as in pyproject.toml (a test keeps them equal).
 RUN python3 -m pip install --no-cache-dir --no-deps /src \
- && python3 -m pip install --no-cache-dir "prometheus-client>=0.20" "nvidia-ml-py>=12.535" "psutil>=5.9" "tokenizers>=0.19" "jinja2>=3.1" "pyyaml>=6.0" "bcrypt>=4.0" "aiohttp>=3.9" "uvloop>=0.19; sys_platform != 'win32'" "redis>=5.0" \
+ && python3 -m pip install --no-cache-dir "prometheus-client>=0.20" "nvidia-ml-py>=12.535" "psutil>=5.9" "tokenizers>=0.19" "jinja2>=3.1.6" "pyyaml>=6.0" "bcrypt>=4.0" "aiohttp>=3.9" "uvloop>=0.19; sys_platform != 'win32'" "redis>=5.0" \
  && rm -rf /src
 
 USER 1000:1000

@@ -72,10 +72,10 @@ def test_a_user_who_arrives_while_warming_is_served_when_the_gate_opens(embedded
         assert len(standin.started) == 1
         assert 0.6 <= sent["seconds"], sent["seconds"]
         assert released < 0.5, f"answered {released:.3f} s after the gate opened"
-        wait_until(lambda: sample(agent, "warmup_proxy_hold_seconds_count") == 1, timeout=2, interval=0.01,
+        wait_until(lambda: sample(agent, "warmup_proxy_hold_seconds_count", {"outcome": "served"}) == 1, timeout=2, interval=0.01,
                    what="the hold, reported")
         assert sample(agent, "warmup_proxy_held_requests_total", {"outcome": "served"}) == 1
-        held = sample(agent, "warmup_proxy_hold_seconds_sum")
+        held = sample(agent, "warmup_proxy_hold_seconds_sum", {"outcome": "served"})
         # The client's wall clock: its connect and the answer (a few ms) on top of the hold.
         assert sent["seconds"] - 0.3 <= held <= sent["seconds"], (held, sent["seconds"])
         assert sample(agent, "warmup_proxy_requests_total", {"route": "main", "code": "200"}) == 1

@@ -102,7 +102,7 @@ def test_the_proxy_finds_the_supervised_server_where_its_command_listens():
     from warmup_agent.config_sections import ProxySection
     from warmup_agent.server import preflight
     from warmup_agent.server.command import listen_address
-    bare = ProxySection(listen="127.0.0.1:0", upstream_url=None, fallback_url=None, retry_after_seconds=5,
+    bare = ProxySection(listen="127.0.0.1:0", upstream_url=None, fallback_url=None, hold_seconds=120.0, retry_after_seconds=5,
                         timeout_seconds=300.0, max_body_bytes=1, batch_window_seconds=0.0)
     given = ProxySection(**{**{k: getattr(bare, k) for k in ProxySection.__slots__}, "upstream_url": "http://up:1"})
     llama = ["llama-server", "-m", "m.gguf", "--host", "0.0.0.0", "--port", "8081"]

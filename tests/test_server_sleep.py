@@ -21,6 +21,7 @@ The sleeping pod's scrape, replayed through the alert rules, fires no alert.
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -156,13 +157,14 @@ def test_a_sleeping_server_sleeps_under_the_agent_and_wakes_warm(tmp_path, embed
         wait_until(lambda: state(url) == "SLEEPING", SLEEP + 3 * INTERVAL + 2, interval=0.05, what="SLEEPING again")
         assert http_get(url + "/readyz")[0] == 200
         before = metric(url, "warmup_wake_first_user_request_seconds")
-        held_before = metric(url, "warmup_proxy_hold_seconds_sum")
+        held_before = metric(url, "warmup_proxy_hold_seconds_sum", outcome="served")
+        held_before = 0.0 if math.isnan(held_before) else held_before     # no hold yet: no series
         on_demand = stream_ttft(users)
         # the proxy reports its answers to the agent in batches: wait for this one
         wait_until(lambda: metric(url, "warmup_wake_first_user_request_seconds") != before, 5, interval=0.05,
                    what="the users' first request after the wake, exported")
         exported = metric(url, "warmup_wake_first_user_request_seconds")
-        held = metric(url, "warmup_proxy_hold_seconds_sum") - held_before
+        held = metric(url, "warmup_proxy_hold_seconds_sum", outcome="served") - held_before
         print(f"on demand: users' first request {on_demand * 1000:.1f} ms: held {held * 1000:.1f} ms while the wake "
               f"was warmed, then {exported * 1000:.1f} ms to its first token (exported)")
         assert metric(url, "warmup_proxy_held_requests_total", outcome="served") == 1

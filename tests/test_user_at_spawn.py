@@ -88,8 +88,9 @@ def run_case(tmp_path, kind, command, env, port, model, embedded_model, data_dir
             out["agent"] = user_at_spawn(agent, proxy, model, spawned, log)
         finally:
             stop_process(agent, 60)
-    text = (tmp_path / f"{kind}-agent.log").read_text()
-    assert "Traceback" not in text, text[-3000:]
+    # the agent's own lines (the server's, relayed, may hold its own shutdown traceback: vLLM's does)
+    ours = [ln for ln in (tmp_path / f"{kind}-agent.log").read_text().splitlines() if "warmup_agent.server:" not in ln]
+    assert not any("Traceback" in ln for ln in ours), "\n".join(ours[-40:])
     print(f"{kind}: a user at the spawn answered after {out['alone']['seconds']:.2f} s alone "
           f"({out['alone']['retries']} retries), {out['agent']['seconds']:.2f} s through the agent's proxy "
           f"(sent {out['agent']['sent']:.2f} s after the spawn, {out['agent']['retries']} retries)")

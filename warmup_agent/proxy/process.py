@@ -224,7 +224,7 @@ class ProxyProcess:
             m.warmup_proxy_requests_total.labels(route=route, code=code).inc(n)
         for outcome, seconds in batch.get("h", ()):
             m.warmup_proxy_held_requests_total.labels(outcome=outcome).inc()
-            m.warmup_proxy_hold_seconds.observe(seconds)
+            m.warmup_proxy_hold_seconds.labels(outcome=outcome).observe(seconds)
         for route, ttft in batch.get("f", ()):
             m.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
         if ttfts := batch.get("o"):

@@ -567,7 +567,7 @@ class RoutingProxy:
             raise
         finally:
             self.metrics.warmup_proxy_held_requests_total.labels(outcome=outcome).inc()
-            self.metrics.warmup_proxy_hold_seconds.observe(loop.time() - t0)
+            self.metrics.warmup_proxy_hold_seconds.labels(outcome=outcome).observe(loop.time() - t0)
         return route
 
     def _first_token(self, route: str, ttft: float) -> None:

@@ -103,7 +103,6 @@ class Agent:
         self._engine_crashed = False
         self.life: ServerLife | None = None   # watch() builds it for an engine with a server
         self.golden: GoldenAnswers | None = None   # ... and records the warmed model's answers
-        self.behind_record: dict = {}              # the latest warm-up behind the users
         self._stopped = False
         self._init_metrics()
         if cfg.proxy.listen:     # what users send through the proxy, learned (shapes, never text)
@@ -284,7 +283,6 @@ class Agent:
             except Exception:  # noqa: BLE001 - the pod serves; a bug in the background warm-up is logged
                 log.exception("warm-up behind the users failed; the pod serves on")
                 return
-            self.behind_record = done
             log.info("warmed behind the users in %.2f s after SERVING: %d path(s)", done.get("seconds", 0.0),
                      len(done.get("paths", ())))
         threading.Thread(target=run, name="warm-behind", daemon=True).start()

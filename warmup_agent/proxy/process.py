@@ -109,7 +109,7 @@ class ProxyProcess:
         self.host, self.port = self.sock.getsockname()[:2]
         self.settings = {"upstream": upstream_url, "fallback": fallback_url, "retry_after_seconds": retry_after_seconds,
                          "timeout_seconds": timeout_seconds, "max_body_bytes": max_body_bytes,
-                         "hold_seconds": hold_seconds if fallback_url is None else 0.0}
+                         "hold_seconds": hold_seconds}
         self.shared = SharedGate.create()
         self.proc: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None

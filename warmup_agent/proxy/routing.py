@@ -432,8 +432,7 @@ class RoutingProxy:
                 self._count(route, answer.status, warmup)
                 await resp.prepare(request)
             elif answered:
-                self._user_answer(first - t0, end - t0, prev + last, tokens)
-                self._user_shape(request.path, request_body, prev + last, tokens)
+                self._user_answer(first - t0, end - t0, prev + last, tokens, request.path, request_body)
             await resp.write_eof()
             return resp
         except _CANCELLED_OR_TIMEOUTS as e:
@@ -503,9 +502,8 @@ class RoutingProxy:
             conn.attach(transport, request.protocol, reframe=conn.length is None and not conn.chunked)
             await _pump(conn, request, watch)
             if first is not None and answered:
-                tail = conn.tail_prev + conn.tail_last
-                self._user_answer(first - t0, time.perf_counter() - t0, tail, conn.tokens)
-                self._user_shape(request.path, body, tail, conn.tokens)
+                self._user_answer(first - t0, time.perf_counter() - t0, conn.tail_prev + conn.tail_last, conn.tokens,
+                                  request.path, body)
             conn.flush()                         # a sized answer's last bytes, once it is recorded
             await resp.write_eof()
             return resp
@@ -576,32 +574,23 @@ class RoutingProxy:
         if route == "main":
             self.gate.first_token(ttft)    # the window and the breaker; never the probe log
 
-    def _user_answer(self, ttft: float, total: float, tail: bytes, streamed: StreamTokens | None = None) -> None:
+    def _user_answer(self, ttft: float, total: float, tail: bytes, streamed: StreamTokens | None,
+                     path: str, body: bytes) -> None:
         """Report a 200 from the main engine, with its usage's completion_tokens or the
-        stream's counted tokens."""
-        if streamed is not None:
-            tokens: int | None = streamed.tokens
-        else:
-            found = _COMPLETION_TOKENS.findall(tail)
-            tokens = int(found[-1]) if found else None
+        stream's counted tokens, and the request's shape (warmup/learned.py: never its
+        text; prompt tokens as the server's usage counted them, else estimated)."""
+        tokens = streamed.tokens if streamed is not None else _last_int(_COMPLETION_TOKENS.findall(tail))
         try:
             self.gate.user_answer(ttft, total, output_tokens=tokens)
         except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
             log.exception("gate.user_answer failed")
-
-    def _user_shape(self, path: str, body: bytes, tail: bytes, streamed: StreamTokens | None) -> None:
-        """Report what the user asked for, as a shape (warmup/learned.py): never its text.
-        Prompt tokens as the server counted them (its usage), else estimated."""
         try:
             request = json.loads(body)
-            if not isinstance(request, dict):
-                return
-            found = _PROMPT_TOKENS.findall(tail)
-            answer = streamed.tokens if streamed is not None else _last_int(_COMPLETION_TOKENS.findall(tail))
-            shape, params = learned.shape_of("chat" if path.endswith("/chat/completions") else "completions",
-                                             request, _last_int(found), answer)
-            self.gate.user_shape(shape, params)
-        except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
+            if isinstance(request, dict):
+                shape, params = learned.shape_of("chat" if path.endswith("/chat/completions") else "completions",
+                                                 request, _last_int(_PROMPT_TOKENS.findall(tail)), tokens)
+                self.gate.user_shape(shape, params)
+        except Exception:  # noqa: BLE001 - as above
             log.exception("gate.user_shape failed")
 
     def _count(self, route: str, code: int, warmup: bool) -> None:

@@ -62,6 +62,16 @@ SPECS = (
     MetricSpec("warmup_learned_profile_updated_timestamp_seconds", "gauge",
                "Unix time of the newest user request in the learned traffic profile; time() minus it is the profile's age (0: none yet).",
                unit="s"),
+    # --- the warm-up behind the users (prewarm.behind_users) ----------------------
+    MetricSpec("warmup_behind_users_pending", "gauge",
+               "1 while the warm-up behind the users (after SERVING, only while no user request is in flight) has requests left to send, else 0.",
+               unit="short",
+               doc="Set at SERVING when prewarm left paths for later, back to 0 when they are sent or the warm-up "
+                   "stops (the pod left SERVING). A benchmark polls it to tell the users' requests sent while it ran "
+                   "from those after."),
+    MetricSpec("warmup_behind_users_seconds", "gauge",
+               "Seconds the last warm-up behind the users took, from SERVING (its quiet wait included) to its last answer; 0 until one finished.",
+               unit="s"),
     # --- the pod's life after SERVING: restarts, sleep and wake --------------------
     MetricSpec("warmup_server_restarts_total", "counter",
                "Restarts of the model server noticed after SERVING (a new process, cold), each followed by a re-warm, by how it was noticed.",

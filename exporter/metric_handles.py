@@ -65,6 +65,8 @@ class MetricHandles:
     warmup_learned_profile_shapes: Gauge
     warmup_learned_profile_requests: Gauge
     warmup_learned_profile_updated_timestamp_seconds: Gauge
+    warmup_behind_users_pending: Gauge
+    warmup_behind_users_seconds: Gauge
     warmup_server_restarts_total: Counter
     warmup_server_sleeping: Gauge
     warmup_server_asleep_seconds_total: Counter
@@ -135,6 +137,8 @@ NAMES: tuple[str, ...] = (
     "warmup_learned_profile_shapes",
     "warmup_learned_profile_requests",
     "warmup_learned_profile_updated_timestamp_seconds",
+    "warmup_behind_users_pending",
+    "warmup_behind_users_seconds",
     "warmup_server_restarts_total",
     "warmup_server_sleeping",
     "warmup_server_asleep_seconds_total",

@@ -310,6 +310,13 @@ class Recorder:
         if s.wake_first_user_seconds is not None:
             m.warmup_wake_first_user_request_seconds.set(s.wake_first_user_seconds)
 
+    def behind_users(self, pending: bool, seconds: float | None = None) -> None:
+        """The warm-up behind the users: whether it has requests left, and how long the last one took."""
+        m = self.metrics
+        m.warmup_behind_users_pending.set(1 if pending else 0)
+        if seconds is not None:
+            m.warmup_behind_users_seconds.set(seconds)
+
     def learned(self, s: LearnedStats) -> None:
         m = self.metrics
         m.warmup_learned_profile_shapes.set(s.shapes)

@@ -289,7 +289,8 @@ KEYS: tuple[Key, ...] = (
         choices=("auto", "chat", "completions")),
     Key("openai.concurrency", "int", 0, "Requests the server serves at once; the warmup sends that many of its paths' calls together (0: ask the server: llama-server's /props slots; 4 where /v1/models says vLLM or SGLang; else 1).",
         check=lambda v: v >= 0, expected="an integer >= 0"),
-    Key("openai.apply_server_remedy", "bool", False, "Where the agent supervises a server whose per-length cost has a known remedy (transformers serve: TORCH_CUDNN_SDPA_DEPRIORITIZED=1), set it in the server's environment at spawn, log it and export it (warmup_server_remedy_applied_info). Off: the per-length finding only names it."),
+    Key("openai.apply_server_remedy", "str", "auto", "Where the agent supervises a server whose per-length cost has a known remedy (transformers serve: TORCH_CUDNN_SDPA_DEPRIORITIZED=1): set it in the server's environment at spawn, log it and export it (warmup_server_remedy_applied_info). auto: from the start after one that measured the server paying per length without it, and kept only while steady decode is no slower with it (<data_dir>/server-remedy.json); always; never (the per-length finding only names it). true/false read as always/never.",
+        choices=("auto", "always", "never")),
     Key("openai.server_sleeps", "str", "auto", "Whether the server sleeps when idle (llama-server --sleep-idle-seconds): then the agent sends it no probe after SERVING and watches it by reads that do not wake it. auto: from the supervised command; a sidecar needs yes.",
         choices=("auto", "yes", "no")),
     Key("prewarm.requests_file", "str_or_null", None, "JSON Lines of OpenAI request bodies as a gateway logs them (one chat or completions body per line). Warmup follows their endpoints, prompt lengths, max_tokens and sampling; checked line by line at load for every engine. Details: docs/config.md, \"prewarm.requests_file\"."),
@@ -360,6 +361,8 @@ def _coerce(key: Key, value: Any, where: str) -> Any:
     elif k == "str":
         if value is None and key.default is None:
             return None
+        if key.choices and {"always", "never"} <= set(key.choices) and value in (True, False, "true", "false"):
+            value = "always" if value in (True, "true") else "never"    # an older boolean key that grew an "auto"
         if not isinstance(value, str):
             raise bad(_TYPE_WORDS[k] if not key.choices else "one of " + ", ".join(key.choices))
     elif k == "int":

@@ -171,7 +171,7 @@ class OpenaiSection(_Section):
     health_path: str
     api: str
     concurrency: int
-    apply_server_remedy: bool
+    apply_server_remedy: str
     server_sleeps: str
 
 

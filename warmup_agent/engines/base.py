@@ -151,6 +151,16 @@ class Engine(abc.ABC):
         """Environment given to the supervised server against a known per-length cost."""
         return {}
 
+    @property
+    def remedy_why(self) -> str | None:
+        """Why the supervised server was (not) given its kind's remedy; None: it has none."""
+        return None
+
+    def learn_remedy(self, pays: bool | None, decode_tpots: list[float]) -> dict | None:
+        """After SERVING: keep what this start measured for the next start's remedy decision
+        (warmup/remedy.py); the verdict entry, or None where there is nothing to decide."""
+        return None
+
     def others_served_within(self, seconds: float) -> float | None:
         """Seconds since another client's last request, if at most `seconds` ago; else None."""
         return None

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 from warmup_agent.server.kinds import DEFAULT_PORT, KINDS, kind_of_command
+from warmup_agent.warmup import remedy
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -89,10 +91,24 @@ def server_name_of(command: list[str] | None) -> str | None:
     return kind.name if kind is not None else None
 
 
-def server_remedy(command: list[str] | None) -> dict[str, str]:
-    """The remedy environment for the server `command` starts."""
+@dataclass(frozen=True)
+class RemedyPlan:
+    """Whether the server `command` starts with its kind's remedy (warmup/remedy.py):
+    the environment to add ({} if none), why, and the key its verdict is kept under."""
+    env: dict[str, str]
+    why: str | None = None       # None: the server's kind has no remedy
+    key: str | None = None
+
+
+def remedy_plan(command: list[str] | None, mode: str, data_dir: str) -> RemedyPlan:
+    """The plan for `command` under openai.apply_server_remedy `mode`, from what this data
+    dir measured before."""
     kind = kind_of_command(command)
-    return dict(kind.remedy_env) if kind is not None else {}
+    if kind is None or not kind.remedy_env:
+        return RemedyPlan({})
+    key = remedy.remedy_key(kind.name, model_in_command(command), kind.remedy_env)
+    d = remedy.decide(mode, remedy.RemedyMemory(data_dir).get(key))
+    return RemedyPlan(dict(kind.remedy_env) if d.apply else {}, d.why, key)
 
 
 #: The longest TMPDIR a server gets: it binds Unix sockets (at most 107 bytes) up to 37 bytes deeper.

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from warmup_agent.config import ConfigError
 from warmup_agent.server import listener, preflight
 from warmup_agent.server import process as server_process
-from warmup_agent.server.command import listen_address, server_env, server_remedy
+from warmup_agent.server.command import listen_address, remedy_plan, server_env
 from warmup_agent.server.kinds import kind_of_command
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
     except ConfigError:
         return None
     host, _ = listen_address(command)
-    remedy = server_remedy(command) if cfg.openai.apply_server_remedy else {}
+    remedy = remedy_plan(command, cfg.openai.apply_server_remedy, cfg.data_dir).env
     return command, server_env(environ, cfg.data_dir, host, cfg.lora.adapters, remedy), cfg
 
 

@@ -65,6 +65,7 @@ def run(ctx: StageContext, detail: dict) -> None:
     if not final.open:
         ctx.fail(final.reason, f"after {max_probes} probes {final.message}")
     freeze_first_request(ctx)
+    learn_remedy(ctx, detail)
     # the gate's probes are probes[gate_first_probe:probes] of the record
     detail.update(probes=len(ctx.probe_log.probes), gate_first_probe=ctx.probe_log.gate_start,
                   probe_prompt_tokens=ctx.probe_length)
@@ -95,6 +96,22 @@ def freeze_first_request(ctx: StageContext) -> None:
                  f"whole-answer tax {c['total_tax']:.2f}x exported")
     if figures is not None:
         ctx.recorder.first_request(TaxStats(figures.ttft_tax, figures.total_tax))
+
+
+def learn_remedy(ctx: StageContext, detail: dict) -> None:
+    """Keep, for the next start's openai.apply_server_remedy: auto, whether this start's
+    server paid per length (prewarm's test) and its steady time per token (the gate's
+    decode window)."""
+    per_length = (ctx.warmup_summary or {}).get("per_length") or {}
+    pays = per_length.get("pays") if per_length.get("tested") else None
+    entry = ctx.engine.learn_remedy(pays, ctx.probe_log.decode.values())
+    if entry is None:
+        return
+    detail["server_remedy"] = {"applied": bool(ctx.engine.applied_remedy), "why": ctx.engine.remedy_why, **entry}
+    if entry.get("verdict") == "slower":
+        log.warning("openai.apply_server_remedy: steady decode was slower with the server's remedy "
+                    f"({entry['steady_tpot_with'] * 1e3:.2f} ms against {entry['steady_tpot_without'] * 1e3:.2f} ms "
+                    "a token without it); the next start goes without it")
 
 
 def first_probe_pairs(ctx: StageContext, probe: Callable[[int | None], None], max_probes: int) -> list[dict]:

@@ -128,6 +128,13 @@ class OpenAIEngine(Engine):
         return self.server.applied_remedy
 
     @property
+    def remedy_why(self) -> str | None:
+        return self.server.remedy.why
+
+    def learn_remedy(self, pays: bool | None, decode_tpots: list[float]) -> dict | None:
+        return self.server.learn_remedy(pays, decode_tpots)
+
+    @property
     def metrics_url(self) -> str:
         return self.url + "/metrics"
 

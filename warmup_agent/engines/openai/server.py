@@ -1,6 +1,7 @@
 """The openai engine's server: one the agent starts and supervises, or one already running."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -12,17 +13,19 @@ from typing import TYPE_CHECKING, Callable
 from warmup_agent.engines.base import EngineError
 from warmup_agent.server.command import (
     CACHE_ENV,
+    RemedyPlan,
     fix_command,
     http_url,
     listen_address,
     model_in_command,
     option,
+    remedy_plan,
     server_env,
     server_name_of,
-    server_remedy,
     with_kv_budget,
 )
 from warmup_agent.server.kinds import kind_of_command
+from warmup_agent.warmup import remedy
 
 if TYPE_CHECKING:
     from warmup_agent.config_sections import LoraSection, OpenaiSection, VllmSection
@@ -111,11 +114,27 @@ class ServerHandle:
         """What server it is, from its command line; None: unknown."""
         return server_name_of(self.command)
 
+    @functools.cached_property
+    def remedy(self) -> RemedyPlan:
+        """Decided once per agent start, from this data dir's verdicts (warmup/remedy.py):
+        early_spawn planned the same environment, and the supervisor's restarts keep it."""
+        if not self.command:
+            return RemedyPlan({})
+        return remedy_plan(self.command, self.openai.apply_server_remedy, self.data_dir)
+
     @property
     def applied_remedy(self) -> dict[str, str]:
-        if not (self.openai.apply_server_remedy and self.command):
-            return {}
-        return server_remedy(self.command)
+        return self.remedy.env
+
+    def learn_remedy(self, pays: bool | None, decode_tpots: list[float]) -> dict | None:
+        """Keep this start's per-length finding and steady decode under the plan's key."""
+        plan = self.remedy
+        if plan.key is None or self.openai.apply_server_remedy != "auto":
+            return None
+        store = remedy.RemedyMemory(self.data_dir)
+        entry = remedy.learn(store.get(plan.key), bool(plan.env), pays, decode_tpots)
+        store.put(plan.key, entry)
+        return entry
 
     def _on_log_line(self, line: str) -> None:
         self.traffic.log_line(line)

@@ -96,7 +96,7 @@ CORE: tuple[MetricSpec, ...] = (
                "Readiness thresholds on time to first token: percentile p50 (liveness) and p90 (tail).",
                labels=("percentile",), unit="s"),
     MetricSpec("warmup_first_request_tax_ratio", "gauge",
-               "The first probe after warmup, less what its control paid too, over the steady probe time: 1 + (first - control) / median of the later probes' time to first token; 1.0 means no cold-start tax.",
+               "Predicted: the first probe after warmup, less what its control paid too, over the steady probe time: 1 + (first - control) / median of the later probes' time to first token; 1.0 means no cold-start tax. warmup_first_user_request_tax_ratio is what users met.",
                unit="short",
                doc="The control is the same shape with a fresh prompt after the same predecessor (benefit.Controlled): "
                    "a server's ordinary costs, which the control pays too, are not counted as cold start. Where each "
@@ -104,6 +104,13 @@ CORE: tuple[MetricSpec, ...] = (
                    "before (prewarm.remember_findings), it is 1 + what the second fresh length paid beyond its "
                    "control then: this start's first probe also paid one-time costs no user meets "
                    "(the run record: first_request_new_length_remembered)."),
+    MetricSpec("warmup_first_request_tax_remembered", "gauge",
+               "1 when warmup_first_request_tax_ratio and its whole-answer twin are remembered from an earlier start's measurement of this server (prewarm.remember_findings), 0 when this start measured them.",
+               unit="short",
+               doc="A remembering start sends its first probe alone, as a user's first request comes, and exports 1 + "
+                   "what a fresh prompt length paid beyond its control when the server was measured (the run record's "
+                   "first_request_new_length_remembered says when). Only the users' real figure "
+                   "(warmup_first_user_request_tax_ratio) is measured at every start."),
     MetricSpec("warmup_time_per_output_token_window_seconds", "gauge",
                "Exact percentile of time per output token (decode) over the readiness sliding window of probes (openai engine).",
                labels=("percentile",), unit="s",
@@ -112,7 +119,7 @@ CORE: tuple[MetricSpec, ...] = (
                    "warmup_first_token_window_seconds. Only where probes decode (openai engine).",
                requires="decode_probes"),
     MetricSpec("warmup_first_request_total_tax_ratio", "gauge",
-               "The first probe's whole answer after warmup, less what its control paid too, over the steady whole answer of the same length; 1.0 means no cold-start tax on decode either.",
+               "Predicted: the first probe's whole answer after warmup, less what its control paid too, over the steady whole answer of the same length; 1.0 means no cold-start tax on decode either.",
                unit="short",
                doc="openai engine: the first probe asks for the traffic profile's longest answer, the later ones "
                    "for readiness.probe_max_tokens; the steady whole answer is their median time to first token "

@@ -31,6 +31,7 @@ class MetricHandles:
     warmup_first_token_window_seconds: Gauge
     warmup_readiness_threshold_seconds: Gauge
     warmup_first_request_tax_ratio: Gauge
+    warmup_first_request_tax_remembered: Gauge
     warmup_time_per_output_token_window_seconds: Gauge
     warmup_first_request_total_tax_ratio: Gauge
     warmup_first_user_request_tax_ratio: Gauge
@@ -103,6 +104,7 @@ NAMES: tuple[str, ...] = (
     "warmup_first_token_window_seconds",
     "warmup_readiness_threshold_seconds",
     "warmup_first_request_tax_ratio",
+    "warmup_first_request_tax_remembered",
     "warmup_time_per_output_token_window_seconds",
     "warmup_first_request_total_tax_ratio",
     "warmup_first_user_request_tax_ratio",

@@ -67,6 +67,8 @@ class TaxStats:
     (ratios over the steady level); None: not measured."""
     ttft_tax: float | None
     total_tax: float | None
+    #: the probe's figures are 1 + an earlier start's measured excess (probes.FirstRequest.new_length)
+    remembered: bool = False
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,8 @@ class Recorder:
             self.metrics.warmup_first_request_tax_ratio.set(s.ttft_tax)
         if s.total_tax is not None:
             self.metrics.warmup_first_request_total_tax_ratio.set(s.total_tax)
+        if s.ttft_tax is not None or s.total_tax is not None:
+            self.metrics.warmup_first_request_tax_remembered.set(1 if s.remembered else 0)
 
     def first_user_request(self, s: TaxStats) -> None:
         """The users' real first request (first_user.py); 0 means "not measured yet"

@@ -95,7 +95,7 @@ def freeze_first_request(ctx: StageContext) -> None:
                  f"on average (at most {c['worst_unreached_steps']}, from {c['worst_prompt_tokens']} tokens): "
                  f"whole-answer tax {c['total_tax']:.2f}x exported")
     if figures is not None:
-        ctx.recorder.first_request(TaxStats(figures.ttft_tax, figures.total_tax))
+        ctx.recorder.first_request(TaxStats(figures.ttft_tax, figures.total_tax, remembered=figures.new_length is not None))
 
 
 def learn_remedy(ctx: StageContext, detail: dict) -> None:

@@ -52,7 +52,9 @@ print(json.dumps({"spawned": early_spawn._early is not None, "modules": sorted(s
 early_spawn.discard()
 """
 NOT_BEFORE_EARLY_SPAWN = NOT_BEFORE_SPAWN + ("warmup_agent.engines", "warmup_agent.server.supervisor", "warmup_agent.run.progress",
-                                             "warmup_agent.run.tracing", "exporter.server")
+                                             "warmup_agent.run.tracing", "exporter.server",
+                                             # only for a server kind with a remedy (transformers serve)
+                                             "warmup_agent.warmup.remedy")
 
 
 def test_the_early_spawn_happens_before_any_of_the_agents_imports(tmp_path):

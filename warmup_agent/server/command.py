@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from warmup_agent.server.kinds import DEFAULT_PORT, KINDS, kind_of_command
-from warmup_agent.warmup import remedy
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -106,6 +105,9 @@ def remedy_plan(command: list[str] | None, mode: str, data_dir: str) -> RemedyPl
     kind = kind_of_command(command)
     if kind is None or not kind.remedy_env:
         return RemedyPlan({})
+    # Here, not at the top: early_spawn imports this module before a spawn, and only a
+    # kind with a remedy needs the verdicts (json, hashlib, statistics: ~15 ms on 2 cores).
+    from warmup_agent.warmup import remedy
     key = remedy.remedy_key(kind.name, model_in_command(command), kind.remedy_env)
     d = remedy.decide(mode, remedy.RemedyMemory(data_dir).get(key))
     return RemedyPlan(dict(kind.remedy_env) if d.apply else {}, d.why, key)

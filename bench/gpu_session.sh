@@ -15,7 +15,7 @@
 # Parts:
 #   acceptance (ACCEPTANCE_ARGS: more options), acceptance-fp8, tests, fp8
 #   bench-tfserve, bench-llamacpp: `warmup-agent bench` on transformers serve or the CUDA
-#     llama-server, the bench model of bench/gpu_model.py (BENCH_STARTS, BENCH_SEED)
+#     llama-server, the bench model of bench/gpu_model.py (BENCH_STARTS, BENCH_SEED, BENCH_CONDITIONS)
 #   diag, diag-cudnn-deprioritized, diag-prefill (about 90 s), diag-fresh, diag-llamacpp (after bench-llamacpp)
 #   inproc: `warmup-agent run --model DIR` polled from outside against a plain from_pretrained
 #     start, Qwen2-1.5B and Qwen2-7B shapes, then what the imports cost; about 7 min: PARTS=inproc:470 BUDGET=480
@@ -53,7 +53,7 @@ run_bench_tfserve() {  # $1: seconds; issue 60's `warmup-agent bench` on transfo
     local m; m=$(python3 -m bench.gpu_model /tmp/qwen2-1.5b-random-chat --qwen-chat | tail -n 1)
     # SIGINT first at the cap, so the bench writes its partial JSON
     timeout -s INT -k 20 "$1" python3 -m warmup_agent bench --starts ${BENCH_STARTS:-5} --seed ${BENCH_SEED:-4201} --no-progress \
-        --out "$OUT_DIR/bench_tfserve" -- transformers serve "$m" --host 127.0.0.1 --port {port} --device cuda \
+        ${BENCH_CONDITIONS:+--conditions $BENCH_CONDITIONS} --out "$OUT_DIR/bench_tfserve" -- transformers serve "$m" --host 127.0.0.1 --port {port} --device cuda \
         > "$OUT_DIR/logs/bench_tfserve.out" 2>&1
     echo "bench tfserve rc=$? at $(( $(date +%s) - T0 )) s"; tail -n 25 "$OUT_DIR/logs/bench_tfserve.out"
     mv "$OUT_DIR/bench_tfserve/logs" "$OUT_DIR/logs/bench_tfserve_logs" 2>/dev/null
@@ -95,7 +95,7 @@ run_bench_llamacpp() {  # $1: seconds; issue 60's `warmup-agent bench` on the CU
             --data-dir /tmp/llama-data > "$OUT_DIR/logs/gguf.log" 2>&1 || { tail -n 20 "$OUT_DIR"/logs/model.log "$OUT_DIR"/logs/gguf.log; return; }
     GGUF=$(tail -n 1 "$OUT_DIR/logs/gguf.log")
     timeout -s INT -k 20 "$(( $1 - 10 ))" python3 -m warmup_agent bench --starts ${BENCH_STARTS:-5} --seed ${BENCH_SEED:-4200} --no-progress \
-        --out "$OUT_DIR/bench_llamacpp" --agent-model $m -- "$bin" -m "$GGUF" -ngl 99 -c 4096 --host 127.0.0.1 --port {port} \
+        ${BENCH_CONDITIONS:+--conditions $BENCH_CONDITIONS} --out "$OUT_DIR/bench_llamacpp" --agent-model $m -- "$bin" -m "$GGUF" -ngl 99 -c 4096 --host 127.0.0.1 --port {port} \
         > "$OUT_DIR/logs/bench_llamacpp.out" 2>&1
     echo "bench llamacpp rc=$? at $(( $(date +%s) - T0 )) s"; tail -n 25 "$OUT_DIR/logs/bench_llamacpp.out"
     mv "$OUT_DIR/bench_llamacpp/logs" "$OUT_DIR/logs/bench_llamacpp_logs" 2>/dev/null

@@ -1,6 +1,7 @@
 """The import graph of warmup_agent/ and exporter/ (issues 17, 24): no cycle, lazy
 imports (inside functions) and type-only imports (under `if TYPE_CHECKING:`)
-included; and the
+included; the same graph read by folder (issue 71: the house follows the flow) has
+no two folders that import each other and no cycle; and the
 exporter reaches the agent only through exporter.server.ServedAgent, importing
 nothing of warmup_agent but parsing helpers and host facts."""
 from __future__ import annotations
@@ -40,14 +41,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("warmup_agent.readiness",),
     # agent traffic to the engine
     ("warmup_agent.driver",),
-    # what a person sees while the run goes on: the timeline, progress, traces
-    ("warmup_agent.run.timeline", "warmup_agent.run.tracing", "warmup_agent.run.progress"),
-    # the profile warmup: drives the engine, the driver and the gate's probes, under the stages
-    ("warmup_agent.warmup.profile",),
-    # the four stages, over the StageContext
+    # what a person sees of a run: the timeline, progress, traces, the report of a record
+    ("warmup_agent.run",),
+    # the four stages over the StageContext, the profile warmup they drive (the engine, the
+    # driver and the gate's probes) and the run record read from the StageContext
     ("warmup_agent.stages",),
-    # what is left of a run: its record (over the StageContext) and the report of it
-    ("warmup_agent.run", "warmup_agent.run.record", "warmup_agent.run.report"),
     # `warmup-agent bench`: starts a server (and the agent) as processes, measures from outside
     ("warmup_agent.bench",),
     # the composition root and the command line
@@ -124,6 +122,36 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _folder(module: str) -> str:
+    """The folder a module is drawn in: a subpackage of warmup_agent/ (all its modules),
+    a single top-level module on its own, exporter/ as one."""
+    parts = module.split(".")
+    return "exporter" if parts[0] == "exporter" else ".".join(parts[:2])
+
+
+def _folder_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(importing folder, imported folder) -> the module imports that draw that arrow."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            if _folder(d) != _folder(m):
+                edges.setdefault((_folder(m), _folder(d)), []).append(f"{m} -> {d}")
+    return edges
+
+
+def _mutual_folders(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """Each pair of folders that import each other, with the module imports both ways."""
+    edges = _folder_edges(graph)
+    return {(a, b): lines + edges[(b, a)] for (a, b), lines in edges.items() if a < b and (b, a) in edges}
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    folders: dict[str, set[str]] = {_folder(m): set() for m in graph}
+    for a, b in _folder_edges(graph):
+        folders[a].add(b)
+    return folders
+
+
 def test_the_graph_is_read_the_way_the_code_imports():
     g = _graph()
     assert "warmup_agent.errors" in g["warmup_agent.engines.base"]          # top-level
@@ -132,6 +160,36 @@ def test_the_graph_is_read_the_way_the_code_imports():
     assert not any(m.startswith("warmup_agent.stages") and "warmup_agent.pipeline" in deps for m, deps in g.items())
     assert "warmup_agent.webconfig" in g["exporter.server"]                   # lazy, inside a function
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_the_folders_are_read_the_way_the_code_imports():
+    g = _graph()
+    assert _folder("warmup_agent.engines.openai.engine") == _folder("warmup_agent.engines") == "warmup_agent.engines"
+    assert _folder("warmup_agent.cli") == "warmup_agent.cli" and _folder("exporter.server") == "exporter"
+    assert _folder("warmup_agent") == "warmup_agent"
+    edges = _folder_edges(g)
+    assert "warmup_agent.stages.context -> warmup_agent.run.progress" in edges[("warmup_agent.stages", "warmup_agent.run")]
+    assert ("warmup_agent.engines", "warmup_agent.engines") not in edges    # inside a folder: no arrow
+    assert "warmup_agent.pipeline" in _folder_graph(g)["warmup_agent.cli"]
+    # two folders that import each other, and three in a ring, are found
+    pair = {"warmup_agent.a.x": {"warmup_agent.b.y"}, "warmup_agent.b.y": {"warmup_agent.a.z"}, "warmup_agent.a.z": set()}
+    assert _mutual_folders(pair) == {("warmup_agent.a", "warmup_agent.b"): [
+        "warmup_agent.a.x -> warmup_agent.b.y", "warmup_agent.b.y -> warmup_agent.a.z"]}
+    ring = {"warmup_agent.a.x": {"warmup_agent.b"}, "warmup_agent.b": {"warmup_agent.c.y"},
+            "warmup_agent.c.y": {"warmup_agent.a.z"}, "warmup_agent.a.z": set()}
+    assert _mutual_folders(ring) == {}
+    assert _cycles(_folder_graph(ring)) == [["warmup_agent.a", "warmup_agent.b", "warmup_agent.c", "warmup_agent.a"]]
+
+
+def test_no_two_folders_import_each_other():
+    """Issue 71: a module that drives engines and readiness lives above them (with the
+    stages), not in a folder they import."""
+    mutual = _mutual_folders(_graph())
+    assert mutual == {}, "\n".join(f"{a} <-> {b}:\n    " + "\n    ".join(lines) for (a, b), lines in mutual.items())
+
+
+def test_no_cycle_between_folders():
+    assert _cycles(_folder_graph(_graph())) == []
 
 
 def test_no_import_cycle():
@@ -150,7 +208,7 @@ def test_every_module_has_a_layer():
 
 
 def test_the_layers_are_read_by_the_longest_prefix():
-    assert _layer("warmup_agent.run.record") > _layer("warmup_agent.stages.context") > _layer("warmup_agent.run.progress")
+    assert _layer("warmup_agent.stages.record") == _layer("warmup_agent.stages.context") > _layer("warmup_agent.run.progress")
     assert _layer("warmup_agent.engines.openai.engine") == _layer("warmup_agent.engines.base")
     assert _layer("warmup_agent.errors") == 0 and _layer("warmup_agent.nothing_here") is None
 

@@ -151,8 +151,8 @@ def test_prompt_lengths_are_not_warmed_when_fresh_lengths_prefill_no_slower_than
     prefill no slower than their controls (the same lengths again, after the same
     predecessor): the profile's other lengths then get no call, each recorded as
     skipped with that reason (they got one call each before)."""
-    from warmup_agent.warmup import profile as profile_warmup
-    from warmup_agent.warmup.profile import NEW_LENGTHS_WARM
+    from warmup_agent.stages import profile_warmup
+    from warmup_agent.stages.profile_warmup import NEW_LENGTHS_WARM
     port, listen = free_port(), free_port()
     rec = tmp_path / "run.json"
     env = ls.server_env(str(tmp_path))

@@ -22,9 +22,8 @@ from tests.helpers.warmup_record import controlled_tax, exported_pair, requests_
 from tests.http_relay import Relay
 from warmup_agent import config
 from warmup_agent.pipeline import Agent
-from warmup_agent.stages import prewarm
+from warmup_agent.stages import prewarm, profile_warmup
 from warmup_agent.states import State
-from warmup_agent.warmup import profile as profile_warmup
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ts.available(), reason="needs transformers[serving] (make test-setup)")]
 

@@ -14,9 +14,7 @@ from types import SimpleNamespace
 from exporter.metrics import AgentMetrics
 from exporter.recorder import Recorder
 from warmup_agent.kernel_cache.shared_findings import SharedFindings
-from warmup_agent.warmup import benefit, findings
-from warmup_agent.warmup.benefit import Call
-from warmup_agent.warmup.profile import (
+from warmup_agent.stages.profile_warmup import (
     EACH_NEW_LENGTH_PAYS,
     SETTLE_PROMPT_TOKENS,
     ProfileWarmup,
@@ -25,6 +23,8 @@ from warmup_agent.warmup.profile import (
     remedy_for,
     settle_prompt_tokens,
 )
+from warmup_agent.warmup import benefit, findings
+from warmup_agent.warmup.benefit import Call
 
 
 def test_the_line_names_the_first_tokens_only_when_given():
@@ -135,7 +135,12 @@ def test_concurrent_requests_and_their_controls_pay_the_same_so_nothing_is_cold(
 
 
 def test_what_the_per_length_test_says_about_warming_the_profiles_lengths():
-    from warmup_agent.warmup.profile import EACH_NEW_LENGTH_PAYS, NEW_LENGTHS_WARM, ONE_TIME_COST, length_skip_reason
+    from warmup_agent.stages.profile_warmup import (
+        EACH_NEW_LENGTH_PAYS,
+        NEW_LENGTHS_WARM,
+        ONE_TIME_COST,
+        length_skip_reason,
+    )
     assert length_skip_reason({"tested": False}) is None          # not measured: warm them
     assert length_skip_reason({"tested": True, "prefill_pays": False}) == NEW_LENGTHS_WARM
     assert length_skip_reason({"tested": True, "prefill_pays": True, "prefill_pays_each_new_length": False}) == ONE_TIME_COST
@@ -224,7 +229,7 @@ def test_a_probes_control_follows_the_settle_request_again():
     predecessor's slot (H200, run at 544597f: the control paid as much as the first and
     the pair said "not cold" where users met 1.3-1.6x).  So the settle request is re-sent
     before the control, even though it is no harder a predecessor than a probe."""
-    from warmup_agent.warmup.profile import SETTLE_PROMPT_TOKENS
+    from warmup_agent.stages.profile_warmup import SETTLE_PROMPT_TOKENS
     w, _ = scripted_warmup([(call(45.0, 3.0, 266), call(44.0, 3.0, 266))])
     resent: list[list[int]] = []
     w.send_requests = lambda reqs, label: resent.append([r.prompt_tokens for r in reqs])
@@ -248,7 +253,7 @@ def test_a_fresh_length_that_paid_in_prefill_gets_a_ladder_before_the_second():
     (rungs up to the profile's longest prompt, one request each, one at a time) and the
     settle request go before the second fresh length, whose first and control then both
     follow the settle request (replayed)."""
-    from warmup_agent.warmup.profile import LADDER_FIRST, SETTLE_PROMPT_TOKENS, ladder_lengths
+    from warmup_agent.stages.profile_warmup import LADDER_FIRST, SETTLE_PROMPT_TOKENS, ladder_lengths
     assert ladder_lengths(310) == [48, 72, 108, 162, 243] and ladder_lengths(47) == []
     w, sent = scripted_warmup([(call(60.0, 3.0, 266), call(41.0, 3.0, 266)), (call(42.0, 3.0, 223), call(41.0, 3.0, 223))])
     w.pc.length_ladder = True
@@ -287,7 +292,7 @@ def test_the_settle_request_is_long_enough_to_take_the_least_recently_used_slot(
     with every slot: a 27-token settle request (0.156 shared) waited 19-23 ms for the
     server to save the last long request's slot (H200 run 9).  So the settle request is
     at least SETTLE_OPENING_SHARE times the opening, and never under 64 tokens."""
-    from warmup_agent.warmup.profile import SETTLE_OPENING_SHARE
+    from warmup_agent.stages.profile_warmup import SETTLE_OPENING_SHARE
     assert settle_prompt_tokens(None) == SETTLE_PROMPT_TOKENS == 64
     assert settle_prompt_tokens(SimpleNamespace(opening_tokens=lambda: 5)) == 64
     long_system_prompt = SimpleNamespace(opening_tokens=lambda: 30)

@@ -12,8 +12,8 @@ import pytest
 from warmup_agent import config
 from warmup_agent.engines.base import RequestResult
 from warmup_agent.server.context import SPARE, ServerContext, from_command, from_model_entry, from_props, of_server
+from warmup_agent.stages.profile_warmup import ProfileWarmup
 from warmup_agent.warmup import traffic
-from warmup_agent.warmup.profile import ProfileWarmup
 
 # What the vendored llama-server (llama-cpp-python 0.3.36) answers on GET /props with
 # -c 2048 and its automatic slots: 4 slots, one unified pool, each slot's context the pool's.

@@ -34,9 +34,9 @@ from warmup_agent.readiness.probes import ProbeLog
 from warmup_agent.readiness.runtime import Readiness, failure_cause
 from warmup_agent.run import tracing
 from warmup_agent.run.progress import Progress, coldstart
-from warmup_agent.run.record import RunRecord, StageTiming
 from warmup_agent.stages import prewarm, ready, reserve, solidify
 from warmup_agent.stages.context import StageContext, StageSettings
+from warmup_agent.stages.record import RunRecord, StageTiming
 from warmup_agent.states import State, StateMachine
 
 if TYPE_CHECKING:  # types only
@@ -56,7 +56,7 @@ class Agent:
     """The run: the four stages in order, their timing, re-warms, the watch loop
     after SERVING.  Its collaborators do the rest (issue 24): the engine driver
     (driver.py) sends every request, the probe log (readiness/probes.py) keeps the probes,
-    the run record (run/record.py) builds status() and record(), and the stages
+    the run record (stages/record.py) builds status() and record(), and the stages
     see only the StageContext (stages/context.py)."""
 
     def __init__(self, cfg: Config, engine: Engine, metrics: AgentMetrics | None = None,
@@ -523,7 +523,7 @@ class Agent:
         return self.driver.engine_seconds() / up if up > 0 else 0.0
 
     def status(self) -> dict:
-        """What /startupz shows (run/record.py), with what /readyz answers."""
+        """What /startupz shows (stages/record.py), with what /readyz answers."""
         status = {**self.run_record.status(), "ready": self.readiness.ready()}
         if self.life is not None:
             status["server"] = {"sleeps_when_idle": self.life.sleeps_when_idle,
@@ -531,7 +531,7 @@ class Agent:
         return status
 
     def record(self) -> dict:
-        """The run as JSON (`--record`; run/record.py)."""
+        """The run as JSON (`--record`; stages/record.py)."""
         return self.run_record.record()
 
 

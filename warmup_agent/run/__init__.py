@@ -1,1 +1,1 @@
-"""What a run leaves behind and what a person sees of it: timeline, record, progress, report and traces."""
+"""What a person sees of a run: its timeline, progress, traces and the report of its record (stages/record.py)."""

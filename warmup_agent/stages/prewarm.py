@@ -4,7 +4,7 @@ The weight fingerprint taken here is checked again before SERVING.  The in-proce
 engines warm the prompt length x batch size grid (`warm_shape_grid`, warmup/shapes.py),
 lengths configured, drawn or learned and batch sizes configured or derived from free
 GPU memory; an engine that speaks the traffic profile is warmed by measured benefit
-(`warm_profile`, warmup/profile.py).  Every request is marked warmup, never user
+(`warm_profile`, stages/profile_warmup.py).  Every request is marked warmup, never user
 traffic.  On a GPU the NVML utilisation ramp is sampled from here to the end of solidify.
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ from exporter.recorder import LoadStats
 from warmup_agent.errors import EngineError
 from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
+from warmup_agent.stages.profile_warmup import ProfileWarmup
 from warmup_agent.states import State
 from warmup_agent.warmup import benefit, memory_budget, traffic
 from warmup_agent.warmup import shapes as shape_warmup
-from warmup_agent.warmup.profile import ProfileWarmup
 from warmup_agent.warmup.traffic import Shape, grid
 
 if TYPE_CHECKING:  # types only

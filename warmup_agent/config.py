@@ -289,7 +289,7 @@ KEYS: tuple[Key, ...] = (
         choices=("auto", "chat", "completions")),
     Key("openai.concurrency", "int", 0, "Requests the server serves at once; the warmup sends that many of its paths' calls together (0: ask the server: llama-server's /props slots; 4 where /v1/models says vLLM or SGLang; else 1).",
         check=lambda v: v >= 0, expected="an integer >= 0"),
-    Key("openai.apply_server_remedy", "str", "auto", "Where the agent supervises a server whose per-length cost has a known remedy (transformers serve: TORCH_CUDNN_SDPA_DEPRIORITIZED=1): set it in the server's environment at spawn, log it and export it (warmup_server_remedy_applied_info). auto: from the start after one that measured the server paying per length without it, and kept only while steady decode is no slower with it (<data_dir>/server-remedy.json); always; never (the per-length finding only names it). true/false read as always/never.",
+    Key("openai.apply_server_remedy", "str", "auto", "A supervised server's known per-length remedy (transformers serve: TORCH_CUDNN_SDPA_DEPRIORITIZED=1) in its environment. auto: once a start measured it paying per length without it, kept while steady decode is no slower with it; always; never. Details: docs/config.md, \"openai.apply_server_remedy\".",
         choices=("auto", "always", "never")),
     Key("openai.server_sleeps", "str", "auto", "Whether the server sleeps when idle (llama-server --sleep-idle-seconds): then the agent sends it no probe after SERVING and watches it by reads that do not wake it. auto: from the supervised command; a sidecar needs yes.",
         choices=("auto", "yes", "no")),

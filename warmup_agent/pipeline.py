@@ -265,6 +265,9 @@ class Agent:
         if (behind is None and golden is None) or self.sm.state != State.SERVING:
             return
 
+        t0 = time.perf_counter()
+        self.recorder.behind_users(pending=True)
+
         def run() -> None:
             try:
                 time.sleep(QUIET_SECONDS)      # a user who arrives with SERVING goes first
@@ -283,6 +286,8 @@ class Agent:
             except Exception:  # noqa: BLE001 - the pod serves; a bug in the background warm-up is logged
                 log.exception("warm-up behind the users failed; the pod serves on")
                 return
+            finally:
+                self.recorder.behind_users(pending=False, seconds=time.perf_counter() - t0)
             log.info("warmed behind the users in %.2f s after SERVING: %d path(s)", done.get("seconds", 0.0),
                      len(done.get("paths", ())))
         threading.Thread(target=run, name="warm-behind", daemon=True).start()

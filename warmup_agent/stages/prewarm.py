@@ -206,10 +206,11 @@ def run(ctx: StageContext, detail: dict) -> None:
             _start_ramp(ctx)
     remedy = " ".join(f"{k}={v}" for k, v in sorted(engine.applied_remedy.items()))
     if remedy:
-        log.info(f"openai.apply_server_remedy: the server was started with {remedy} "
-                 f"({engine.server_name} pays per sequence length without it)")
+        log.info(f"openai.apply_server_remedy: the server was started with {remedy}: {engine.remedy_why}")
         ctx.recorder.load(LoadStats(server_remedy=remedy))
         detail["server_remedy_applied"] = remedy
+    elif engine.remedy_why is not None:
+        log.info(f"openai.apply_server_remedy: the server was started without its remedy: {engine.remedy_why}")
     facts = engine.facts()
     ctx.engine_facts = vars(facts)
     quant = engine.quantization

@@ -7,6 +7,7 @@ twice, with and without the warm-up behind the users."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -18,6 +19,7 @@ from tests.conftest import ROOT, agent_cmd
 from tests.helpers import llamacpp_server as ls
 from tests.helpers.servers import free_port, http_get, wait_until
 from tests.test_proxy import make_agent
+from warmup_agent.pipeline import QUIET_SECONDS
 from warmup_agent.states import State
 
 pytestmark = pytest.mark.slow
@@ -54,7 +56,13 @@ def start(tmp_path, name, embedded_model, data_dir, command, env):
     ready = time.monotonic() - t0
     assert agent.poll() is None, log.read_text()[-3000:]
     wait_until(record.exists, 30, what="the record")
-    return agent, log, json.loads(record.read_text()), ready
+    return agent, log, json.loads(record.read_text()), ready, url + "/metrics"
+
+
+def gauge(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = http_get(url)[1]
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def test_the_other_paths_are_warmed_after_serving(tmp_path, embedded_model, data_dir, llama_server, gguf):
@@ -62,12 +70,16 @@ def test_the_other_paths_are_warmed_after_serving(tmp_path, embedded_model, data
     command = ls.server_command(llama_server, gguf, free_port())
     runs = {}
     for name, behind in (("behind", "true"), ("before", "false")):
-        agent, log, record, ready = start(tmp_path, name, embedded_model, data_dir, command,
+        agent, log, record, ready, metrics = start(tmp_path, name, embedded_model, data_dir, command,
                                           dict(env, WARMUP_AGENT_PREWARM_BEHIND_USERS=behind))
         try:
             prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
             if behind == "true":
                 wait_until(lambda log=log: "warmed behind the users" in log.read_text(), 60, what="the warm-up behind")
+                wait_until(lambda: gauge(metrics, "warmup_behind_users_pending") == 0, 10, what="pending back to 0")
+                took = float(re.search(r"warmed behind the users in ([0-9.]+) s", log.read_text()).group(1))
+                # the gauge counts from SERVING, its quiet wait and the golden answers included
+                assert gauge(metrics, "warmup_behind_users_seconds") >= took + QUIET_SECONDS - 0.01
             runs[name] = {"ready": ready, "requests": record["warmup_requests"], "behind": prewarm["behind_users"]}
         finally:
             agent.send_signal(signal.SIGTERM)

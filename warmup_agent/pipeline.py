@@ -288,8 +288,8 @@ class Agent:
                 return
             finally:
                 self.recorder.behind_users(pending=False, seconds=time.perf_counter() - t0)
-            log.info("warmed behind the users in %.2f s after SERVING: %d path(s)", done.get("seconds", 0.0),
-                     len(done.get("paths", ())))
+            log.info("warmed behind the users in %.2f s after SERVING: %d path(s), %d prompt length(s)",
+                     done.get("seconds", 0.0), len(done.get("paths", ())), len(done.get("lengths", ())))
         threading.Thread(target=run, name="warm-behind", daemon=True).start()
 
     def _users_quiet(self) -> None:

@@ -178,7 +178,8 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     w.skip_lengths(per_length)
     w.record(per_length, coverage, batches, detail, t_start)
     detail["behind_users"] = [p.label for p in w.behind]
-    ctx.warm_behind = w.warm_behind if w.behind else None
+    detail["behind_users_lengths"] = list(w.behind_lengths)
+    ctx.warm_behind = w.warm_behind if w.behind or w.behind_lengths else None
 
 
 def run(ctx: StageContext, detail: dict) -> None:

@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from exporter.recorder import WarmupStats
@@ -124,6 +124,20 @@ ONE_TIME_COST = ("the per-length test's first fresh length paid and its second d
                  "already paid")
 
 
+#: Where each new prompt length pays, what the first request at a length pays for is its
+#: block of this many tokens: a length next to one run before is steady (H200 map,
+#: docs/benchmarks.md "What a warm llama-server pays at a new prompt length").
+LENGTH_BLOCK_TOKENS = 16
+
+
+def length_blocks(lo: int, hi: int, sent: Iterable[int]) -> list[int]:
+    """One prompt length in each LENGTH_BLOCK_TOKENS block that [lo, hi] reaches and no
+    length in `sent` falls in: the block's middle, inside [lo, hi]."""
+    b = LENGTH_BLOCK_TOKENS
+    covered = {n // b for n in sent}
+    return [min(hi, max(lo, k * b + b // 2)) for k in range(lo // b, hi // b + 1) if k not in covered]
+
+
 def length_skip_reason(per_length: dict) -> str | None:
     """Why the profile's prompt lengths get no call each; None: warm them (no test ran).
     Whatever the test found, a call would buy nothing: no fresh length paid, or a
@@ -203,6 +217,8 @@ class ProfileWarmup:
         self.settled_by_discovery = False  # discovery's request stood in for the first settle request
         #: Paths left for after SERVING (prewarm.behind_users), and what waits for the users to be quiet.
         self.behind: list[benefit.Path] = []
+        #: Prompt lengths, one per block of the users' range, sent after SERVING where each new length pays.
+        self.behind_lengths: list[int] = []
         self.before_send: Callable[[], None] | None = None
 
     def fitting_lengths(self, wanted: list[int], grid: list[int]) -> list[int]:
@@ -553,22 +569,32 @@ class ProfileWarmup:
         self.warm_together(paths, {})
 
     def warm_behind(self, quiet: Callable[[], None]) -> dict:
-        """After SERVING, in the background: the paths other_paths left for later, each
-        request sent only once `quiet()` returns (no user request in flight).  Their
-        outcomes and the seconds it took, for the log and the record."""
-        if not self.behind:
+        """After SERVING, in the background: the paths other_paths left for later, then
+        one 1-token request per block of the users' lengths (behind_lengths), each request
+        sent only once `quiet()` returns (no user request in flight).  Their outcomes, the
+        lengths sent and the seconds it took, for the log and the record."""
+        if not (self.behind or self.behind_lengths):
             return {}
+        from warmup_agent.warmup.benefit import Path
         t0 = time.perf_counter()
         first = len(self.outcomes)
         self.budget = benefit.Budget(max(self.budget.seconds, BEHIND_BUDGET_SECONDS), "behind the users")
         self.before_send = quiet
+        sent: list[int] = []
         try:
-            self.warm_together(self.behind, {})
+            if self.behind:
+                self.warm_together(self.behind, {})
+            for n in self.behind_lengths:     # one at a time: requests sent together prefill as one batch
+                if self.budget.exhausted():
+                    break
+                self.send_requests([self.request(Path(self.ep0, self.fam0, 1, n), 1)], f"behind: {n} tokens")
+                sent.append(n)
         finally:
             self.before_send = None
-            self.behind = []
+            self.behind, self.behind_lengths = [], []
         outcomes = self.outcomes[first:]
-        return {"seconds": round(time.perf_counter() - t0, 3), "paths": [o.as_dict() for o in outcomes]}
+        return {"seconds": round(time.perf_counter() - t0, 3), "paths": [o.as_dict() for o in outcomes],
+                "lengths": sent}
 
     def skip_lengths(self, per_length: dict) -> None:
         """The profile's prompt lengths, recorded as skipped with length_skip_reason."""
@@ -576,6 +602,10 @@ class ProfileWarmup:
         reason = length_skip_reason(per_length) or "the per-length test did not run"
         for n in reversed(self.plens):
             self.outcomes.append(benefit.Outcome(Path(self.ep0, self.fam0, self.b0, n), "skipped", reason))
+        if self.pc.behind_users and per_length.get("prefill_pays_each_new_length"):
+            # What before SERVING could not spare, behind the users can: every block of their range.
+            sent = [a for a, _ in self.decoded] + list(per_length.get("lengths") or [])   # warm-up's and probes'
+            self.behind_lengths = length_blocks(self.lo, self.hi, sent)
 
     def decode_coverage(self, always_only: bool = False) -> dict:
         """Decode over the profile's lengths with prewarm.decode_coverage always, or auto

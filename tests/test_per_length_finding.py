@@ -54,7 +54,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
         pair = benefit.Controlled(first, control)
         return pair, {**pair.as_dict(), "cold": pair.cold(0.2), "replayed_requests": 0}
     w.ctx = SimpleNamespace(metrics=metrics, recorder=Recorder(metrics), probe_length=probe_pairs[0][0].prompt_tokens,
-                            engine=SimpleNamespace(server_name="transformers", capabilities={"model": model}),
+                            engine=SimpleNamespace(server_name="transformers", capabilities={"model": model}, applied_remedy={}),
                             cfg=SimpleNamespace(data_dir=data_dir, kernel_cache=kernel_cache(redis_url)),
                             host_facts={"gpus": [{"name": "NVIDIA H200"}]},
                             probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b)),

@@ -139,3 +139,12 @@ def test_two_starts_of_transformers_serve_measure_then_apply_the_remedy(tmp_path
     ratio = second["steady_tpot_with"] / second["steady_tpot_without"]
     assert second["verdict"] == ("no_slower" if ratio <= remedy.SLOWER_RATIO else "slower")
     assert remedy.decide("auto", second).apply is (second["verdict"] == "no_slower")
+
+
+def test_a_start_with_the_remedy_measures_the_per_length_cost_again():
+    """The per-length finding remembered without the remedy would skip the test that tells
+    whether the remedy took the cost away: the remedy is part of the finding's key."""
+    from warmup_agent.warmup.findings import server_key
+    plain = server_key("transformers", "m", 1, ["NVIDIA H100"])
+    assert plain == server_key("transformers", "m", 1, ["NVIDIA H100"], {})
+    assert plain != server_key("transformers", "m", 1, ["NVIDIA H100"], {ENV: "1"})

@@ -509,8 +509,10 @@ class ProfileWarmup:
         ctx = self.ctx
         gpus = [str(g.get("name")) for g in ctx.host_facts.get("gpus", []) if isinstance(g, dict)]
         server, model = ctx.engine.server_name, ctx.engine.capabilities.get("model")
-        key = findings.server_key(server, model, self.concurrency, gpus)
-        about = {"server": server, "model": model, "concurrency": self.concurrency, "gpus": gpus}
+        remedy = dict(ctx.engine.applied_remedy)
+        key = findings.server_key(server, model, self.concurrency, gpus, remedy)
+        about = {"server": server, "model": model, "concurrency": self.concurrency, "gpus": gpus,
+                 **({"remedy": remedy} if remedy else {})}
         from warmup_agent.kernel_cache.shared_findings import SharedFindings
         return findings.Findings(ctx.cfg.data_dir, SharedFindings.from_config(ctx.cfg.kernel_cache)), key, about
 

@@ -25,10 +25,15 @@ KEPT = ("prefill_pays_each_new_length", "pays")
 EXCESS = "new_length_excess"
 
 
-def server_key(server: str | None, model: str | None, concurrency: int, gpus: list[str]) -> str:
-    """A short hash of what may make a server pay differently: name, model, slots and GPUs."""
-    parts = json.dumps([server or "?", model or "?", int(concurrency), sorted(gpus)])
-    return hashlib.sha256(parts.encode()).hexdigest()[:16]
+def server_key(server: str | None, model: str | None, concurrency: int, gpus: list[str],
+               remedy: dict[str, str] | None = None) -> str:
+    """A short hash of what may make a server pay differently: name, model, slots, GPUs and
+    the remedy it was started with (openai.apply_server_remedy: a remedy is meant to change
+    what it pays, so a start with it measures again)."""
+    parts: list = [server or "?", model or "?", int(concurrency), sorted(gpus)]
+    if remedy:
+        parts.append(sorted(remedy.items()))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
 class SharedStore(Protocol):

@@ -168,6 +168,12 @@ CORE: tuple[MetricSpec, ...] = (
     MetricSpec("warmup_budget_seconds", "gauge",
                "Time budget of the measured-benefit warmup: prewarm.budget_ratio x the server's own start-up, at least prewarm.budget_min_seconds (or prewarm.budget_seconds); 0 for the in-process engines, which warm their shape grid without one.",
                unit="s"),
+    MetricSpec("warmup_budget_spent_seconds", "gauge",
+               "Seconds the measured-benefit warmup took before SERVING, from its first request after discovery to its per-length test's last probe; over warmup_budget_seconds, it overspent.",
+               unit="s",
+               doc="The run record's warmup.budget.spent_seconds. The budget is checked before each request, so one "
+                   "request (or the per-length test's probe pair, which measures rather than warms) can end past it. "
+                   "Not counted: the server's own start-up and the gate's probes after prewarm. 0 for the in-process engines."),
     # --- process ------------------------------------------------------------------
     MetricSpec("warmup_memory_jitter_ratio", "gauge",
                "Resident-memory jitter of the agent process: (max RSS - min RSS) / mean RSS over the sampling window.",

@@ -41,6 +41,7 @@ class MetricHandles:
     warmup_server_remedy_applied_info: Gauge
     warmup_paths: Gauge
     warmup_budget_seconds: Gauge
+    warmup_budget_spent_seconds: Gauge
     warmup_memory_jitter_ratio: Gauge
     warmup_kernel_cache_requests_total: Counter
     warmup_kernel_cache_bytes: Gauge
@@ -114,6 +115,7 @@ NAMES: tuple[str, ...] = (
     "warmup_server_remedy_applied_info",
     "warmup_paths",
     "warmup_budget_seconds",
+    "warmup_budget_spent_seconds",
     "warmup_memory_jitter_ratio",
     "warmup_kernel_cache_requests_total",
     "warmup_kernel_cache_bytes",

@@ -232,6 +232,7 @@ class WarmupStats:
     """prewarm, the measured-benefit warmup: its budget, the per-length test's decode
     ratios and remedy, how many paths ended how ({result: n})."""
     budget_seconds: float | None = None
+    budget_spent_seconds: float | None = None
     per_length_ratios: list[float] = field(default_factory=list)
     per_length_remedy: str | None = None
     paths: Mapping[str, int] | None = None
@@ -459,6 +460,8 @@ class Recorder:
         m = self.metrics
         if s.budget_seconds is not None:
             m.warmup_budget_seconds.set(s.budget_seconds)
+        if s.budget_spent_seconds is not None:
+            m.warmup_budget_spent_seconds.set(s.budget_spent_seconds)
         if s.per_length_ratios:
             m.warmup_per_length_decode_ratio.set(min(s.per_length_ratios))
         if s.per_length_remedy is not None:

@@ -357,6 +357,7 @@ def test_startupz_and_metrics_say_what_was_warmed_and_the_per_length_finding(ser
     remedy = [m for m in reg.collect() if m.name == "warmup_per_length_remedy_info"][0].samples
     assert bool(remedy) == per_length["pays"]          # a series only when the server pays per length
     assert reg.get_sample_value("warmup_budget_seconds") == detail["warmup"]["budget"]["seconds"]
+    assert reg.get_sample_value("warmup_budget_spent_seconds") == detail["warmup"]["budget"]["spent_seconds"] > 0
     counts: dict[str, int] = {}
     for p in detail["paths"]:
         counts[p["result"]] = counts.get(p["result"], 0) + 1

@@ -647,11 +647,13 @@ class ProfileWarmup:
         ctx.settle = self.settle
         ctx.decoded_ranges, ctx.profile_lengths = list(self.decoded), list(self.plens)
         counts = Counter(o.result for o in outcomes)
+        spent = budget.as_dict()
         ctx.recorder.warmup(WarmupStats(paths={result: counts[result] for result in
-                                               ("warm_on_first_call", "converged", "still_improving", "skipped")}))
+                                               ("warm_on_first_call", "converged", "still_improving", "skipped")},
+                                        budget_spent_seconds=spent["spent_seconds"]))
         skipped = [{"path": o.path.label, "reason": o.reason} for o in outcomes if o.result == "skipped"]
         ctx.warmup_summary = summary = {
-            "budget": budget.as_dict(), "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
+            "budget": spent, "per_length": per_length, "decode_coverage": coverage, "paths": dict(counts),
             "skipped": skipped, "requests": self.sent, "probe_length": probe_length, "at_once": self.concurrency,
             "replayed_requests": self.replayed, "replays": self.replays, "settle_requests": self.settled,
             "settle_prompt_tokens": self.settle_tokens, "settled_by_discovery": self.settled_by_discovery,

@@ -76,7 +76,7 @@ def test_the_other_paths_are_warmed_after_serving(tmp_path, embedded_model, data
             prewarm = next(s for s in record["stages"] if s["name"] == "prewarm")
             if behind == "true":
                 wait_until(lambda log=log: "warmed behind the users" in log.read_text(), 60, what="the warm-up behind")
-                wait_until(lambda: gauge(metrics, "warmup_behind_users_pending") == 0, 10, what="pending back to 0")
+                wait_until(lambda metrics=metrics: gauge(metrics, "warmup_behind_users_pending") == 0, 10, what="pending back to 0")
                 took = float(re.search(r"warmed behind the users in ([0-9.]+) s", log.read_text()).group(1))
                 # the gauge counts from SERVING, its quiet wait and the golden answers included
                 assert gauge(metrics, "warmup_behind_users_seconds") >= took + QUIET_SECONDS - 0.01
@@ -93,3 +93,37 @@ def test_the_other_paths_are_warmed_after_serving(tmp_path, embedded_model, data
     assert runs["behind"]["requests"] < runs["before"]["requests"]
     line = [ln for ln in (tmp_path / "behind.log").read_text().splitlines() if "warmed behind the users" in ln][-1]
     assert f"{len(runs['behind']['behind'])} path(s)" in line, line
+
+
+def test_users_who_reach_the_server_without_the_proxy_are_waited_for(tmp_path, embedded_model, llama_server, gguf):
+    """Without the proxy's count, the server's own running and waiting requests (its kind's
+    metric names, llama-server --metrics) hold the warm-up behind the users back."""
+    from warmup_agent.server.kinds import BY_NAME
+    from warmup_agent.server.signals import ServerSignals
+    port = free_port()
+    server = subprocess.Popen(ls.server_command(llama_server, gguf, port, metrics=True), env=ls.server_env(str(tmp_path)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: http_get(url + "/health")[0] == 200, 120, what="llama-server")
+        agent = make_agent(embedded_model, State.SERVING)
+        agent.engine.server_signals = lambda: ServerSignals(url, BY_NAME["llamacpp"])   # the real server's figures
+        assert not agent._server_busy()
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True}).encode()
+        at: dict[str, float] = {}
+
+        def user() -> None:                    # a user straight at the server, not through the proxy
+            import urllib.request
+            req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=120).read()
+            at["answered"] = time.monotonic()
+        threading.Thread(target=user, daemon=True).start()
+        wait_until(agent._server_busy, 30, interval=0.02, what="the user's request, running")
+        at["busy"] = time.monotonic()
+        agent._users_quiet()                   # returns only once the server is idle again
+        at["quiet"] = time.monotonic()
+        assert "answered" in at and at["quiet"] >= at["answered"] - 0.05, at    # its answer ended first
+        assert at["answered"] - at["busy"] > 0.2, f"the user's request ran too briefly to show anything: {at}"
+    finally:
+        server.terminate()
+        server.wait(30)

@@ -48,6 +48,8 @@ __all__ = ["STAGES", "Agent", "AgentFailure", "StageTiming", "preload_deadline"]
 log = logging.getLogger("warmup_agent.pipeline")
 # The warm-up behind the users waits this long after another client's request began.
 QUIET_SECONDS = 0.5
+# ... and reads the server's running and waiting requests at most this often while it waits.
+WATER_READ_SECONDS = 0.1
 
 STAGES = ("reserve", "prewarm", "solidify", "ready")
 
@@ -293,8 +295,12 @@ class Agent:
         threading.Thread(target=run, name="warm-behind", daemon=True).start()
 
     def _users_quiet(self) -> None:
-        """Wait until no user request is in flight (the proxy's count) and, for a server the
-        agent supervises, none of another client's has started within QUIET_SECONDS."""
+        """Wait until no user request is in flight (the proxy's count), for a server the
+        agent supervises none of another client's has started within QUIET_SECONDS, and
+        the server's own figures (its kind's running and waiting requests, where its
+        /metrics has them) show none running or waiting: users who reach the server
+        without the proxy count too."""
+        busy_read = 0.0
         while True:
             self.context.checkpoint()
             if self._stopped:
@@ -302,8 +308,23 @@ class Agent:
             if self.sm.state != State.SERVING:   # asleep, degraded or re-warming: that warm-up decides
                 raise AgentFailure("left_serving", f"the pod is {self.sm.state.name}")
             if self.readiness.users_in_flight == 0 and self.engine.others_served_within(QUIET_SECONDS) is None:
-                return
+                now = time.monotonic()
+                if now - busy_read < WATER_READ_SECONDS:
+                    time.sleep(0.01)
+                    continue
+                busy_read = now
+                if not self._server_busy():
+                    return
             time.sleep(0.01)
+
+    def _server_busy(self) -> bool:
+        """Whether the server's own /metrics count a request running or waiting (never the
+        agent's: the warm-up behind the users sends one at a time, after this check)."""
+        signals = self.engine.server_signals()
+        stats = signals.water_level() if signals is not None else None
+        if stats is None:
+            return False
+        return (stats.requests_running or 0) + (stats.requests_waiting or 0) > 0
 
     def _check_golden(self) -> None:
         """Before a re-warm: the server must answer as the model the pod warmed did."""

@@ -127,3 +127,13 @@ def test_users_who_reach_the_server_without_the_proxy_are_waited_for(tmp_path, e
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_no_watch_probe_while_a_users_request_is_in_flight(embedded_model):
+    """The watch probes after SERVING follow the same rule as the warm-up behind the users."""
+    agent = make_agent(embedded_model, State.SERVING)
+    assert not agent._server_busy_with_others()
+    agent.readiness.user_request()
+    assert agent._server_busy_with_others()
+    agent.readiness.user_done()
+    assert not agent._server_busy_with_others()

@@ -496,14 +496,16 @@ class Agent:
             return False
         pause = 2 * max([self._watch_interval, *self.probe_log.totals])
         age = self.engine.others_served_within(pause)
+        if age is None and (self.readiness.users_in_flight > 0 or self._server_busy()):
+            age = 0.0    # a user's request in flight (the proxy's count, the server's own figures): it goes first
         if age is None:
             if self._watch_skipping:
                 log.info("probes after SERVING resume: no other client's request in the server's log for %.1fs", pause)
                 self._watch_skipping = False
             return False
         if not self._watch_skipping:
-            log.info("probes after SERVING pause while the server serves other clients (a request %.1fs ago in "
-                     "its log): a probe would time the wait behind their answers", age)
+            log.info("probes after SERVING pause while the server serves other clients (a request %.1fs ago, or "
+                     "one in flight): a probe would time the wait behind their answers", age)
             self._watch_skipping = True
         self.context.watch_skipped += 1
         return True

@@ -321,7 +321,9 @@ class Agent:
         """Whether the server's own /metrics count a request running or waiting (never the
         agent's: the warm-up behind the users sends one at a time, after this check)."""
         signals = self.engine.server_signals()
-        stats = signals.water_level() if signals is not None else None
+        # Briefly: a server slow to answer /metrics (vLLM's holds one answer for seconds under
+        # load) is taken as not known, as without the read.
+        stats = signals.water_level(timeout=0.25) if signals is not None else None
         if stats is None:
             return False
         return (stats.requests_running or 0) + (stats.requests_waiting or 0) > 0

@@ -39,9 +39,9 @@ class ServerSignals:
         self.timeout = timeout
         self._listener: psutil.Process | None = None   # the process on the URL's port, once found
 
-    def _get(self, path: str) -> bytes | None:
+    def _get(self, path: str, timeout: float | None = None) -> bytes | None:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=self.timeout) as r:
+            with urllib.request.urlopen(self.url + path, timeout=self.timeout if timeout is None else timeout) as r:
                 return r.read() if r.status == 200 else None
         except (OSError, urllib.error.URLError, ValueError):
             return None
@@ -110,10 +110,13 @@ class ServerSignals:
             return None
         return None
 
-    def water_level(self) -> EngineStats | None:
+    def water_level(self, timeout: float | None = None) -> EngineStats | None:
         """Requests running and waiting, from the server's /metrics through its kind's names: whether users
-        wait, without the proxy.  None: no exposition (llama-server needs --metrics); a figure not exported is None."""
-        body = self._get("/metrics")
+        wait, without the proxy.  None: no exposition (llama-server needs --metrics), or no answer within
+        `timeout` (default: the reads' own); a figure not exported is None."""
+        if self.kind is not None and not (self.kind.running_metric or self.kind.waiting_metric):
+            return None      # its kind exports neither (transformers serve): no read at all
+        body = self._get("/metrics", timeout)
         if body is None:
             return None
         from exporter.engine_metrics import parse_engine_metrics

@@ -149,11 +149,11 @@ def _bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-# A start sends 1 first + 3 steady + 2 controls = 6 requests: request 7 is the second
-# start's first request, request 9 its second steady one.
+# A start sends 1 first + 3 steady + 2 controls + 2 at a new length = 8 requests: request 9
+# is the second start's first request, request 11 its second steady one.
 @pytest.mark.parametrize("how, fail_at, needle", [
-    ("error", 7, "a request failed mid-run: the server sent an error event mid-stream"),
-    ("cut-chunked", 9, "a request failed mid-run: the server cut its stream off"),
+    ("error", 9, "a request failed mid-run: the server sent an error event mid-stream"),
+    ("cut-chunked", 11, "a request failed mid-run: the server cut its stream off"),
 ])
 def test_the_bench_names_the_failed_request_and_keeps_it_out_of_every_median(tmp_path, how, fail_at, needle):
     # The error event comes 0.5 s after the tokens: counted as an answer, it would read
@@ -171,9 +171,9 @@ def test_the_bench_names_the_failed_request_and_keeps_it_out_of_every_median(tmp
     assert "error" not in done and failed["error"] == res["error"]
     # what the failed start measured stops before the failed request
     assert "steady_ttft_seconds" not in failed and "steady_ttft_all_seconds" not in failed
-    assert ("first" in failed) == (fail_at > 7)
+    assert ("first" in failed) == (fail_at > 9)
     summary = res["summary"]["alone"]
-    firsts = 2 if fail_at > 7 else 1            # the second start's first request answered or failed
+    firsts = 2 if fail_at > 9 else 1            # the second start's first request answered or failed
     for key in ("first_ttft_seconds", "first_total_seconds"):
         assert summary[key]["n"] == firsts, (key, summary[key])
     for key in ("steady_ttft_seconds", "steady_total_seconds", "first_ttft_tax", "warm_control_ttft_ratio"):

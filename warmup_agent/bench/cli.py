@@ -28,15 +28,19 @@ requests:
 
   alone    the server by itself: ready when its health endpoint answers 200
   oneshot  the simplest warmup: one 1-token request at health, ready when answered
-  agent    `warmup-agent run --engine openai -- SERVER COMMAND`: ready at /readyz
+  agent    `warmup-agent run --engine openai -- SERVER COMMAND`: ready at /readyz;
+           every request goes through the agent's proxy, as users reach the pod
 
 Per start: time to ready; the first request's time to first token and whole
 answer over the median of the next ones (the first-request tax; the whole
 answer over a steady one of as many tokens); two controls on the warm server
 (the same shape after a quiet pause: the tax's noise floor; a prompt longer
-than any before it); a burst of concurrent requests; under the agent, the
-first-request tax it exports beside the measured one; SIGTERM to exit, and
-processes left behind.  Prompts are
+than any before it); a burst of concurrent requests; a prompt length inside
+the traffic's range that the start has not sent, twice.  Under the agent: the
+users' first-request tax it measured at its proxy and its probes' prediction,
+each over the measured one; its warm-up behind the users, waited for, and the
+requests sent beside it over those after it; its warm-up's seconds over its
+budget.  Then SIGTERM to exit, and processes left behind.  Prompts are
 drawn by a seeded generator (--seed; printed and recorded), from the requests
 file or a built-in mix of lengths, every one a new prefix no cache can answer.
 

@@ -70,14 +70,16 @@ def get_json(url: str, timeout: float = 5.0) -> Any:
         return json.load(r)
 
 
-def gauge(text: str, name: str) -> float | None:
-    """The first sample named `name` in a Prometheus text exposition, or None
-    (prometheus_client's parser, as exporter/engine_metrics.py and alerts/replay.py read one)."""
+def gauge(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The first sample named `name` (with these `labels` among its own) in a Prometheus
+    text exposition, or None (prometheus_client's parser, as exporter/engine_metrics.py and
+    alerts/replay.py read one)."""
     from prometheus_client.parser import text_string_to_metric_families
+    want = (labels or {}).items()
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name:
+                if sample.name == name and want <= sample.labels.items():
                     return float(sample.value)
     except ValueError:     # not an exposition (an error page)
         return None

@@ -41,8 +41,22 @@ def _line(rec: dict[str, Any]) -> str:
     return (f"{rec['condition']} start {rec['start']}: ready {rec['ready_seconds']:.2f} s, first ttft "
             f"{first.get('ttft_seconds', 0) * 1000:.1f} ms (tax {rec.get('first_ttft_tax', 0):.2f}, warm control "
             f"{rec.get('warm_control_ttft_ratio', 0):.2f}), "
-            f"whole answer tax {rec.get('first_total_tax', 0):.2f}, exit {rec['sigterm']['exit_seconds']:.2f} s, "
-            f"orphans {rec['sigterm']['orphans']}")
+            f"whole answer tax {rec.get('first_total_tax', 0):.2f}, new length in range "
+            f"{_x(rec.get('new_length_after_background_ttft_tax'))}, exit {rec['sigterm']['exit_seconds']:.2f} s, "
+            f"orphans {rec['sigterm']['orphans']}" + (_agent_line(rec) if rec["condition"] == "agent" else ""))
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _agent_line(rec: dict[str, Any]) -> str:
+    behind = f"{_x(rec.get('behind_users_seconds'))} s" if rec.get("behind_users_finished") else "not finished"
+    return (f"; users' tax as exported {_x(rec.get('agent_exported_ttft_tax'))} (over measured "
+            f"{_x(rec.get('exported_over_measured_ttft_tax'))}, predicted over measured "
+            f"{_x(rec.get('predicted_over_measured_ttft_tax'))}), warm-up behind the users {behind} (requests "
+            f"sent beside it {_x(rec.get('background_user_ttft_over_steady'))}x those after it), budget overspend "
+            f"{_x(rec.get('warmup_budget_overspend_ratio'))}")
 
 
 def run(setup: Setup, traffic: Traffic, conditions: list[str], starts: int, out_dir: str,

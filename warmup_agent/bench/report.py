@@ -9,14 +9,17 @@ import io
 import os
 from typing import Any
 
-from warmup_agent.bench.summary import AGENT_FIGURES, FIGURES, RATIO_FIGURES, figure
+from warmup_agent.bench.summary import AGENT_FIGURES, FIGURES, HEADLINE, RATIO_FIGURES, figure
 
 COLOURS = {"alone": "#999999", "oneshot": "#e0a030", "agent": "#3b8f3b"}
 FIG_SIZE = (10.0, 5.0)
 DPI = 100
 TABLE_FIGURES = ("ready_seconds", "first_ttft_seconds", "steady_ttft_seconds", "first_ttft_tax",
-                 "warm_control_ttft_ratio", "first_total_tax", "new_length_ttft_ratio", "burst_ttft_over_steady",
-                 "sigterm_exit_seconds", "orphans", "exported_over_measured_ttft_tax")
+                 "warm_control_ttft_ratio", "first_total_tax", "new_length_ttft_ratio",
+                 "new_length_after_background_ttft_tax", "burst_ttft_over_steady", "sigterm_exit_seconds", "orphans",
+                 "agent_exported_ttft_tax", "exported_over_measured_ttft_tax", "predicted_over_measured_ttft_tax",
+                 "behind_users_seconds", "background_user_ttft_over_steady", "steady_after_background_ttft_seconds",
+                 "warmup_budget_overspend_ratio")
 
 
 def _value(key: str, v: float | None) -> str:
@@ -49,6 +52,8 @@ def table(res: dict[str, Any]) -> str:
     for name, figs in res["ratios"].items():
         shown = ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in figs.items() if v is not None)
         lines.append(f"{name}: {shown or '-'}")
+    for name, v in (res.get("headline") or {}).items():
+        lines.append(f"{name}: {'-' if v is None else f'{v:.2f}'}")
     return "\n".join(lines)
 
 
@@ -101,6 +106,9 @@ def render_html(res: dict[str, Any], png: bytes | None) -> str:
     ratio_rows = "".join(f"<tr><th>{e(name)}</th>" + "".join(
         f"<td>{'-' if figs.get(k) is None else f'{figs[k]:.2f}'}</td>" for k in RATIO_FIGURES) + "</tr>"
         for name, figs in res["ratios"].items())
+    head_rows = "".join(f"<tr><th title=\"{e(doc)}\">{e(name)}</th><td>"
+                        f"{'-' if (v := (res.get('headline') or {}).get(name)) is None else f'{v:.2f}'}</td></tr>"
+                        for name, doc in HEADLINE)
     facts = [("Server", res.get("server")), ("Command", " ".join(res.get("server_command") or [])),
              ("Status", res.get("status")), ("Error", res.get("error") or "-"), ("Seed", res.get("seed")),
              ("Machine", res.get("machine")), ("GPU", res.get("gpu") or "-"), ("Date", res.get("date")),
@@ -121,6 +129,8 @@ td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:left}}img{{max-width:1
 <table id="summary"><tr><th>Figure</th>{head}</tr>{rows}</table>
 <h2>Ratios of medians to alone</h2>
 <table id="ratios"><tr><th></th>{ratio_head}</tr>{ratio_rows}</table>
+<h2>Over the run</h2>
+<table id="headline">{head_rows}</table>
 </body></html>
 """
 

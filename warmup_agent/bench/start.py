@@ -2,36 +2,46 @@
 
   alone    the server's command; ready when its health endpoint answers 200
   oneshot  the same, plus one 1-token request at health; ready when it is answered
-  agent    `warmup-agent run --engine openai ... -- COMMAND`; ready at the agent's /readyz
+  agent    `warmup-agent run --engine openai --proxy-listen ... -- COMMAND`; ready at the
+           agent's /readyz; every request through its proxy, as users reach the pod
   spawn-alone, spawn-agent
            a user's request sent at the spawn, retried only when refused, to the server
            alone or through the agent's proxy (bench/spawn.py); that request alone is measured
 
-At ready the first request goes out at once, then the steady ones one by one;
-after a quiet pause the warm control (the same shape: what a warm server's
-"first" request reads, the noise floor of the tax) and one a dozen words longer
-than any before it (what a warm server pays at a new prompt length); then a
-burst of concurrent ones; then SIGTERM, timed, and the orphans counted.  Under
-the agent its exported first-request taxes are read from /metrics before the stop.
+At ready, bench/measure.py's steps; under the agent its exported figures are read
+from /metrics before the stop.  Then SIGTERM, timed, and the orphans counted.
 """
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmup_agent.bench import client, process, spawn
-from warmup_agent.bench.traffic import Shape, Traffic
+from warmup_agent.bench import client, measure, process, spawn
+from warmup_agent.bench.measure import Steady
+from warmup_agent.bench.traffic import Traffic
+
+__all__ = ["Setup", "StartFailed", "StartInterrupted", "Steady", "run_start"]
 
 POLL = 0.01        # seconds between health polls
-# The agent's metrics the bench reads from its /metrics, as any scraper does: by name
-# (tests/test_metrics_doc.py checks these against the catalogue).
-EXPORTED_TAXES = (("ttft", "warmup_first_request_tax_ratio"), ("total", "warmup_first_request_total_tax_ratio"))
+USERS_TAX_WAIT = 2.0    # seconds the users' first-request tax may take to show after its last answer
+# The agent's metrics the bench reads from its /metrics, by name, all of them here
+# (tests/test_metrics_doc.py and tests/test_bench_agent_figures.py check them).
+#: The users' real first request through the proxy (0 until measured): the figure of record.
+EXPORTED_TAXES = (("ttft", "warmup_first_user_request_tax_ratio"),
+                  ("total", "warmup_first_user_request_total_tax_ratio"))
+#: The agent's probes' prediction of it.
+PREDICTED_TAXES = (("ttft", "warmup_first_request_tax_ratio"), ("total", "warmup_first_request_total_tax_ratio"))
+BEHIND_PENDING = "warmup_behind_users_pending"      # 1 while the warm-up behind the users has requests left
+BEHIND_SECONDS = "warmup_behind_users_seconds"      # how long the last one took (0 until one finished)
+PHASE_SECONDS = "model_loading_phase_duration_seconds"   # by phase: the prewarm stage's seconds
+BUDGET_SECONDS = "warmup_budget_seconds"
+BUDGET_SPENT = "warmup_budget_spent_seconds"        # what the warm-up took of it, before SERVING
+AGENT_METRICS = tuple(name for _, name in EXPORTED_TAXES + PREDICTED_TAXES) + (
+    BEHIND_PENDING, BEHIND_SECONDS, PHASE_SECONDS, BUDGET_SECONDS, BUDGET_SPENT)
 
 
 class StartFailed(Exception):
@@ -116,52 +126,6 @@ def _spawn(setup: Setup, condition: str, index: int, port: int,
     return process.spawn(agent, log, env=env), f"http://127.0.0.1:{listen}/readyz"
 
 
-@dataclass
-class Steady:
-    """The steady requests' medians: what an answer of n tokens takes on a warm server."""
-    ttft: float
-    total: float
-    tpot: float | None      # None where every steady answer was one chunk
-
-    def total_for(self, a: client.Answer) -> float:
-        """A steady answer as long as `a`: TTFT + (its tokens - 1) x time per token.  The
-        first answer of a random or sampled model can run much longer than the steady
-        ones; dividing by their plain median would count its length as cold start."""
-        if self.tpot is None:
-            return self.total
-        return self.ttft + max(0, a.chunks - 1) * self.tpot
-
-    def tax(self, a: client.Answer) -> dict[str, float | None]:
-        return {"ttft": a.ttft / self.ttft, "total": a.total / self.total_for(a),
-                "tpot": a.tpot / self.tpot if a.tpot is not None and self.tpot else None}
-
-
-def _measure(base: str, model: str | None, traffic: Traffic, shape: Shape, setup: Setup, out: dict) -> None:
-    """First, steady, the two controls, burst; each figure goes into `out` as soon as it is measured."""
-    first = client.stream_chat(base, model, traffic.request(shape))
-    out["first"] = first.as_dict()
-    answers = [client.stream_chat(base, model, traffic.request(shape)) for _ in range(setup.steady)]
-    tpots = [t for a in answers if (t := a.tpot) is not None]
-    steady = Steady(statistics.median(a.ttft for a in answers), statistics.median(a.total for a in answers),
-                    statistics.median(tpots) if tpots else None)
-    tax = steady.tax(first)
-    out.update(steady_ttft_seconds=steady.ttft, steady_total_seconds=steady.total, steady_tpot_seconds=steady.tpot,
-               first_ttft_tax=tax["ttft"], first_total_tax=tax["total"], first_tpot_tax=tax["tpot"],
-               steady_ttft_all_seconds=[a.ttft for a in answers])
-    time.sleep(setup.idle)
-    warm = steady.tax(client.stream_chat(base, model, traffic.request(shape)))
-    longer = client.stream_chat(base, model, traffic.request(traffic.longer(shape)))
-    out.update(warm_control_ttft_ratio=warm["ttft"], warm_control_total_ratio=warm["total"],
-               new_length_ttft_ratio=longer.ttft / steady.ttft)
-    if setup.burst > 1:
-        bodies = [traffic.request(shape) for _ in range(setup.burst)]
-        with ThreadPoolExecutor(setup.burst) as pool:
-            burst = list(pool.map(lambda b: client.stream_chat(base, model, b), bodies))
-        burst_ttft = statistics.median(a.ttft for a in burst)
-        out.update(burst_ttft_median_seconds=burst_ttft, burst_total_max_seconds=max(a.total for a in burst),
-                   burst_ttft_over_steady=burst_ttft / steady.ttft)
-
-
 def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dict[str, Any]:
     """One start, measured; raises StartFailed (with what was measured) when the
     server fails to start, never gets ready, or stops answering."""
@@ -171,9 +135,13 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
     _wait_port(setup.host, port, rec)
     if condition.startswith("spawn-"):
         return _spawn_start(setup, traffic.request(shape), condition, index, port, rec)
-    s, ready_url = _spawn(setup, condition, index, port)
+    proxy_port = process.free_port() if condition == "agent" else None
+    s, ready_url = _spawn(setup, condition, index, port, proxy_port)
     rec.update(pid=s.pid, log=s.log_path)
     base = _url(setup.host, port)
+    # What users reach: under the agent its proxy, as the chart's Service targets it
+    users = f"http://127.0.0.1:{proxy_port}" if proxy_port is not None else base
+    rec["users_url"] = users
     try:
         try:
             if condition == "agent":
@@ -186,16 +154,16 @@ def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dic
                 rec["ready_seconds"] = time.monotonic() - s.t0
         except RuntimeError as e:
             raise StartFailed(f"{condition} start {index + 1}: the {_who(condition)} {e}", rec) from None
-        _measure(base, setup.model, traffic, shape, setup, rec)
-        if condition == "agent":
-            _agent_said(ready_url.removesuffix("/readyz") + "/metrics", rec)
+        _measure(measure.Requests(users, setup.model, traffic, shape, index), setup,
+                 ready_url.removesuffix("/readyz") if condition == "agent" else None, rec)
     except client.RequestFailed as e:
         code = _exit_code(s)
         process.kill_now(s)
         if code is not None:
             how = f"the {_who(condition)} exited with code {code} mid-run ({e})"
         elif e.kind == "refused":
-            how = f"the server refused a request mid-run ({e})"
+            refuser = "the agent's proxy" if proxy_port is not None else "the server"
+            how = f"{refuser} refused a request mid-run ({e})"
             if "context" in str(e).lower():
                 how += "; the prompts do not fit its context: lower --max-context"
         elif e.kind == "error_event":
@@ -243,14 +211,50 @@ def _spawn_start(setup: Setup, body: dict[str, Any], condition: str, index: int,
     return rec
 
 
-def _agent_said(metrics_url: str, rec: dict[str, Any]) -> None:
-    """The agent's exported first-request taxes (its probes' prediction, since the
-    bench's requests go straight to the server), beside what the bench measured."""
-    text = client.get_text(metrics_url) or ""
-    for what, name in EXPORTED_TAXES:
-        said, measured = client.gauge(text, name), rec.get(f"first_{what}_tax")
-        rec[f"agent_exported_{what}_tax"] = said
-        rec[f"exported_over_measured_{what}_tax"] = said / measured if said and measured else None
+def _measure(r: measure.Requests, setup: Setup, agent: str | None, rec: dict[str, Any]) -> None:
+    """bench/measure.py's steps; under the agent (`agent`: its URL) the warm-up behind the users too."""
+    pending = (lambda: _read(agent, BEHIND_PENDING)) if agent else None
+    steady = measure.first_and_steady(r, setup.steady, rec, pending)
+    measure.controls(r, steady, setup.idle, rec)
+    measure.burst(r, steady, setup.burst, rec)
+    if agent and pending:
+        measure.after_background(r, setup.steady, rec, pending, lambda: _read(agent, BEHIND_SECONDS))
+    measure.new_length(r, rec)
+    if agent:
+        _agent_said(agent, rec)
+
+
+def _read(agent: str, name: str) -> float | None:
+    """One unlabelled sample of the agent's /metrics; None where it does not answer."""
+    text = client.get_text(agent + "/metrics")
+    return None if text is None else client.gauge(text, name)
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _agent_said(agent: str, rec: dict[str, Any], wait: float = USERS_TAX_WAIT) -> None:
+    """The agent's figures beside the bench's: the users' first-request taxes (awaited up
+    to `wait` s), its probes' prediction of them, its warming time over its budget."""
+    deadline = time.monotonic() + wait
+    while True:
+        text = client.get_text(agent + "/metrics") or ""
+        users = {what: client.gauge(text, name) or None for what, name in EXPORTED_TAXES}   # 0: not measured
+        if users["ttft"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for what, name in PREDICTED_TAXES:
+        measured = rec.get(f"first_{what}_tax")
+        rec[f"agent_exported_{what}_tax"] = users[what]
+        rec[f"exported_over_measured_{what}_tax"] = _over(users[what], measured)
+        rec[f"agent_predicted_{what}_tax"] = predicted = client.gauge(text, name)
+        rec[f"predicted_over_measured_{what}_tax"] = _over(predicted, measured)
+    # The budget covers the warm-up alone; the prewarm stage also waits for the server's start-up.
+    budget, spent = client.gauge(text, BUDGET_SECONDS), client.gauge(text, BUDGET_SPENT)
+    phase = client.gauge(text, PHASE_SECONDS, {"phase": "prewarm"})
+    rec.update(warmup_budget_seconds=budget, warmup_budget_spent_seconds=spent, prewarm_phase_seconds=phase,
+               warmup_budget_overspend_ratio=_over(spent, budget), prewarm_phase_over_budget=_over(phase, budget))
 
 
 def _exit_code(s: process.Started, wait: float = 1.0) -> int | None:

@@ -29,17 +29,35 @@ FIGURES: tuple[tuple[str, str], ...] = (
                                 "over the steady median: what a warm server's 'first' request reads, the noise floor"),
     ("new_length_ttft_ratio", "a request a dozen words longer than any before it, over the steady median: what a "
                               "warm server pays at a prompt length it has not seen (its longer prefill included)"),
+    ("new_length_after_background_ttft_tax", "a prompt length inside the traffic's range that no request of the "
+                                             "start used, sent last (under the agent after its warm-up behind the "
+                                             "users): its time to first token over that of the same length again"),
     ("burst_ttft_over_steady", "median time to first token of a burst of concurrent requests / steady median"),
     ("burst_total_max_seconds", "the burst's slowest whole answer"),
     ("sigterm_exit_seconds", "SIGTERM to exit"),
     ("orphans", "processes left after the exit (killed by the bench)"),
 )
-# Measured under the agent only: its exported warmup_first_request_tax_ratio (and
-# _total_), read from its /metrics, over what the bench measured on the same start.
+# Measured under the agent only, whose proxy carries every request of the start: its
+# exported figures, read from its /metrics, beside what the bench measured on the same start.
 AGENT_FIGURES: tuple[tuple[str, str], ...] = (
-    ("agent_exported_ttft_tax", "the agent's exported warmup_first_request_tax_ratio (its probes' prediction)"),
-    ("exported_over_measured_ttft_tax", "the agent's exported first-TTFT tax / the bench's first_ttft_tax"),
-    ("exported_over_measured_total_tax", "the agent's exported whole-answer tax / the bench's first_total_tax"),
+    ("agent_exported_ttft_tax", "the users' real first request through the proxy, as the agent exported it "
+                                "(warmup_first_user_request_tax_ratio): the figure of record"),
+    ("exported_over_measured_ttft_tax", "that exported first-TTFT tax / the bench's first_ttft_tax"),
+    ("exported_over_measured_total_tax", "the exported whole-answer tax (warmup_first_user_request_total_tax_ratio) "
+                                         "/ the bench's first_total_tax"),
+    ("agent_predicted_ttft_tax", "the agent's probes' prediction of the first-TTFT tax "
+                                 "(warmup_first_request_tax_ratio)"),
+    ("predicted_over_measured_ttft_tax", "that prediction / the bench's first_ttft_tax"),
+    ("predicted_over_measured_total_tax", "the predicted whole-answer tax (warmup_first_request_total_tax_ratio) / "
+                                          "the bench's first_total_tax"),
+    ("behind_users_seconds", "how long the agent's warm-up behind the users took after SERVING "
+                             "(warmup_behind_users_seconds; 0: it had nothing left to warm)"),
+    ("background_user_ttft_over_steady", "median time to first token of the steady requests sent while that warm-up "
+                                         "had requests left, over steady_after_background_ttft_seconds"),
+    ("steady_after_background_ttft_seconds", "median time to first token of steady requests sent after that "
+                                             "warm-up finished"),
+    ("warmup_budget_overspend_ratio", "seconds the agent's warm-up took before SERVING (warmup_budget_spent_seconds) "
+                                      "over its budget (warmup_budget_seconds); above 1: it overran"),
 )
 # Measured in the spawn-alone and spawn-agent starts only (bench/spawn.py).
 SPAWN_FIGURES: tuple[tuple[str, str], ...] = (
@@ -48,6 +66,21 @@ SPAWN_FIGURES: tuple[tuple[str, str], ...] = (
     ("spawn_arrival_ttft_seconds", "the same request: spawn to its first token"),
     ("spawn_arrival_503", "503 answers that user got before the answer"),
     ("spawn_arrival_refused", "connections that user had refused (nothing listening yet) before the answer"),
+)
+# Named figures over the whole run (bench.json's "headline"): what a server table reads.
+HEADLINE: tuple[tuple[str, str], ...] = (
+    ("exported_over_measured_ttft_tax_min", "lowest exported_over_measured_ttft_tax over the agent starts"),
+    ("exported_over_measured_ttft_tax_max", "highest exported_over_measured_ttft_tax over the agent starts"),
+    ("predicted_over_measured_ttft_tax_min", "lowest predicted_over_measured_ttft_tax over the agent starts"),
+    ("predicted_over_measured_ttft_tax_max", "highest predicted_over_measured_ttft_tax over the agent starts"),
+    ("agent_over_oneshot_ready_seconds", "median agent ready_seconds / median oneshot ready_seconds"),
+    ("background_user_ttft_over_steady_median", "median background_user_ttft_over_steady over the agent starts"),
+    ("background_user_ttft_over_steady_max", "highest background_user_ttft_over_steady over the agent starts"),
+    ("new_length_after_background_ttft_tax_median", "median new_length_after_background_ttft_tax over the agent "
+                                                    "starts"),
+    ("new_length_after_background_ttft_tax_max", "highest new_length_after_background_ttft_tax over the agent "
+                                                 "starts"),
+    ("warmup_budget_overspend_ratio_max", "highest warmup_budget_overspend_ratio over the agent starts"),
 )
 #: The figures whose oneshot/alone and agent/alone ratios are reported.
 RATIO_FIGURES = ("ready_seconds", "first_ttft_seconds", "first_total_seconds", "first_ttft_tax",
@@ -102,6 +135,23 @@ def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | No
     return out
 
 
+def headline(summary: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """HEADLINE's figures from the per-condition summary; None where a condition or a
+    figure was not measured."""
+    agent, oneshot = summary.get("agent") or {}, summary.get("oneshot") or {}
+
+    def of(key: str, stat: str) -> float | None:
+        return (agent.get(key) or {}).get(stat)
+    ready_agent, ready_oneshot = of("ready_seconds", "median"), (oneshot.get("ready_seconds") or {}).get("median")
+    out: dict[str, float | None] = {}
+    for name, _ in HEADLINE:
+        key, _, stat = name.rpartition("_")
+        out[name] = of(key, stat) if stat in ("min", "max", "median") else None
+    out["agent_over_oneshot_ready_seconds"] = ready_agent / ready_oneshot \
+        if ready_agent is not None and ready_oneshot else None
+    return out
+
+
 def spawn_arrival(summary: dict[str, dict[str, Any]], starts: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The user at the spawn: the agent's median seconds to their answer over alone's,
     and the most 503s one of them met through the agent (issue 71's names)."""
@@ -148,8 +198,8 @@ def provenance() -> dict[str, Any]:
 def result(head: dict[str, Any], starts: list[dict[str, Any]], conditions: list[str]) -> dict[str, Any]:
     """The whole JSON: `head` (tool, server, seed, status, ...), the figures, the starts."""
     summary = summarize(starts, conditions)
-    out = {**head, "summary": summary, "ratios": ratios(summary),
-           "definitions": dict(FIGURES + AGENT_FIGURES + SPAWN_FIGURES), "starts": starts}
+    out = {**head, "summary": summary, "ratios": ratios(summary), "headline": headline(summary),
+           "definitions": dict(FIGURES + AGENT_FIGURES + SPAWN_FIGURES + HEADLINE), "starts": starts}
     if (arrival := spawn_arrival(summary, starts)) is not None:
         out["spawn_arrival"] = arrival
     return out

@@ -37,6 +37,8 @@ data file page line word name number code key value test result error model syst
 # short questions, paragraphs and pasted documents.  Scaled to --max-context.
 MIX = ((0.5, 0.02, 0.10), (0.35, 0.10, 0.30), (0.15, 0.30, 0.55))
 LONGER_BY = 12     # words the new-length control adds: a length no earlier request had
+NEW_LENGTH_DRAWS = 200   # draws of a length inside the traffic's range, LONGER_BY words from any used
+MIN_APART = 4            # words, where the range holds no length LONGER_BY from a start's own
 SAMPLINGS = ({"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0, "top_p": 0.95})
 
 
@@ -76,14 +78,54 @@ class Traffic:
         if self.file_bodies:
             source, body = rng.choice(self.file_bodies)
             return _shape_of_body(source, body, self.max_tokens)
-        weights = [w for w, _, _ in MIX]
-        _, lo, hi = rng.choices(MIX, weights=weights)[0]
-        # A word is one to three tokens; the prompt plus the answer fits the context.
-        budget = max(8, self.max_context // 3 - self.max_tokens)
-        words = max(4, int(rng.uniform(lo, hi) * budget))
+        words = self._mix_words(rng)
         body = {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))}],
                 "max_tokens": rng.randint(max(4, self.max_tokens // 2), self.max_tokens), **rng.choice(SAMPLINGS)}
         return Shape(body, "mix", words)
+
+    def _budget(self) -> int:
+        """The mix's scale in words: a word is 1-3 tokens; prompt and answer fit the context."""
+        return max(8, self.max_context // 3 - self.max_tokens)
+
+    def _mix_words(self, rng: random.Random) -> int:
+        """One prompt length drawn from the built-in mix, in words."""
+        _, lo, hi = rng.choices(MIX, weights=[w for w, _, _ in MIX])[0]
+        return max(4, int(rng.uniform(lo, hi) * self._budget()))
+
+    def length_range(self) -> tuple[int, int]:
+        """The shortest and longest prompt, in words, this traffic draws."""
+        if self.file_bodies:
+            words = [_shape_of_body(source, body, self.max_tokens).prompt_words for source, body in self.file_bodies]
+            return min(words), max(words)
+        return max(4, int(MIX[0][1] * self._budget())), max(4, int(MIX[-1][2] * self._budget()))
+
+    def unused_length(self, start: int, used: list[int], apart: int = LONGER_BY) -> int | None:
+        """A length in words that this traffic draws (from a file: any between its shortest and
+        longest), `apart` words from each of `used`, else the farthest drawn at least
+        MIN_APART away; the same in every condition; None: none."""
+        rng = random.Random(self.seed * 1_000_003 + start + 0x1E9)
+        lo, hi = self.length_range()
+        best, best_gap = None, MIN_APART - 1
+        for _ in range(NEW_LENGTH_DRAWS):
+            words = rng.randint(lo, hi) if self.file_bodies else self._mix_words(rng)
+            gap = min(abs(words - u) for u in used) if used else apart
+            if gap >= apart:
+                return words
+            if gap > best_gap:
+                best, best_gap = words, gap
+        return best
+
+    def at_length(self, shape: Shape, words: int) -> Shape:
+        """`shape` with `words` prompt words: a file's last user message cut or lengthened once here."""
+        body = copy.deepcopy(shape.body)
+        if shape.source != "mix":
+            last = next(m for m in reversed(body["messages"]) if m.get("role") == "user")
+            own = _text(last.get("content")).split()
+            keep = max(1, words - (shape.prompt_words - len(own)))
+            own = own[:keep] + [self._rng.choice(WORDS) for _ in range(keep - len(own))]
+            last["content"] = " ".join(own)
+            words = sum(len(_text(m.get("content")).split()) for m in body["messages"])
+        return Shape(body, shape.source, words)
 
     def longer(self, shape: Shape, words: int = LONGER_BY) -> Shape:
         """`shape` with `words` more prompt words: a prompt length the server has not seen."""

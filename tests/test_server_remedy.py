@@ -25,6 +25,7 @@ from warmup_agent.server.command import remedy_plan
 from warmup_agent.states import State
 from warmup_agent.warmup import remedy
 
+
 def _tfserve(folder) -> list[str]:
     folder.mkdir(exist_ok=True)
     return ["transformers", "serve", str(folder), "--port", "8000"]

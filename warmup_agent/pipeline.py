@@ -295,11 +295,8 @@ class Agent:
         threading.Thread(target=run, name="warm-behind", daemon=True).start()
 
     def _users_quiet(self) -> None:
-        """Wait until no user request is in flight (the proxy's count), for a server the
-        agent supervises none of another client's has started within QUIET_SECONDS, and
-        the server's own figures (its kind's running and waiting requests, where its
-        /metrics has them) show none running or waiting: users who reach the server
-        without the proxy count too."""
+        """Wait until no user request is in flight: the proxy's count, another client's in
+        the supervised server's log within QUIET_SECONDS, the server's own running/waiting."""
         busy_read = 0.0
         while True:
             self.context.checkpoint()
@@ -318,11 +315,9 @@ class Agent:
             time.sleep(0.01)
 
     def _server_busy(self) -> bool:
-        """Whether the server's own /metrics count a request running or waiting (never the
-        agent's: the warm-up behind the users sends one at a time, after this check)."""
+        """Whether the server's /metrics count a request running or waiting (briefly: vLLM's
+        can take seconds under load, then it is not known)."""
         signals = self.engine.server_signals()
-        # Briefly: a server slow to answer /metrics (vLLM's holds one answer for seconds under
-        # load) is taken as not known, as without the read.
         stats = signals.water_level(timeout=0.25) if signals is not None else None
         if stats is None:
             return False

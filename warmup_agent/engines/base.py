@@ -157,8 +157,7 @@ class Engine(abc.ABC):
         return None
 
     def learn_remedy(self, pays: bool | None, decode_tpots: list[float]) -> dict | None:
-        """After SERVING: keep what this start measured for the next start's remedy decision
-        (warmup/remedy.py); the verdict entry, or None where there is nothing to decide."""
+        """After SERVING: keep what this start measured for the next start's remedy (warmup/remedy.py)."""
         return None
 
     def others_served_within(self, seconds: float) -> float | None:

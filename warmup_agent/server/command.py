@@ -92,21 +92,18 @@ def server_name_of(command: list[str] | None) -> str | None:
 
 @dataclass(frozen=True)
 class RemedyPlan:
-    """Whether the server `command` starts with its kind's remedy (warmup/remedy.py):
-    the environment to add ({} if none), why, and the key its verdict is kept under."""
+    """The remedy environment for a server command ({} if none), why, and its verdict's key."""
     env: dict[str, str]
     why: str | None = None       # None: the server's kind has no remedy
     key: str | None = None
 
 
 def remedy_plan(command: list[str] | None, mode: str, data_dir: str) -> RemedyPlan:
-    """The plan for `command` under openai.apply_server_remedy `mode`, from what this data
-    dir measured before."""
+    """The plan for `command` under openai.apply_server_remedy `mode`."""
     kind = kind_of_command(command)
     if kind is None or not kind.remedy_env:
         return RemedyPlan({})
-    # Here, not at the top: early_spawn imports this module before a spawn, and only a
-    # kind with a remedy needs the verdicts (json, hashlib, statistics: ~15 ms on 2 cores).
+    # Late: only a kind with a remedy pays its imports before an early spawn (~15 ms).
     from warmup_agent.warmup import remedy
     key = remedy.remedy_key(kind.name, model_in_command(command), kind.remedy_env)
     d = remedy.decide(mode, remedy.RemedyMemory(data_dir).get(key))

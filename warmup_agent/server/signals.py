@@ -111,11 +111,10 @@ class ServerSignals:
         return None
 
     def water_level(self, timeout: float | None = None) -> EngineStats | None:
-        """Requests running and waiting, from the server's /metrics through its kind's names: whether users
-        wait, without the proxy.  None: no exposition (llama-server needs --metrics), or no answer within
-        `timeout` (default: the reads' own); a figure not exported is None."""
+        """Requests running and waiting, from the server's /metrics through its kind's names.  None: no
+        exposition (llama-server needs --metrics, transformers serve has none) or no answer within `timeout`."""
         if self.kind is not None and not (self.kind.running_metric or self.kind.waiting_metric):
-            return None      # its kind exports neither (transformers serve): no read at all
+            return None
         body = self._get("/metrics", timeout)
         if body is None:
             return None

@@ -124,9 +124,7 @@ ONE_TIME_COST = ("the per-length test's first fresh length paid and its second d
                  "already paid")
 
 
-#: Where each new prompt length pays, what the first request at a length pays for is its
-#: block of this many tokens: a length next to one run before is steady (H200 map,
-#: docs/benchmarks.md "What a warm llama-server pays at a new prompt length").
+#: Where each new length pays, a first request pays for its block of this many tokens (docs/benchmarks.md).
 LENGTH_BLOCK_TOKENS = 16
 
 
@@ -571,10 +569,8 @@ class ProfileWarmup:
         self.warm_together(paths, {})
 
     def warm_behind(self, quiet: Callable[[], None]) -> dict:
-        """After SERVING, in the background: the paths other_paths left for later, then
-        one 1-token request per block of the users' lengths (behind_lengths), each request
-        sent only once `quiet()` returns (no user request in flight).  Their outcomes, the
-        lengths sent and the seconds it took, for the log and the record."""
+        """After SERVING: the paths other_paths left for later, then one 1-token request per
+        block of the users' lengths, each only once `quiet()` returns.  What it sent, for the log."""
         if not (self.behind or self.behind_lengths):
             return {}
         from warmup_agent.warmup.benefit import Path

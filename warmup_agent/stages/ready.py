@@ -99,9 +99,7 @@ def freeze_first_request(ctx: StageContext) -> None:
 
 
 def learn_remedy(ctx: StageContext, detail: dict) -> None:
-    """Keep, for the next start's openai.apply_server_remedy: auto, whether this start's
-    server paid per length (prewarm's test) and its steady time per token (the gate's
-    decode window)."""
+    """For the next start's remedy (auto): whether this server paid per length, its steady decode."""
     per_length = (ctx.warmup_summary or {}).get("per_length") or {}
     pays = per_length.get("pays") if per_length.get("tested") else None
     entry = ctx.engine.learn_remedy(pays, ctx.probe_log.decode.values())

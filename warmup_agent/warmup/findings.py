@@ -27,9 +27,7 @@ EXCESS = "new_length_excess"
 
 def server_key(server: str | None, model: str | None, concurrency: int, gpus: list[str],
                remedy: dict[str, str] | None = None) -> str:
-    """A short hash of what may make a server pay differently: name, model, slots, GPUs and
-    the remedy it was started with (openai.apply_server_remedy: a remedy is meant to change
-    what it pays, so a start with it measures again)."""
+    """A short hash of what may make a server pay differently: name, model, slots, GPUs, remedy."""
     parts: list = [server or "?", model or "?", int(concurrency), sorted(gpus)]
     if remedy:
         parts.append(sorted(remedy.items()))

@@ -1,19 +1,8 @@
-"""Whether to start a supervised server with its known per-length remedy (issue 71, item 4).
-
-Some servers pay at every new sequence length, and their kind (server/kinds.py) names an
-environment that takes that away (transformers serve: TORCH_CUDNN_SDPA_DEPRIORITIZED=1).
-`openai.apply_server_remedy: auto` applies it where the agent has measured both that the
-server pays per length without it and that steady decode is no slower with it:
-
-  1. a server never measured starts as the user wrote it; prewarm's per-length test says
-     whether it pays, and the gate's decode window gives its steady time per token;
-  2. where it paid, the next start (a restart, a wake of a new process, another pod of
-     the same data dir) gets the remedy, and its steady time per token is compared;
-  3. no slower (within SLOWER_RATIO): every later start keeps it; slower: none does.
-
-The verdict belongs to the server command (kind, model, the remedy), not to one start, so
-it is kept in `<data_dir>/server-remedy.json`, written atomically.  An unreadable file is
-logged and ignored, never a failed start.  `always` and `never` skip the measuring.
+"""Whether a supervised server starts with its kind's known per-length remedy
+(openai.apply_server_remedy: auto, issue 71).  A server never measured starts as written;
+where that start found it paying per length, the next one gets the remedy and compares its
+steady time per token; no slower (SLOWER_RATIO), later starts keep it, else none does.
+Kept per server command in `<data_dir>/server-remedy.json`; an unreadable file is ignored.
 """
 from __future__ import annotations
 
@@ -30,15 +19,14 @@ from warmup_agent.atomic_file import write_json_atomic
 log = logging.getLogger("warmup_agent.warmup")
 
 FILENAME = "server-remedy.json"
-#: Steady decode with the remedy may be this much slower than without and still count as "no slower":
-#: the gate's decode window is a few probes on a shared GPU.
+#: "No slower" within this: the gate's decode window is a few probes on a shared GPU.
 SLOWER_RATIO = 1.05
 MODES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """Whether the server starts with the remedy, and why, in one line for the log."""
+    """Apply the remedy, and why (one line for the log)."""
     apply: bool
     why: str
 
@@ -101,8 +89,7 @@ def decide(mode: str, entry: dict) -> Decision:
 
 
 def learn(entry: dict, applied: bool, pays: bool | None, decode_tpots: list[float]) -> dict:
-    """The entry after a start reached SERVING: `pays` is prewarm's per-length finding (None:
-    not tested), `decode_tpots` the gate's steady time per token of this start."""
+    """The entry after SERVING: `pays` prewarm's per-length finding (None: not tested)."""
     tpot = statistics.median(decode_tpots) if decode_tpots else None
     out = dict(entry)
     if not applied:

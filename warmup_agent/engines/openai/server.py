@@ -116,8 +116,7 @@ class ServerHandle:
 
     @functools.cached_property
     def remedy(self) -> RemedyPlan:
-        """Decided once per agent start, from this data dir's verdicts (warmup/remedy.py):
-        early_spawn planned the same environment, and the supervisor's restarts keep it."""
+        """Decided once per agent start (warmup/remedy.py), as early_spawn planned it."""
         if not self.command:
             return RemedyPlan({})
         return remedy_plan(self.command, self.openai.apply_server_remedy, self.data_dir)

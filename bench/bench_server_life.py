@@ -450,17 +450,24 @@ def learn(setup: Setup, p: Pod, traffic: Traffic, shape: Shape) -> dict[str, Any
             "breaker_trips": metric(p.url, "warmup_breaker_trips_total")}
 
 
-def learned_profile(url: str) -> dict[str, float]:
-    """What the agent's learned profile holds, as it exports it."""
-    return {"shapes": metric(url, "warmup_learned_profile_shapes"),
-            "requests": metric(url, "warmup_learned_profile_requests")}
+def learned_profile(p: Pod) -> dict[str, Any]:
+    """What the agent's learned profile holds, as it exports it, and the prompt lengths its
+    latest warm-up sent from it (its log's words)."""
+    warmed = None
+    if p.agent is not None:
+        with open(p.agent.log_path, errors="replace") as f:
+            found = re.findall(r"warming what users sent: .*prompt lengths \[([0-9, ]*)\]", f.read())
+        warmed = [int(n) for n in found[-1].split(",") if n.strip()] if found else None
+    return {"shapes": metric(p.url, "warmup_learned_profile_shapes"),
+            "requests": metric(p.url, "warmup_learned_profile_requests"), "warmed_prompt_tokens": warmed}
 
 
 def until_asleep(setup: Setup, p: Pod) -> None:
     """The server asleep (its /props), and the agent's state SLEEPING."""
     a = setup.args
     wait_for(lambda: sleeping(p.server_url), a.start_timeout, "server asleep", interval=0.05, alive=p.server)
-    wait_for(lambda: state(p.url) == "SLEEPING", 3 * a.learned_watch + 5, "SLEEPING", interval=0.02)
+    # a breaker tripped meanwhile (a loaded CPU) reopens after 30 s and half-open probes
+    wait_for(lambda: state(p.url) == "SLEEPING", 3 * a.learned_watch + 60, "SLEEPING", interval=0.02)
 
 
 def wake_ahead(setup: Setup, p: Pod, traffic: Traffic, shape: Shape) -> dict[str, Any]:
@@ -469,7 +476,7 @@ def wake_ahead(setup: Setup, p: Pod, traffic: Traffic, shape: Shape) -> dict[str
     t0 = time.monotonic()
     answer = wake_the_agent(p.url)
     rec = {"wake_answer": answer, "wake_seconds_outside": time.monotonic() - t0,
-           "wake_seconds_exported": metric(p.url, "warmup_wake_duration_seconds"), "profile": learned_profile(p.url),
+           "wake_seconds_exported": metric(p.url, "warmup_wake_duration_seconds"), "profile": learned_profile(p),
            **first_and_steady(p.users, setup.client_model, traffic, shape)}
     return rec
 
@@ -499,7 +506,7 @@ def wake_ahead_held(setup: Setup, p: Pod, traffic: Traffic, shape: Shape) -> dic
             "client_ttft_s": first.ttft, "ttft_after_release_s": after,
             "proxy_ttft_after_release_s": f1 - f0 if m1 - m0 == 1 else None, "steady_ttft_s": steady,
             "tax": after / steady, "client_tax": first.ttft / steady,
-            "wake_seconds_exported": metric(p.url, "warmup_wake_duration_seconds")}
+            "wake_seconds_exported": metric(p.url, "warmup_wake_duration_seconds"), "profile": learned_profile(p)}
 
 
 def learned_run(setup: Setup, traffic: Traffic, i: int) -> dict[str, Any]:
@@ -525,10 +532,11 @@ def learned_run(setup: Setup, traffic: Traffic, i: int) -> dict[str, Any]:
     def case(name: str, measure: Callable[[], dict[str, Any]]) -> None:
         """One case's record; a case that fails (a 503, a state never reached) is recorded
         as its error, and the run goes on to the next case."""
+        load = os.getloadavg()[0]      # the machine's load as the case began: others' work is noise
         try:
-            rec[name] = r = measure()
+            rec[name] = r = {**measure(), "load1": load}
         except (RequestFailed, RuntimeError, OSError) as e:
-            rec[name] = {"error": str(e)}
+            rec[name] = {"error": str(e), "load1": load}
             print(f"run {i} {name}: failed: {e}", flush=True)
             return
         first = r.get("first_ttft_s", r.get("client_ttft_s", 0.0))
@@ -538,7 +546,7 @@ def learned_run(setup: Setup, traffic: Traffic, i: int) -> dict[str, Any]:
 
     def first(p: Pod, shape: Shape) -> Callable[[], dict[str, Any]]:
         """The users' first request now and its steady, with the profile the agent holds."""
-        return lambda: {"profile": learned_profile(p.url),
+        return lambda: {"profile": learned_profile(p),
                         **first_and_steady(p.users, setup.client_model, traffic, shape)}
 
     def default_grid() -> None:
@@ -555,7 +563,7 @@ def learned_run(setup: Setup, traffic: Traffic, i: int) -> dict[str, Any]:
             shape = learned_shape(setup, traffic, p.server_url, i)
             rec["shape"] = {**shape.describe(), "prompt_tokens": setup.learned_tokens}
             rec["learning"] = learn(setup, p, traffic, shape)
-            rec["profile_learned"] = learned_profile(p.url)
+            rec["profile_learned"] = learned_profile(p)
             time.sleep(a.idle_seconds)
             case("idle", first(p, shape))
             case("after_restart", lambda: one_restart(setup, p, traffic, shape, i, "learned-restart", users=p.users))
@@ -655,7 +663,11 @@ def learned_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
         f["wake_ahead_held_wake_seconds_exported"] = med([h["wake_seconds_exported"] for h in held])
     f["learned_breaker_trips_while_learning"] = sum(r["learning"]["breaker_trips"] for r in runs if "learning" in r)
     f["learned_prompt_tokens"] = next((r["shape"]["prompt_tokens"] for r in runs if "shape" in r), None)
+    warmed = sorted({n for r in runs for c in ("after_wake", "held") for n in
+                     (r.get(c, {}).get("profile") or {}).get("warmed_prompt_tokens") or ()})
+    f["learned_warmed_prompt_tokens"] = warmed or None    # what the agent's wake warm-ups sent, as it logged
     f["learned_profile_saved"] = all(r.get("profile_saved") for r in runs)
+    f["load1_median"] = med([r[c]["load1"] for r in runs for c, _ in LEARNED if "load1" in r.get(c, {})])
     f["learned_target_tax"] = TARGET
     f["learned_meets_target"] = {name: {"median": f[name] <= TARGET, "max": f[name + "_max"] <= TARGET}
                                  for _, name in LEARNED if name in f and not name.startswith("default_grid")}

@@ -50,6 +50,7 @@ _STATES = [s.name for s in State]
 _SEQ = struct.Struct("<q")
 _LAYOUT = struct.Struct("<iidd")
 _SIZE = _SEQ.size + _LAYOUT.size
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(Shape))
 
 
 class SharedGate:
@@ -304,7 +305,8 @@ class _ChildGate:
         self.report.a.append((ttft, total, output_tokens))
 
     def user_shape(self, shape: Shape, params: dict[str, Any]) -> None:
-        self.report.s.append([*dataclasses.astuple(shape), params])
+        # Its fields in order, as dataclasses.astuple gives them (all plain values), without its deep copy.
+        self.report.s.append([getattr(shape, name) for name in _SHAPE_FIELDS] + [params])
 
 
 class _Counter:
@@ -346,7 +348,7 @@ class _Family:
         self.children: dict[tuple, Any] = {}
 
     def labels(self, **labels: str) -> Any:
-        key = tuple(sorted(labels.items()))
+        key = tuple(labels.items())      # a call site names its labels in one order
         child = self.children.get(key)
         if child is None:
             child = self.children[key] = self.make(**labels)

@@ -58,9 +58,10 @@ HOLD_STATES = frozenset({"INIT", "PRELOAD", "PRIME", "SLEEPING"})
 HOLD_POLL_SECONDS = 0.005      # how often held requests look at the gate (one poller for all)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The last `"completion_tokens": N` of an answer (the usage object ends OpenAI and vLLM
-# answers); a quote inside generated text is escaped, so it cannot match there.
-_COMPLETION_TOKENS = re.compile(rb'(?<!\\)"completion_tokens"\s*:\s*(\d+)')
-_PROMPT_TOKENS = re.compile(rb'(?<!\\)"prompt_tokens"\s*:\s*(\d+)')
+# answers); a quote inside generated text is escaped, so it cannot match there (_last_int
+# drops a match after a backslash: a lookbehind in the pattern would cost its literal search).
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 
 
 class Gate(Protocol):
@@ -475,7 +476,8 @@ class RoutingProxy:
         resp: web.StreamResponse | None = None
         first: float | None = None
         sse = False
-        streamed = _is_stream(body)
+        request_json = _json_or_none(body) if body and method == "POST" else None
+        streamed = _is_stream(body, request_json)
         count = streamed and not warmup and route == "main" and method == "POST"
         try:
             watch.waiting = True
@@ -503,7 +505,7 @@ class RoutingProxy:
             await _pump(conn, request, watch)
             if first is not None and answered:
                 self._user_answer(first - t0, time.perf_counter() - t0, conn.tail_prev + conn.tail_last, conn.tokens,
-                                  request.path, body)
+                                  request.path, body, request_json)
             conn.flush()                         # a sized answer's last bytes, once it is recorded
             await resp.write_eof()
             return resp
@@ -575,20 +577,21 @@ class RoutingProxy:
             self.gate.first_token(ttft)    # the window and the breaker; never the probe log
 
     def _user_answer(self, ttft: float, total: float, tail: bytes, streamed: StreamTokens | None,
-                     path: str, body: bytes) -> None:
+                     path: str, body: bytes, request_json: Any = None) -> None:
         """Report a 200 from the main engine, with its usage's completion_tokens or the
         stream's counted tokens, and the request's shape (warmup/learned.py: never its
-        text; prompt tokens as the server's usage counted them, else estimated)."""
-        tokens = streamed.tokens if streamed is not None else _last_int(_COMPLETION_TOKENS.findall(tail))
+        text; prompt tokens as the server's usage counted them, else estimated).
+        `request_json`: the body already parsed, where it was (None: parse it here)."""
+        tokens = streamed.tokens if streamed is not None else _last_int(_COMPLETION_TOKENS, tail)
         try:
             self.gate.user_answer(ttft, total, output_tokens=tokens)
         except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
             log.exception("gate.user_answer failed")
         try:
-            request = json.loads(body)
+            request = request_json if request_json is not None else json.loads(body)
             if isinstance(request, dict):
                 shape, params = learned.shape_of("chat" if path.endswith("/chat/completions") else "completions",
-                                                 request, _last_int(_PROMPT_TOKENS.findall(tail)), tokens)
+                                                 request, _last_int(_PROMPT_TOKENS, tail), tokens)
                 self.gate.user_shape(shape, params)
         except Exception:  # noqa: BLE001 - as above
             log.exception("gate.user_shape failed")
@@ -667,15 +670,30 @@ def _uncancel(watch: _Watch) -> None:
         watch.task.uncancel()
 
 
-def _last_int(found: list[bytes]) -> int | None:
-    return int(found[-1]) if found else None
+def _last_int(pattern: re.Pattern[bytes], tail: bytes) -> int | None:
+    """The number of the last match of `pattern` in `tail` not right after a backslash."""
+    last = None
+    for m in pattern.finditer(tail):
+        if tail[m.start() - 1:m.start()] != b"\\":
+            last = m
+    return int(last.group(1)) if last is not None else None
 
 
-def _is_stream(body: bytes) -> bool:
+def _json_or_none(body: bytes) -> Any:
+    """The request body parsed once for the stream flag and the shape; None where it is
+    not JSON (or is JSON's null), and then whoever needs it parses again, failing as before."""
+    try:
+        return json.loads(body)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
+def _is_stream(body: bytes, parsed: Any = None) -> bool:
+    """Whether the request asks for a stream; `parsed`: the body already parsed, where it was."""
     if b'"stream"' not in body:
         return False
     try:
-        return bool(json.loads(body).get("stream"))
+        return bool((parsed if parsed is not None else json.loads(body)).get("stream"))
     except (ValueError, AttributeError):
         return False
 

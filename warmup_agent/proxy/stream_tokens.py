@@ -4,11 +4,24 @@ Most clients stream without `stream_options.include_usage`, so the proxy counts 
 content chunks in a copy of the body as it relays it.  Servers stream one token a
 chunk, and some send a token as a chunk with empty text, so chunks are counted, not
 text.  Not counted: the opening role-only chunk, the closing finish_reason-only one,
-usage and error events, and `[DONE]`.  A usage event, where one comes, wins.
+usage and error events, and `[DONE]`.  A usage event, where one comes, wins (the last
+one, where several do).
+
+While the answer streams, the pieces are only kept (at most SETTLE_PIECES of them; then
+they are counted).  They are cut into events and read when the answer's tokens are
+asked for, from the last event back, so an answer that ends with its usage reads that
+one event instead of every chunk's, and one without reads each event once, as before.
 """
 from __future__ import annotations
 
 import json
+from typing import Any
+
+#: Pieces kept before they are cut and counted, so a long answer holds little.
+SETTLE_PIECES = 128
+
+# json.loads(bytes) without its wrappers, for the common payload (see _parse).
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def _is_token(choice: object) -> bool:
@@ -28,40 +41,126 @@ def _is_token(choice: object) -> bool:
     return bool(piece) or (not opening and choice.get("finish_reason") is None)
 
 
+def _load(payload: bytes) -> Any:
+    """json.loads(payload); raises ValueError where it would.  A payload that is one
+    object (`{...}`, in UTF-8) goes straight to the decoder's scanner: json.loads would
+    decode it as UTF-8 too (its second byte is not NUL), and text after the object's
+    closing brace cannot be only whitespace, so a scan that stops short fails it."""
+    if payload[:1] == b"{" and payload[-1:] == b"}" and payload[1] != 0:
+        text = payload.decode("utf-8", "surrogatepass")
+        try:
+            obj, end = _SCAN(text, 0)
+        except StopIteration:
+            raise ValueError("not JSON") from None
+        if end != len(text):
+            raise ValueError("extra data")
+        return obj
+    return json.loads(payload)
+
+
+def _parse(event: bytes) -> tuple[int, int | None] | None:
+    """One event's (tokens, usage's completion_tokens or None); None for an event that
+    is neither (no choices or usage, not JSON, not an object)."""
+    if b'"choices"' not in event and b'"usage"' not in event:
+        return None
+    if event[:5] == b"data:" and b"\n" not in event:       # one line: the usual event
+        payload = event[5:].lstrip(b" ")
+    else:
+        payload = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
+    try:
+        obj = _load(payload)
+        choices, usage = obj.get("choices"), obj.get("usage")
+    except (ValueError, AttributeError, RecursionError):    # nested past the parser's depth: no event either
+        return None
+    tokens = 0
+    if isinstance(choices, list):
+        for choice in choices:
+            if _is_token(choice):
+                tokens += 1
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return tokens, usage["completion_tokens"]
+    return tokens, None
+
+
 class StreamTokens:
     """Counts the tokens of an SSE body fed in pieces, however they split."""
 
-    __slots__ = ("_buf", "count", "usage")
+    __slots__ = ("_parts", "_buf", "_events", "_count", "_usage")
 
     def __init__(self) -> None:
-        self._buf = b""
-        self.count = 0
-        self.usage: int | None = None
+        self._parts: list[bytes] = []      # fed, not yet cut into events
+        self._buf = b""                    # the start of an event not yet whole
+        self._events: list[bytes] = []     # cut apart, not yet read
+        self._count = 0
+        self._usage: int | None = None
+
+    def feed(self, data: bytes) -> None:
+        parts = self._parts
+        parts.append(bytes(data))
+        if len(parts) >= SETTLE_PIECES:
+            self._settle()
 
     @property
     def tokens(self) -> int:
-        return self.usage if self.usage is not None else self.count
+        """The last usage event's completion_tokens, else the counted chunks."""
+        self._cut()
+        events = self._events
+        if events:
+            read = []
+            for event in reversed(events):          # the usage event comes last
+                parsed = _parse(event)
+                if parsed is not None:
+                    if parsed[1] is not None:
+                        return parsed[1]
+                    read.append(parsed[0])
+            self._events = []                        # none has usage: all are read, count them
+            self._count += sum(read)
+        return self._usage if self._usage is not None else self._count
 
-    def feed(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else bytes(data)
-        if b"\r" in buf:
-            buf = buf.replace(b"\r\n", b"\n")   # a CR split from its LF is joined at the next feed
-        start = 0
-        while (end := buf.find(b"\n\n", start)) >= 0:
-            self._event(buf[start:end])
-            start = end + 2
-        self._buf = buf[start:]
+    @property
+    def count(self) -> int:
+        """The token chunks counted, whatever the usage says."""
+        self._settle()
+        return self._count
 
-    def _event(self, event: bytes) -> None:
-        if b'"choices"' not in event and b'"usage"' not in event:
+    @property
+    def usage(self) -> int | None:
+        """The last usage event's completion_tokens, None without one."""
+        self._settle()
+        return self._usage
+
+    def _cut(self) -> None:
+        """Cut what was fed into events (split at blank lines; CRLF read as LF)."""
+        parts, self._parts = self._parts, []
+        if not parts:
             return
-        payload = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
-        try:
-            obj = json.loads(payload)
-            choices, usage = obj.get("choices"), obj.get("usage")
-        except (ValueError, AttributeError):
+        buf = self._buf
+        text = b"".join((buf, *parts)) if buf else b"".join(parts)
+        if b"\r" not in text:
+            # split() finds the blank lines left to right, as piece by piece would.
+            events = text.split(b"\n\n")
+            self._buf = events.pop()
+            self._events += events
             return
-        if isinstance(choices, list):
-            self.count += sum(1 for c in choices if _is_token(c))
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.usage = usage["completion_tokens"]
+        out = self._events
+        for data in parts:                            # piece by piece: where a CR and its LF split matters
+            buf = buf + data if buf else data
+            if b"\r" in buf:
+                buf = buf.replace(b"\r\n", b"\n")   # a CR split from its LF is joined at the next piece
+            start = 0
+            while (end := buf.find(b"\n\n", start)) >= 0:
+                out.append(buf[start:end])
+                start = end + 2
+            buf = buf[start:] if start else buf
+        self._buf = buf
+
+    def _settle(self) -> None:
+        """Cut and read everything fed, in order."""
+        self._cut()
+        events, self._events = self._events, []
+        for event in events:
+            parsed = _parse(event)
+            if parsed is not None:
+                self._count += parsed[0]
+                if parsed[1] is not None:
+                    self._usage = parsed[1]

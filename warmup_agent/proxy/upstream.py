@@ -153,6 +153,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.watch: Any = None           # the proxy's _Watch: .chunks counts what came
+        self._loop: asyncio.AbstractEventLoop | None = None    # the loop of the request sent last
         self._reset()
 
     def _reset(self) -> None:
@@ -222,7 +223,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._reset()
         if count_tokens:
             self.tokens = StreamTokens()
-        self._head_wait = asyncio.get_running_loop().create_future()
+        self._loop = loop = asyncio.get_running_loop()
+        self._head_wait = loop.create_future()
         self.transport.write(data)
         await self._head_wait
 
@@ -352,6 +354,20 @@ class UpstreamConnection(asyncio.Protocol):
         if self._carry:
             data = self._carry + data
             self._carry = b""
+        elif self._state == _SIZE:
+            # The usual read under a stream: exactly one whole chunk (its size line, its
+            # data, its CRLF), as the loop below would take it in two turns.
+            eol = data.find(b"\r\n")
+            if eol > 0:
+                try:
+                    size = int(data[:eol].split(b";", 1)[0], 16)
+                except ValueError:
+                    size = 0                                  # the loop below says why
+                if size > 0 and len(data) == eol + size + 4:
+                    if self.tokens is not None:
+                        self.tokens.feed(data[eol + 2:eol + 2 + size])
+                    self.at_boundary = True
+                    return data, False
         state = self._state
         pos, n, fwd = 0, len(data), (0 if state == _TRAILER else -1)
         while pos < n:
@@ -450,7 +466,7 @@ class UpstreamConnection(asyncio.Protocol):
             raise self.error
         if self.ended:
             return True
-        self._event = asyncio.get_running_loop().create_future()
+        self._event = (self._loop or asyncio.get_running_loop()).create_future()
         try:
             return await self._event
         finally:
@@ -461,7 +477,7 @@ class UpstreamConnection(asyncio.Protocol):
         while not self.has_body():
             if self.error is not None:
                 raise self.error
-            self._event = asyncio.get_running_loop().create_future()
+            self._event = (self._loop or asyncio.get_running_loop()).create_future()
             try:
                 await self._event
             finally:

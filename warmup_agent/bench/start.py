@@ -45,8 +45,7 @@ AGENT_METRICS = tuple(name for _, name in EXPORTED_TAXES + PREDICTED_TAXES) + (
 
 
 class StartFailed(Exception):
-    """A start that could not be measured; str() is the one line to show, and
-    `record` keeps what was measured before it failed."""
+    """A start that could not be measured: str() the line to show, `record` what was measured."""
 
     def __init__(self, message: str, record: dict[str, Any]) -> None:
         super().__init__(message)
@@ -88,8 +87,7 @@ def _url(host: str, port: int) -> str:
 
 
 def _wait_ready(s: process.Started, url: str, timeout: float, what: str) -> float:
-    """Seconds from spawn until GET url answers 200; StartFailed-ready messages
-    are raised by the caller from the RuntimeError's text."""
+    """Seconds from spawn until GET url answers 200 (RuntimeError: the caller's StartFailed)."""
     deadline = s.t0 + timeout
     last_note = 0.0
     while True:
@@ -111,8 +109,7 @@ def _wait_ready(s: process.Started, url: str, timeout: float, what: str) -> floa
 
 def _spawn(setup: Setup, condition: str, index: int, port: int,
            proxy_port: int | None = None) -> tuple[process.Started, str]:
-    """Start the condition's process (the agent with its proxy on `proxy_port` where
-    given); returns it and the URL that says it is ready."""
+    """The condition's process (the agent: its proxy on `proxy_port`) and its ready URL."""
     log = os.path.join(setup.logs, f"{condition}-{index + 1}.log")
     cmd = setup.server_command(port)
     if condition not in ("agent", "spawn-agent"):
@@ -127,8 +124,7 @@ def _spawn(setup: Setup, condition: str, index: int, port: int,
 
 
 def run_start(setup: Setup, traffic: Traffic, condition: str, index: int) -> dict[str, Any]:
-    """One start, measured; raises StartFailed (with what was measured) when the
-    server fails to start, never gets ready, or stops answering."""
+    """One start, measured; StartFailed when the server fails to start, get ready or answer."""
     port = setup.port if setup.port is not None else process.free_port()
     shape = traffic.shape(index)
     rec: dict[str, Any] = {"condition": condition, "start": index + 1, "port": port, "shape": shape.describe()}
@@ -235,8 +231,7 @@ def _over(a: float | None, b: float | None) -> float | None:
 
 
 def _agent_said(agent: str, rec: dict[str, Any], wait: float = USERS_TAX_WAIT) -> None:
-    """The agent's figures beside the bench's: the users' first-request taxes (awaited up
-    to `wait` s), its probes' prediction of them, its warming time over its budget."""
+    """The agent's figures: the users' first-request taxes (up to `wait` s), the prediction, the budget."""
     deadline = time.monotonic() + wait
     while True:
         text = client.get_text(agent + "/metrics") or ""

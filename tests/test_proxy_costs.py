@@ -5,7 +5,7 @@ The token count is read once per answer: StreamTokens keeps the pieces as they p
 reads the events when the answer's tokens are asked for, from the last one back.  Its
 figures are those of reading every event as it came (the reference below, the counter as
 it was), however the reads split the body, with CRs or without; an answer that ends with
-its usage reads only its last events; a long one holds at most SETTLE_PIECES pieces
+its usage reads only its last events; a long one holds at most SETTLE_BYTES bytes
 unread.  The usage numbers in an answer's tail are found as the lookbehind pattern found
 them, and a request body is parsed once for the stream flag and the shape."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import random
 import pytest
 
 from warmup_agent.proxy import routing, stream_tokens
-from warmup_agent.proxy.stream_tokens import SETTLE_PIECES, StreamTokens, _is_token
+from warmup_agent.proxy.stream_tokens import SETTLE_BYTES, StreamTokens, _is_token
 
 
 class EveryEvent:
@@ -69,7 +69,7 @@ def test_the_count_and_the_usage_are_those_of_reading_every_event_as_it_came(mon
     for _ in range(3000):
         body = b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 40)))
         cuts = sorted(rng.sample(range(len(body) + 1), min(len(body) + 1, rng.randint(0, 6))))
-        monkeypatch.setattr(stream_tokens, "SETTLE_PIECES", rng.choice([1, 2, 3, 128]))
+        monkeypatch.setattr(stream_tokens, "SETTLE_BYTES", rng.choice([1, 20, 100, 64 * 1024]))
         ref, lazy = EveryEvent(), StreamTokens()
         for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True):
             ref.feed(body[a:b])
@@ -101,12 +101,13 @@ def test_an_answer_that_ends_with_its_usage_reads_only_its_last_events(monkeypat
     assert counter.count == 32            # asked for, every event is read
 
 
-def test_a_long_answer_holds_few_pieces_unread():
+def test_a_long_answer_holds_few_bytes_unread():
     counter = StreamTokens()
-    for i in range(10 * SETTLE_PIECES + 3):
+    n = 10 * SETTLE_BYTES // len(_chat(0))
+    for i in range(n):
         counter.feed(_chat(i))
-        assert len(counter._parts) < SETTLE_PIECES
-    assert counter.tokens == 10 * SETTLE_PIECES + 3
+        assert sum(map(len, counter._parts)) < SETTLE_BYTES
+    assert counter.tokens == n
 
 
 def test_a_payload_nested_past_the_parsers_depth_is_no_event():

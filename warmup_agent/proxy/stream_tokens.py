@@ -7,7 +7,7 @@ text.  Not counted: the opening role-only chunk, the closing finish_reason-only 
 usage and error events, and `[DONE]`.  A usage event, where one comes, wins (the last
 one, where several do).
 
-While the answer streams, the pieces are only kept (at most SETTLE_PIECES of them; then
+While the answer streams, the pieces are only kept (up to SETTLE_BYTES bytes; then
 they are counted).  They are cut into events and read when the answer's tokens are
 asked for, from the last event back, so an answer that ends with its usage reads that
 one event instead of every chunk's, and one without reads each event once, as before.
@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-#: Pieces kept before they are cut and counted, so a long answer holds little.
-SETTLE_PIECES = 128
+#: Bytes kept before they are cut and counted, so a long answer holds little (about 300
+#: events of a chat stream: most answers are read once, at their end).
+SETTLE_BYTES = 64 * 1024
 
 # json.loads(bytes) without its wrappers, for the common payload (see _parse).
 _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
@@ -85,19 +86,20 @@ def _parse(event: bytes) -> tuple[int, int | None] | None:
 class StreamTokens:
     """Counts the tokens of an SSE body fed in pieces, however they split."""
 
-    __slots__ = ("_parts", "_buf", "_events", "_count", "_usage")
+    __slots__ = ("_parts", "_held", "_buf", "_events", "_count", "_usage")
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []      # fed, not yet cut into events
+        self._held = 0                     # their bytes
         self._buf = b""                    # the start of an event not yet whole
         self._events: list[bytes] = []     # cut apart, not yet read
         self._count = 0
         self._usage: int | None = None
 
     def feed(self, data: bytes) -> None:
-        parts = self._parts
-        parts.append(bytes(data))
-        if len(parts) >= SETTLE_PIECES:
+        self._parts.append(bytes(data))
+        self._held += len(data)
+        if self._held >= SETTLE_BYTES:
             self._settle()
 
     @property
@@ -134,6 +136,7 @@ class StreamTokens:
         parts, self._parts = self._parts, []
         if not parts:
             return
+        self._held = 0
         buf = self._buf
         text = b"".join((buf, *parts)) if buf else b"".join(parts)
         if b"\r" not in text:

@@ -645,10 +645,10 @@ def main() -> int:
                                              "proxy_errors", "readyz_p99_ms_under_load_max", "targets_met")}))
     for row in result["table"]:
         if "proxy_rps_over_nginx" in row:
-            base = (f" (baseline {row['baseline_rps_over_nginx']:.3f}, {row.get('baseline_added_ttfb_p50_ms')} ms)"
-                    if "baseline_rps_over_nginx" in row else "")
+            before = (f" (baseline {row['baseline_rps_over_nginx']:.3f}, {row.get('baseline_added_ttfb_p50_ms')} ms)"
+                      if "baseline_rps_over_nginx" in row else "")
             print(f"{row['mode']:9s} {row['streams']:4d}: proxy/nginx {row['proxy_rps_over_nginx']:.3f}, TTFB p50 added "
-                  f"proxy {row.get('proxy_added_ttfb_p50_ms')} ms, nginx {row.get('nginx_added_ttfb_p50_ms')} ms{base}; "
+                  f"proxy {row.get('proxy_added_ttfb_p50_ms')} ms, nginx {row.get('nginx_added_ttfb_p50_ms')} ms{before}; "
                   "CPU ms a request " + ", ".join(f"{t} {row[t]['cpu_ms_per_request_median']}" for t in targets))
     print(f"wrote {out}")
     return 0

@@ -48,8 +48,9 @@ __all__ = ["STAGES", "Agent", "AgentFailure", "StageTiming", "preload_deadline"]
 log = logging.getLogger("warmup_agent.pipeline")
 # The warm-up behind the users waits this long after another client's request began.
 QUIET_SECONDS = 0.5
-# ... and reads the server's running and waiting requests at most this often while it waits.
+# ... reading the server's figures every 0.1 s, the rest every 0.05 (10 ms: 42% of its CPU under load).
 WATER_READ_SECONDS = 0.1
+QUIET_POLL_SECONDS = 0.05
 
 STAGES = ("reserve", "prewarm", "solidify", "ready")
 
@@ -307,12 +308,12 @@ class Agent:
             if self.readiness.users_in_flight == 0 and self.engine.others_served_within(QUIET_SECONDS) is None:
                 now = time.monotonic()
                 if now - busy_read < WATER_READ_SECONDS:
-                    time.sleep(0.01)
+                    time.sleep(QUIET_POLL_SECONDS)
                     continue
                 busy_read = now
                 if not self._server_busy():
                     return
-            time.sleep(0.01)
+            time.sleep(QUIET_POLL_SECONDS)
 
     def _server_busy(self) -> bool:
         """Whether the server's /metrics count a request running or waiting (briefly: vLLM's

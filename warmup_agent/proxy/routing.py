@@ -62,6 +62,10 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # drops a match after a backslash: a lookbehind in the pattern would cost its literal search).
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+# llama-server streams usage only when asked, but its last chunk's timings always say the
+# prompt's tokens: those it evaluated (prompt_n) and those its cache held (cache_n).
+_PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
+_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
 
 
 class Gate(Protocol):
@@ -591,7 +595,7 @@ class RoutingProxy:
             request = request_json if request_json is not None else json.loads(body)
             if isinstance(request, dict):
                 shape, params = learned.shape_of("chat" if path.endswith("/chat/completions") else "completions",
-                                                 request, _last_int(_PROMPT_TOKENS, tail), tokens)
+                                                 request, _prompt_tokens(tail), tokens)
                 self.gate.user_shape(shape, params)
         except Exception:  # noqa: BLE001 - as above
             log.exception("gate.user_shape failed")
@@ -668,6 +672,15 @@ def _uncancel(watch: _Watch) -> None:
     """The sweep's cancel was handled (a 504): the task goes on as if not cancelled."""
     if sys.version_info >= (3, 11):
         watch.task.uncancel()
+
+
+def _prompt_tokens(tail: bytes) -> int | None:
+    """The prompt's tokens as the server counted them: its usage, else llama-server's timings."""
+    usage = _last_int(_PROMPT_TOKENS, tail)
+    if usage is not None:
+        return usage
+    evaluated = _last_int(_PROMPT_N, tail)
+    return None if evaluated is None else evaluated + (_last_int(_CACHE_N, tail) or 0)
 
 
 def _last_int(pattern: re.Pattern[bytes], tail: bytes) -> int | None:

@@ -62,8 +62,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # drops a match after a backslash: a lookbehind in the pattern would cost its literal search).
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-# llama-server streams usage only when asked, but its last chunk's timings always say the
-# prompt's tokens: those it evaluated (prompt_n) and those its cache held (cache_n).
+# llama-server's last chunk, usage or not: the prompt tokens it evaluated and its cache held.
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d+)')
 _CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
 

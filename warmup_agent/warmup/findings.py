@@ -45,23 +45,47 @@ class SharedStore(Protocol):
     def put(self, key: str, entry: dict) -> None: ...
 
 
-class Findings:
-    """The findings file of one data directory, backed by the shared store where there is one."""
+class EntryFile:
+    """Entries by key in one JSON file: unreadable reads as {}, a failed write is logged."""
 
-    def __init__(self, data_dir: str, shared: SharedStore | None = None):
-        self.path = os.path.join(data_dir, FILENAME)
-        self.shared = shared
+    def __init__(self, path: str, what: str, prefix: str):
+        self.path, self.what, self.prefix = path, what, prefix
 
-    def _load(self) -> dict:
+    def load(self) -> dict:
         try:
             with open(self.path, encoding="utf-8") as f:
                 data = json.load(f)
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            log.warning("%s: not readable as the agent's server findings (%s); measuring again", self.path, e)
+            log.warning("%s: not readable as the agent's %s (%s); measuring again", self.path, self.what, e)
             return {}
         return data if isinstance(data, dict) else {}
+
+    def write(self, key: str, entry: dict) -> None:
+        data = self.load()
+        data[key] = entry
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            write_json_atomic(self.path, data, mode=0o600, prefix=self.prefix, indent=1, sort_keys=True)
+        except OSError as e:
+            log.warning("cannot write the %s to %s: %s", self.what, self.path, e)
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class Findings:
+    """The findings file of one data directory, backed by the shared store where there is one."""
+
+    def __init__(self, data_dir: str, shared: SharedStore | None = None):
+        self.file = EntryFile(os.path.join(data_dir, FILENAME), "server findings", ".wa-findings-")
+        self.path = self.file.path
+        self.shared = shared
+
+    def _load(self) -> dict:
+        return self.file.load()
 
     def get(self, key: str) -> dict | None:
         """The remembered outcome for `key` with `from`, or None; a shared entry is copied to the file."""
@@ -79,7 +103,7 @@ class Findings:
     def put(self, key: str, outcome: dict, about: dict) -> None:
         """Remember `outcome` for `key`, with `about` as the key's readable parts; failures are logged."""
         entry = {**{k: bool(outcome.get(k)) for k in KEPT}, "about": about,
-                 "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                 "measured_at": now_iso()}
         if (excess := excess_of(outcome)) is not None:
             entry[EXCESS] = excess
         self._write(key, entry)
@@ -87,14 +111,7 @@ class Findings:
             self.shared.put(key, entry)
 
     def _write(self, key: str, entry: dict) -> None:
-        data = self._load()
-        data[key] = entry
-        folder = os.path.dirname(self.path) or "."
-        try:
-            os.makedirs(folder, exist_ok=True)
-            write_json_atomic(self.path, data, mode=0o600, prefix=".wa-findings-", indent=1, sort_keys=True)
-        except OSError as e:
-            log.warning("cannot write the server findings to %s: %s", self.path, e)
+        self.file.write(key, entry)
 
 
 def _valid(entry: Any) -> TypeGuard[dict]:

@@ -1,27 +1,19 @@
-"""Whether a supervised server starts with its kind's known per-length remedy
-(openai.apply_server_remedy: auto, issue 71).  A server never measured starts as written;
-where that start found it paying per length, the next one gets the remedy and compares its
-steady time per token; no slower (SLOWER_RATIO), later starts keep it, else none does.
-Kept per server command in `<data_dir>/server-remedy.json`; an unreadable file is ignored.
-"""
+"""openai.apply_server_remedy auto (issue 71): a server never measured starts as written;
+after a start that found it paying per length, the next gets the remedy and keeps it while
+steady decode is no slower (SLOWER_RATIO).  Kept in `<data_dir>/server-remedy.json`."""
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
-import logging
 import os
 import statistics
 from dataclasses import dataclass
 
-from warmup_agent.atomic_file import write_json_atomic
-
-log = logging.getLogger("warmup_agent.warmup")
+from warmup_agent.warmup.findings import EntryFile, now_iso
 
 FILENAME = "server-remedy.json"
 #: "No slower" within this: the gate's decode window is a few probes on a shared GPU.
 SLOWER_RATIO = 1.05
-MODES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -41,31 +33,15 @@ class RemedyMemory:
     """The remedy verdicts of one data directory."""
 
     def __init__(self, data_dir: str):
-        self.path = os.path.join(data_dir, FILENAME)
-
-    def _load(self) -> dict:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            log.warning("%s: not readable as the agent's server remedy verdicts (%s); measuring again", self.path, e)
-            return {}
-        return data if isinstance(data, dict) else {}
+        self.file = EntryFile(os.path.join(data_dir, FILENAME), "server remedy verdicts", ".wa-remedy-")
+        self.path = self.file.path
 
     def get(self, key: str) -> dict:
-        entry = self._load().get(key)
+        entry = self.file.load().get(key)
         return entry if isinstance(entry, dict) else {}
 
     def put(self, key: str, entry: dict) -> None:
-        data = self._load()
-        data[key] = {**entry, "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            write_json_atomic(self.path, data, mode=0o600, prefix=".wa-remedy-", indent=1, sort_keys=True)
-        except OSError as e:
-            log.warning("cannot write the server remedy verdicts to %s: %s", self.path, e)
+        self.file.write(key, {**entry, "measured_at": now_iso()})
 
 
 def decide(mode: str, entry: dict) -> Decision:

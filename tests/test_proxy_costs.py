@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from tests.test_stream_tokens import _ServerEnd
 from warmup_agent.proxy import routing, stream_tokens
 from warmup_agent.proxy.stream_tokens import SETTLE_BYTES, StreamTokens, _is_token
 
@@ -134,23 +135,9 @@ def test_a_body_parsed_once_says_stream_as_before(body):
     assert routing._is_stream(body, parsed) == routing._is_stream(body)
 
 
-class _End:
+class _End(_ServerEnd):
+    """test_stream_tokens' transport stub, as a client's end too (the relay reads writing_paused)."""
     writing_paused = False
-
-    def __init__(self) -> None:
-        self.sent = bytearray()
-
-    def write(self, data: bytes) -> None:
-        self.sent += data
-
-    def abort(self) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-    def pause_reading(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("reads", ["chunk", "random"])

@@ -48,8 +48,7 @@ __all__ = ["STAGES", "Agent", "AgentFailure", "StageTiming", "preload_deadline"]
 log = logging.getLogger("warmup_agent.pipeline")
 # The warm-up behind the users waits this long after another client's request began.
 QUIET_SECONDS = 0.5
-# ... reading the server's figures every 0.1 s, the rest every 0.05 (10 ms: 42% of its CPU under load).
-WATER_READ_SECONDS = 0.1
+# ... looking again every QUIET_POLL_SECONDS (10 ms was 42% of the agent's CPU under load).
 QUIET_POLL_SECONDS = 0.05
 
 STAGES = ("reserve", "prewarm", "solidify", "ready")
@@ -296,28 +295,20 @@ class Agent:
         threading.Thread(target=run, name="warm-behind", daemon=True).start()
 
     def _users_quiet(self) -> None:
-        """Wait until no user request is in flight: the proxy's count, another client's in
-        the supervised server's log within QUIET_SECONDS, the server's own running/waiting."""
-        busy_read = 0.0
+        """Wait until no user request is in flight: the proxy's, the server log's, the server's own."""
         while True:
             self.context.checkpoint()
             if self._stopped:
                 raise AgentFailure("stopped", "the agent stops")
             if self.sm.state != State.SERVING:   # asleep, degraded or re-warming: that warm-up decides
                 raise AgentFailure("left_serving", f"the pod is {self.sm.state.name}")
-            if self.readiness.users_in_flight == 0 and self.engine.others_served_within(QUIET_SECONDS) is None:
-                now = time.monotonic()
-                if now - busy_read < WATER_READ_SECONDS:
-                    time.sleep(QUIET_POLL_SECONDS)
-                    continue
-                busy_read = now
-                if not self._server_busy():
-                    return
+            if (self.readiness.users_in_flight == 0 and self.engine.others_served_within(QUIET_SECONDS) is None
+                    and not self._server_busy()):
+                return
             time.sleep(QUIET_POLL_SECONDS)
 
     def _server_busy(self) -> bool:
-        """Whether the server's /metrics count a request running or waiting (briefly: vLLM's
-        can take seconds under load, then it is not known)."""
+        """Whether the server's /metrics count a request running or waiting (read within 0.25 s)."""
         signals = self.engine.server_signals()
         stats = signals.water_level(timeout=0.25) if signals is not None else None
         if stats is None:

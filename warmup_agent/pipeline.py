@@ -107,6 +107,7 @@ class Agent:
         self.golden: GoldenAnswers | None = None   # ... and records the warmed model's answers
         self._stopped = False
         self._init_metrics()
+        self.sm.on_change(self._on_first_serving)
         if cfg.proxy.listen:     # what users send through the proxy, learned (shapes, never text)
             self.readiness.traffic = self._traffic_memory()
 
@@ -187,9 +188,13 @@ class Agent:
     def ready(self) -> None:
         with self._stage("ready", 4) as timing:
             ready.run(self.context, timing.detail)
-            if self.sm.state == State.SERVING:
-                self.run_record.serving_at = serving_at = self.clock()
-                self.recorder.serving(ServingStats(serving_at - self.started))
+
+    def _on_first_serving(self, frm: State, to: State) -> None:
+        # At the transition itself, not after the stage's bookkeeping: a /readyz 200 is
+        # never followed by a /metrics without the time to ready (the stage ends here too).
+        if to == State.SERVING and self.run_record.serving_at is None:
+            self.run_record.serving_at = serving_at = self.clock()
+            self.recorder.serving(ServingStats(serving_at - self.started))
 
     @contextlib.contextmanager
     def _stage(self, name: str, phase: int) -> Iterator[StageTiming]:
@@ -212,7 +217,7 @@ class Agent:
             timing.status = "failed"
             raise
         finally:
-            end = self.clock()
+            end = self.serving_at if name == "ready" and self.serving_at is not None else self.clock()
             timing.end = end - self.started
             duration = timing.end - timing.start   # timing.duration, now that it has ended
             self._boundary = end

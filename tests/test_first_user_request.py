@@ -103,3 +103,24 @@ def test_the_breaker_closing_is_not_a_new_gate():
     assert sm.transition(State.DEGRADED) and sm.transition(State.SERVING)
     rd.user_answer(0.1, 0.1, output_tokens=1)
     assert gauges(metrics)[0] == pytest.approx(3.0)
+
+
+def test_an_answer_in_before_the_state_listener_belongs_to_the_new_gate():
+    """/readyz and the proxy see SERVING before the listeners run; an answer reported in
+    that moment (here: by a listener that runs first) is the new gate's first request."""
+    cfg = config.load(env={"WARMUP_AGENT_READINESS_FIRST_USER_STEADY_REQUESTS": "5"})
+    metrics = AgentMetrics()
+    sm = StateMachine(Recorder(metrics))
+    early = []
+    sm.on_change(lambda frm, to: early.append(rd.user_answer(FIRST[0], FIRST[1], output_tokens=FIRST[2]))
+                 if to == State.SERVING else None)
+    rd = Readiness(cfg.readiness, cfg.breaker, sm, Recorder(metrics))
+    rd.user_answer(9.9, 9.9, output_tokens=1)        # before any gate: not this gate's
+    for s in (State.PRELOAD, State.PRIME, State.SERVING):
+        assert sm.transition(s)
+    assert early
+    for a in LATER[:5]:
+        rd.user_answer(a[0], a[1], output_tokens=a[2])
+    assert rd.first_user_request.figures is not None
+    assert rd.first_user_request.figures.first.ttft == FIRST[0]
+    assert gauges(metrics)[0] == pytest.approx(independent(FIRST, LATER[:5])[0], rel=1e-12)

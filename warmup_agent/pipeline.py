@@ -190,8 +190,7 @@ class Agent:
             ready.run(self.context, timing.detail)
 
     def _on_first_serving(self, frm: State, to: State) -> None:
-        # At the transition itself, not after the stage's bookkeeping: a /readyz 200 is
-        # never followed by a /metrics without the time to ready (the stage ends here too).
+        # At the transition, so a /readyz 200 is never followed by a /metrics without it.
         if to == State.SERVING and self.run_record.serving_at is None:
             self.run_record.serving_at = serving_at = self.clock()
             self.recorder.serving(ServingStats(serving_at - self.started))

@@ -138,9 +138,9 @@ class StateMachine:
                 log.warning("illegal state transition %s -> %s rejected", frm.name, to.name)
                 self._record(StateStats(frm.name, rejected=to.name))
                 return False
-            self.state = to
             self.entered_at = self._clock()
-            self.history.append((to, self.entered_at))
+            self.history.append((to, self.entered_at))   # before the state: readers see its time with it
+            self.state = to
             self._record(StateStats(to.name, before=frm.name))
         log.info("state %s -> %s", frm.name, to.name)
         for fn in self._listeners:

@@ -65,8 +65,9 @@ def figures(first: UserAnswer, later: list[UserAnswer]) -> FirstUserFigures:
 class FirstUserRequest:
     """One gate's first user request.  Not thread-safe; Readiness holds a lock."""
 
-    def __init__(self, steady_requests: int = 5) -> None:
+    def __init__(self, steady_requests: int = 5, opened_at: float | None = None) -> None:
         self.steady_requests = steady_requests
+        self.opened_at = opened_at      # when its gate opened (the state machine's clock)
         self.first: UserAnswer | None = None
         self.later: list[UserAnswer] = []
         self.figures: FirstUserFigures | None = None

@@ -254,16 +254,13 @@ class Readiness:
             self.traffic.observe(shape, params)
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
-        """A user request answered by the main engine with status 200 (the proxy):
-        `ttft` from sending the request to the first body chunk, `total` to the end of
-        the body, both in seconds; `output_tokens` the answer's tokens where the proxy
-        knows them (the whole-answer figure needs them).  The first one after the gate
-        opened is the users' real first request; once readiness.first_user_steady_requests
-        answers after it are in, its figures are exported (first_user.py)."""
+        """A user's 200 from the main engine (the proxy): `ttft` to the first body chunk, `total`
+        to its end, `output_tokens` where known.  The first one after a gate opened is the
+        users' real first request, exported once the answers after it are in (first_user.py)."""
         if self.life is not None:
             self.life.user_answer(ttft)
         with self._user_lock:
-            figures = self._first_user.add(UserAnswer(ttft, total, output_tokens))
+            figures = self._first_user_now().add(UserAnswer(ttft, total, output_tokens))
             if figures is None:
                 return
             self._publish_first_user(figures)
@@ -275,6 +272,15 @@ class Readiness:
     @property
     def first_user_request(self) -> FirstUserRequest:
         """The current gate's users' first request (its figures once complete)."""
+        with self._user_lock:
+            return self._first_user_now()
+
+    def _first_user_now(self) -> FirstUserRequest:
+        # By the gate's opening time, not the listener: an answer can come in before it runs.
+        opened = gate_opened_at(self.sm)
+        if opened is not None and self._first_user.opened_at != opened:
+            self._first_user = FirstUserRequest(self._first_user.steady_requests, opened)
+            self._publish_first_user(None)
         return self._first_user
 
     def _publish_first_user(self, figures: object) -> None:
@@ -294,8 +300,7 @@ class Readiness:
             self._publish_breaker()
         if to == State.SERVING and frm == State.PRIME:
             with self._user_lock:
-                self._first_user = FirstUserRequest(self._first_user.steady_requests)
-                self._publish_first_user(None)
+                self._first_user_now()
 
     # -- failed probes ---------------------------------------------------------------------
     def probe_failed(self, error: BaseException) -> str:
@@ -397,3 +402,10 @@ class Readiness:
 
     def _publish_window(self) -> None:
         self.recorder.first_token_window(WindowStats(self.window.quantiles()))
+
+
+def gate_opened_at(sm: StateMachine) -> float | None:
+    """When the last PRIME -> SERVING happened, or None."""
+    h = sm.history
+    return next((h[i][1] for i in range(len(h) - 1, 0, -1)
+                 if h[i][0] == State.SERVING and h[i - 1][0] == State.PRIME), None)

@@ -59,7 +59,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
                             host_facts={"gpus": [{"name": "NVIDIA H200"}]},
                             probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b)),
                                                       remembered_new_length=remembered.append),
-                            probe_pair=probe_pair, probe=lambda max_tokens=None: sent.append(w.ctx.probe_length),
+                            probe_pair=probe_pair, probe=lambda max_tokens=None: sent.append(w.ctx.probe_length) or w.lone_ttft,
                             first_pairs=[], first_probe_alone=False, driver=SimpleNamespace(warmup_requests=0))
     w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8, length_ladder=False,
                            remember_findings=data_dir is not None)
@@ -68,6 +68,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
     w.replayed, w.decoded, w.settle_tokens = 0, [], SETTLE_PROMPT_TOKENS
     w.told = told           # (first, control) ProbeLog.pair was told hold the figures
     w.told_new_length = remembered   # what ProbeLog.remembered_new_length was told
+    w.lone_ttft = probe_pairs[-1][0].ttft   # what a first probe sent alone takes
     return w, sent
 
 
@@ -359,7 +360,7 @@ def test_a_server_measured_before_skips_the_second_pair(tmp_path):
     assert list(kept.values())[0]["about"]["model"] == "qwen2-1.5b"
     # what the second fresh length paid beyond its control (46.18 against 35.45 ms to the
     # first token, the whole answers 69.28 against 58.55 ms) is kept with it
-    excess = {"ttft": round(10.73 / 35.45, 4), "total": round(10.73 / 58.55, 4)}
+    excess = {"ttft": round(10.73 / 35.45, 4), "total": round(10.73 / 58.55, 4), "first_ttft_seconds": 0.04618}
     assert first[findings.EXCESS] == excess and list(kept.values())[0][findings.EXCESS] == excess
     # the next start of the same server: a pair would say again what the finding says; the
     # first probe goes alone (no control, no second pair), and the record says why
@@ -395,6 +396,33 @@ def test_a_finding_without_the_new_length_excess_is_measured_again(tmp_path):
     assert findings.excess_of({findings.EXCESS: {"ttft": "0.3", "total": 0.1}}) is None
     assert findings.excess_of({findings.EXCESS: {"ttft": -0.1, "total": 0.1}}) is None
     assert not findings.skips_second_pair({"prefill_pays_each_new_length": True, "pays": False})
+
+
+def test_a_finding_the_first_probe_disagrees_with_is_measured_again(tmp_path):
+    """A finding measured on a loaded machine (there: a first fresh length at 6.5x its
+    control) is measured again when this start's lone first probe takes far less than
+    the fresh length took then; one without that time kept is measured again too."""
+    for then_ms, now_ms, again in ((46.18, 46.18 * 1.9, False), (46.18, 46.18 * 0.45, True), (None, 46.18, True)):
+        w, _ = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+        w.per_length_test()
+        path = tmp_path / findings.FILENAME
+        kept = json.loads(path.read_text())
+        for entry in kept.values():
+            entry["measured_at"] = "2026-01-01T00:00:00+00:00"
+            if then_ms is None:
+                del entry[findings.EXCESS][findings.FIRST_TTFT]
+        path.write_text(json.dumps(kept))
+        w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+        w.lone_ttft = now_ms / 1e3
+        per_length = w.per_length_test()
+        if not again:
+            assert sent == [661] and "remembered" in per_length
+            continue
+        # the lone probe, then both pairs at fresh lengths (not the lone probe's), rewritten
+        assert len(sent) == 5 and per_length["lengths"][0] != 661 and "remembered" not in per_length and w.told_new_length == []
+        entry = list(json.loads(path.read_text()).values())[0]
+        assert entry["measured_at"] != "2026-01-01T00:00:00+00:00"
+        assert entry[findings.EXCESS][findings.FIRST_TTFT] == 0.04618
 
 
 def test_another_model_or_the_key_off_measures_again(tmp_path):
@@ -490,7 +518,7 @@ def test_a_gate_that_skipped_the_second_pair_exports_the_remembered_excess():
     client's first request met 0.91x steady.  The gate exports 1 + the remembered excess."""
     from warmup_agent.readiness.probes import ProbeLog
     measured = benefit.Controlled(Call(0.02890, 0.04997, 8, 303), Call(0.02371, 0.04553, 8, 303)).excess()
-    assert measured == {"ttft": round(5.19 / 23.71, 4), "total": round(4.44 / 45.53, 4)}
+    assert measured == {"ttft": round(5.19 / 23.71, 4), "total": round(4.44 / 45.53, 4), "first_ttft_seconds": 0.0289}
     log = ProbeLog()
     log.restart()
     for c in (Call(0.02888, 0.05608, 8, 264), Call(0.01969, 0.04123, 8, 264)):

@@ -413,7 +413,9 @@ class ProfileWarmup:
         known = self.remembered()
         if findings.skips_second_pair(known):
             assert known is not None
-            return self.first_probe_alone(known, tokens)
+            alone = self.first_probe_alone(known, tokens)
+            if alone is not None:
+                return alone
         lengths: list[int] = [ctx.probe_length]
         pair, d = ctx.probe_pair(send, tokens, replay=True)
         probe_pairs.append(pair)
@@ -460,14 +462,25 @@ class ProfileWarmup:
             log.warning(per_length_line(ratios, first, remedy))
         return per_length
 
-    def first_probe_alone(self, known: dict, tokens: int) -> dict:
+    def first_probe_alone(self, known: dict, tokens: int) -> dict | None:
         """The per-length test of a server remembered to pay in prefill at each new length
         and not in decode (findings.skips_second_pair): the gate's first probe goes alone,
         as a user's first request will, with no control and no second pair (they would
         measure the finding again).  The exported figures are 1 + the remembered excess;
-        ready opens the gate on this probe against the thresholds."""
+        ready opens the gate on this probe against the thresholds (None: measure again)."""
         ctx = self.ctx
-        ctx.probe(max_tokens=tokens)
+        ttft, length = ctx.probe(max_tokens=tokens), ctx.probe_length
+        assert length is not None, "choose_probe_length runs first"
+        self.decoded.append((length, length + tokens))
+        fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 1, tokens)
+        if not findings.still_holds(known, ttft) and fresh:
+            then = (findings.excess_of(known) or {}).get(findings.FIRST_TTFT)
+            log.info(f"the remembered per-length finding ({known.get('measured_at')}) no longer holds: the first probe "
+                     f"took {ttft * 1e3:.1f} ms, against {f'{then * 1e3:.1f} ms' if then else 'no time kept'} "
+                     "when measured; measuring again")
+            ctx.probe_length = fresh[0]
+            ctx.probe_log.restart()
+            return None
         ctx.first_probe_alone = True
         per_length: dict[str, Any] = {"tested": True, "pays": False, "ratios": [], "lengths": [ctx.probe_length],
                       "probe_pair": False, "prefill_pays": True, "prefill_pays_each_new_length": True,

@@ -82,7 +82,8 @@ class Controlled:
     def excess(self) -> dict[str, float]:
         """What the first paid beyond its control, as fractions of the control's TTFT and total."""
         return {"ttft": round(max(0.0, self.first.ttft - self.control.ttft) / self.control.ttft, 4),
-                "total": round(max(0.0, self.first.total - self.control.total) / self.control.total, 4)}
+                "total": round(max(0.0, self.first.total - self.control.total) / self.control.total, 4),
+                "first_ttft_seconds": round(self.first.ttft, 6)}
 
     def as_dict(self) -> dict:
         return {"first_ttft_ms": round(self.first.ttft * 1e3, 2), "control_ttft_ms": round(self.control.ttft * 1e3, 2),

@@ -23,6 +23,8 @@ FILENAME = "server-findings.json"
 KEPT = ("prefill_pays_each_new_length", "pays")
 #: What a fresh length pays beyond its control, the first-request figure a remembering start exports.
 EXCESS = "new_length_excess"
+FIRST_TTFT = "first_ttft_seconds"     # in EXCESS: the second fresh length's own time to first token
+STILL_HOLDS_BAND = (0.5, 2.0)
 
 
 def server_key(server: str | None, model: str | None, concurrency: int, gpus: list[str],
@@ -129,7 +131,16 @@ def excess_of(entry: dict | None) -> dict | None:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
             return None
         kept[k] = float(v)
+    first = excess.get(FIRST_TTFT)     # absent in findings written before it was kept
+    if isinstance(first, (int, float)) and not isinstance(first, bool) and 0 < first < float("inf"):
+        kept[FIRST_TTFT] = float(first)
     return kept
+
+
+def still_holds(remembered: dict, first_ttft_now: float) -> bool:
+    """Whether a lone first probe's TTFT now is within STILL_HOLDS_BAND of the remembered fresh length's."""
+    then = (excess_of(remembered) or {}).get(FIRST_TTFT)
+    return then is not None and STILL_HOLDS_BAND[0] <= first_ttft_now / then <= STILL_HOLDS_BAND[1]
 
 
 def skips_second_pair(remembered: dict | None) -> bool:

@@ -66,6 +66,7 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
     w.concurrency = 4
     w.replayed, w.decoded, w.settle_tokens = 0, [], SETTLE_PROMPT_TOKENS
+    w.stale_finding = False
     w.told = told           # (first, control) ProbeLog.pair was told hold the figures
     w.told_new_length = remembered   # what ProbeLog.remembered_new_length was told
     w.lone_ttft = probe_pairs[-1][0].ttft   # what a first probe sent alone takes
@@ -423,6 +424,13 @@ def test_a_finding_the_first_probe_disagrees_with_is_measured_again(tmp_path):
         entry = list(json.loads(path.read_text()).values())[0]
         assert entry["measured_at"] != "2026-01-01T00:00:00+00:00"
         assert entry[findings.EXCESS][findings.FIRST_TTFT] == 0.04618
+    # where the pair measured again is warm (no second pair), its outcome replaces the finding too
+    w, _ = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    w.lone_ttft = 0.001
+    w.ctx.probe_pair = lambda probe, tokens, replay: (benefit.Controlled(call(35.5, 3.3, 300), call(35.4, 3.3, 300)),
+                                                       {"cold": False, "replayed_requests": 0})
+    assert not w.per_length_test()["prefill_pays_each_new_length"]
+    assert not findings.skips_second_pair(list(json.loads(path.read_text()).values())[0])
 
 
 def test_another_model_or_the_key_off_measures_again(tmp_path):

@@ -202,6 +202,7 @@ class ProfileWarmup:
         self.steady = benefit.SteadyLevels()
         self.refused: dict[str, str] = {}
         self.decoded: list[tuple[int, int]] = []     # (prompt, prompt + answer) ranges decoded so far
+        self.stale_finding = False
         self.outcomes: list[benefit.Outcome] = []
         self.sent = 0
         #: Requests the server serves at once: a wave goes out in chunks of this many.
@@ -480,6 +481,7 @@ class ProfileWarmup:
                      "when measured; measuring again")
             ctx.probe_length = fresh[0]
             ctx.probe_log.restart()
+            self.stale_finding = True    # replaced by this start's outcome, whatever it is
             return None
         ctx.first_probe_alone = True
         per_length: dict[str, Any] = {"tested": True, "pays": False, "ratios": [], "lengths": [ctx.probe_length],
@@ -499,7 +501,7 @@ class ProfileWarmup:
         if per_length["prefill_pays_each_new_length"] and len(pairs) == 2:
             per_length[findings.EXCESS] = pairs[1].excess()
         if skipped_for is None:
-            if self.pc.remember_findings and len(pairs) == 2:
+            if self.pc.remember_findings and (len(pairs) == 2 or self.stale_finding):
                 self.remember(per_length)
             return
         excess = findings.excess_of(skipped_for)

@@ -50,6 +50,9 @@ log = logging.getLogger("warmup_agent.pipeline")
 QUIET_SECONDS = 0.5
 # ... looking again every QUIET_POLL_SECONDS (10 ms was 42% of the agent's CPU under load).
 QUIET_POLL_SECONDS = 0.05
+# Users let in before SERVING: the warm-up's next request waits for them, at most this long.
+LET_IN_WAIT_SECONDS = 2.0
+LET_IN_POLL_SECONDS = 0.005
 
 STAGES = ("reserve", "prewarm", "solidify", "ready")
 
@@ -155,6 +158,8 @@ class Agent:
             self.run_record.startup = StageTiming("startup", 0, start=0.0, end=startup, status="ok")
             self.progress.startup_finished(startup)
             coldstart("completed", "startup", 0, duration=round(startup, 6), state=self.sm.state.name)
+        if self.cfg.proxy.listen and not self.cfg.proxy.fallback_url:
+            self.context.let_users_in = self.let_users_in
         self.sm.begin(run_at)  # INIT's deadline covers the agent's own work only
         self.sm.start_watchdog()
         self.memory.start()
@@ -298,6 +303,20 @@ class Agent:
                      done.get("seconds", 0.0), len(done.get("paths", ())), len(done.get("lengths", ())))
         threading.Thread(target=run, name="warm-behind", daemon=True).start()
 
+    def let_users_in(self) -> Callable[[], None]:
+        """Users held at the first start go to the server now; returns the warm-up's wait for them."""
+        log.info("%d user request(s) held: let in before SERVING (each new prompt length pays once on this "
+                 "server, whatever the warm-up sends; discovery's request paid the start's one-time cost)",
+                 self.readiness.users_in_flight)
+        self.readiness.users_let_in = True
+        return self._users_done
+
+    def _users_done(self) -> None:
+        deadline = time.monotonic() + LET_IN_WAIT_SECONDS
+        while self.readiness.users_in_flight > 0 and time.monotonic() < deadline:
+            self.context.checkpoint()
+            time.sleep(LET_IN_POLL_SECONDS)
+
     def _users_quiet(self) -> None:
         """Wait until no user request is in flight: the proxy's, the server log's, the server's own."""
         while True:
@@ -356,6 +375,7 @@ class Agent:
         if self.sm.state != State.PRELOAD:
             return self.sm.state
         self._boundary = self.clock()  # the re-warm's stages start now, not where the first run ended
+        self.context.let_users_in = None   # a restart or a wake: users wait for the gate (and the golden answers)
         self.sm.start_watchdog()       # PRELOAD and PRIME deadlines hold for a re-warm too
         try:
             if self.life is not None:

@@ -127,6 +127,8 @@ class Readiness:
         self.life: ServerLife | None = None
         self.traffic: TrafficMemory | None = None     # what users send, learned (the pipeline sets it)
         self._in_flight = 0                            # user requests the proxy holds or relays now
+        #: the first start's warm-up can spare users nothing more: they go to the server before SERVING
+        self.users_let_in = False
         sm.on_change(self._state_moved)
         recorder.declare_series(Known(
             trip_causes=TRIP_CAUSES,
@@ -214,6 +216,8 @@ class Readiness:
         or asleep (and warming after a wake) where users' requests wake the server."""
         if self.sm.state == State.SERVING and self.breaker.state == BreakerState.CLOSED:
             return True
+        if self.users_let_in and self.sm.state in (State.PRELOAD, State.PRIME):
+            return True
         return self.life is not None and self.life.main_open()
 
     def ready(self) -> bool:
@@ -294,6 +298,8 @@ class Readiness:
     def _state_moved(self, frm: State, to: State) -> None:
         """The state machine moved.  PRELOAD (a re-warm): the breaker judges afresh;
         PRIME -> SERVING (a gate opened): the next user answer is a first request again."""
+        if to != State.PRIME:
+            self.users_let_in = False
         if to == State.PRELOAD and self.breaker.reset():
             self._tripped_at = None
             log.info("breaker closed for the re-warm (it judges the engine afresh)")

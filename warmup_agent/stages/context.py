@@ -109,6 +109,8 @@ class StageContext:
     #: prewarm: sends one short request alone, so the first probe and the first user
     #: follow the same predecessor.
     settle: Callable[[], None] | None = None
+    #: the first start's Agent.let_users_in (None on a re-warm)
+    let_users_in: Callable[[], Callable[[], None]] | None = None
     #: one request through the users' proxy path, sent by ready before SERVING.
     user_path_request: Callable[[], dict] | None = None
     #: prewarm: probe pairs already sent by the warmup's last test; ready goes on

@@ -408,6 +408,8 @@ class ProfileWarmup:
         ctx.probe_log.restart()         # these probes are the gate's first
 
         def send(n: int | None) -> None:
+            if self.before_send is not None:
+                self.before_send()
             ctx.probe(max_tokens=n)
         probe_pairs, ctx.first_pairs = [], []
         assert ctx.probe_length is not None, "choose_probe_length runs first"
@@ -470,6 +472,8 @@ class ProfileWarmup:
         measure the finding again).  The exported figures are 1 + the remembered excess;
         ready opens the gate on this probe against the thresholds (None: measure again)."""
         ctx = self.ctx
+        if self.before_send is not None:
+            self.before_send()
         ttft, length = ctx.probe(max_tokens=tokens), ctx.probe_length
         assert length is not None, "choose_probe_length runs first"
         self.decoded.append((length, length + tokens))

@@ -115,7 +115,9 @@ def test_an_answer_in_before_the_state_listener_belongs_to_the_new_gate():
     sm.on_change(lambda frm, to: early.append(rd.user_answer(FIRST[0], FIRST[1], output_tokens=FIRST[2]))
                  if to == State.SERVING else None)
     rd = Readiness(cfg.readiness, cfg.breaker, sm, Recorder(metrics))
-    rd.user_answer(9.9, 9.9, output_tokens=1)        # before any gate: not this gate's
+    for _ in range(7):      # users let in before any gate opened: not a first request after a warm-up
+        rd.user_answer(9.9, 9.9, output_tokens=1)
+    assert gauges(metrics) == (0.0, 0.0) and rd.first_user_request.first is None
     for s in (State.PRELOAD, State.PRIME, State.SERVING):
         assert sm.transition(s)
     assert early
@@ -124,3 +126,26 @@ def test_an_answer_in_before_the_state_listener_belongs_to_the_new_gate():
     assert rd.first_user_request.figures is not None
     assert rd.first_user_request.figures.first.ttft == FIRST[0]
     assert gauges(metrics)[0] == pytest.approx(independent(FIRST, LATER[:5])[0], rel=1e-12)
+
+
+def test_users_let_in_before_the_gate_are_not_its_samples():
+    """The gate judges its own probes; a user let in before SERVING waited in the hold."""
+    cfg = config.load()
+    metrics = AgentMetrics()
+    sm = StateMachine(Recorder(metrics))
+    rd = Readiness(cfg.readiness, cfg.breaker, sm, Recorder(metrics))
+    assert sm.transition(State.PRELOAD)
+    rd.users_let_in = True
+    assert rd.main_open()
+    rd.first_tokens([5.0, 5.0])
+    assert len(rd.window) == 0
+    rd.first_token(0.01)                   # a probe's
+    assert len(rd.window) == 1
+    assert sm.transition(State.PRIME) and rd.users_let_in and sm.transition(State.SERVING)
+    assert not rd.users_let_in
+    rd.first_tokens([0.02])                # users after SERVING are
+    assert len(rd.window) == 2
+    for to in (State.PRELOAD, State.FAILED):   # a re-warm, a failure: held again / refused
+        rd.users_let_in = True
+        assert sm.transition(to) and not rd.users_let_in
+    assert not rd.main_open()

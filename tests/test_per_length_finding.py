@@ -60,7 +60,8 @@ def scripted_warmup(probe_pairs: list[tuple[Call, Call]], data_dir: str | None =
                             probe_log=SimpleNamespace(restart=lambda: None, pair=lambda a, b: told.append((a, b)),
                                                       remembered_new_length=remembered.append),
                             probe_pair=probe_pair, probe=lambda max_tokens=None: sent.append(w.ctx.probe_length) or w.lone_ttft,
-                            first_pairs=[], first_probe_alone=False, driver=SimpleNamespace(warmup_requests=0))
+                            first_pairs=[], first_probe_alone=False, driver=SimpleNamespace(warmup_requests=0),
+                            let_users_in=None)
     w.pc = SimpleNamespace(per_length_ratio=1.5, per_length_tokens=8, length_ladder=False,
                            remember_findings=data_dir is not None)
     w.tol, w.b0, w.ep0, w.fam0, w.lo, w.hi, w.answer = 0.2, 1, "chat", "sampled", 180, 310, 2
@@ -431,6 +432,24 @@ def test_a_finding_the_first_probe_disagrees_with_is_measured_again(tmp_path):
                                                        {"cold": False, "replayed_requests": 0})
     assert not w.per_length_test()["prefill_pays_each_new_length"]
     assert not findings.skips_second_pair(list(json.loads(path.read_text()).values())[0])
+
+
+def test_held_users_are_let_in_only_where_the_first_probe_confirms_the_finding(tmp_path):
+    """The first start lets held users in after a lone first probe that agrees with the
+    finding (Agent.let_users_in), never on the path that measures it again; with no fresh
+    length left inside the profile's range the finding is kept rather than probed beyond it."""
+    w, _ = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+    w.per_length_test()
+    wait = object()
+    for lone_ms, lo_hi, let_in in ((46.18, (180, 310), True), (46.18 * 0.3, (180, 310), False),
+                                   (46.18 * 0.3, (661, 661), True)):
+        w, sent = scripted_warmup(llamacpp_pairs(), str(tmp_path))
+        calls: list[int] = []
+        w.ctx.let_users_in = lambda calls=calls: calls.append(1) or wait
+        w.lone_ttft, (w.lo, w.hi) = lone_ms / 1e3, lo_hi
+        per_length = w.per_length_test()
+        assert bool(calls) == let_in and (w.before_send is wait) == let_in, (lone_ms, lo_hi)
+        assert ("remembered" in per_length) == let_in and all(n <= 661 for n in per_length["lengths"])
 
 
 def test_another_model_or_the_key_off_measures_again(tmp_path):

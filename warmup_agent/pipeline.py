@@ -110,7 +110,7 @@ class Agent:
         self.golden: GoldenAnswers | None = None   # ... and records the warmed model's answers
         self._stopped = False
         self._init_metrics()
-        self.sm.on_change(self._on_first_serving)
+        self.sm.before_change(self._on_serving)
         if cfg.proxy.listen:     # what users send through the proxy, learned (shapes, never text)
             self.readiness.traffic = self._traffic_memory()
 
@@ -194,9 +194,9 @@ class Agent:
         with self._stage("ready", 4) as timing:
             ready.run(self.context, timing.detail)
 
-    def _on_first_serving(self, frm: State, to: State) -> None:
-        # At the transition, so a /readyz 200 is never followed by a /metrics without it.
-        if to == State.SERVING and self.run_record.serving_at is None:
+    def _on_serving(self, frm: State, to: State) -> None:
+        # Before readers see SERVING, so a /readyz 200 is never followed by a /metrics without it.
+        if to == State.SERVING and frm == State.PRIME:
             self.run_record.serving_at = serving_at = self.clock()
             self.recorder.serving(ServingStats(serving_at - self.started))
 
@@ -221,7 +221,9 @@ class Agent:
             timing.status = "failed"
             raise
         finally:
-            end = self.serving_at if name == "ready" and self.serving_at is not None else self.clock()
+            served = self.serving_at
+            end = served if name == "ready" and served is not None and served >= self.started + timing.start \
+                else self.clock()
             timing.end = end - self.started
             duration = timing.end - timing.start   # timing.duration, now that it has ended
             self._boundary = end
@@ -236,6 +238,7 @@ class Agent:
         """The supervised server died: readiness goes false at once (PRELOAD)."""
         log.warning("engine server exited with code %s: back to PRELOAD until it is warm again", returncode)
         self.recorder.failure(FailureStats("server_crashed"))
+        self.readiness.users_let_in = False    # also where PRELOAD -> PRELOAD is no transition
         if not self.sm.state.terminal:
             self._engine_crashed = True
             self.sm.transition(State.PRELOAD)
@@ -376,6 +379,7 @@ class Agent:
             return self.sm.state
         self._boundary = self.clock()  # the re-warm's stages start now, not where the first run ended
         self.context.let_users_in = None   # a restart or a wake: users wait for the gate (and the golden answers)
+        self.readiness.users_let_in = False
         self.sm.start_watchdog()       # PRELOAD and PRIME deadlines hold for a re-warm too
         try:
             if self.life is not None:

@@ -100,6 +100,7 @@ class StateMachine:
         self.failure_message: str | None = None
         self.fingerprint: str | None = None   # weight fingerprint taken at PRELOAD
         self._listeners: list[Callable[[State, State], None]] = []
+        self._before: list[Callable[[State, State], None]] = []
         self._watchdog: Periodic | None = None
         if recorder is not None:
             recorder.declare_series(Known(
@@ -116,6 +117,10 @@ class StateMachine:
     # -- observers -------------------------------------------------------------------
     def on_change(self, fn: Callable[[State, State], None]) -> None:
         self._listeners.append(fn)
+
+    def before_change(self, fn: Callable[[State, State], None]) -> None:
+        """`fn(frm, to)` runs inside the lock before readers see `to`: keep it short."""
+        self._before.append(fn)
 
     def _record(self, s: StateStats | FailureStats) -> None:
         if self._recorder is None:
@@ -138,6 +143,8 @@ class StateMachine:
                 log.warning("illegal state transition %s -> %s rejected", frm.name, to.name)
                 self._record(StateStats(frm.name, rejected=to.name))
                 return False
+            for fn in self._before:
+                fn(frm, to)
             self.entered_at = self._clock()
             self.history.append((to, self.entered_at))   # before the state: readers see its time with it
             self.state = to

@@ -577,7 +577,7 @@ class RoutingProxy:
         """Record a user request's time to first token."""
         self.metrics.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
         if route == "main":
-            self.gate.first_token(ttft)    # the window and the breaker; never the probe log
+            self.gate.first_tokens([ttft])    # the window and the breaker; never the probe log
 
     def _user_answer(self, ttft: float, total: float, tail: bytes, streamed: StreamTokens | None,
                      path: str, body: bytes, request_json: Any = None) -> None:

@@ -162,13 +162,17 @@ class Readiness:
 
     # -- samples ---------------------------------------------------------------------
     def first_token(self, ttft: float) -> None:
-        """One time-to-first-token sample of the main engine (probe or user request)."""
-        self.first_tokens((ttft,))
+        """One time-to-first-token sample of the main engine: a probe's."""
+        self._samples((ttft,))
 
     def first_tokens(self, ttfts: Sequence[float]) -> None:
-        """Several samples at once (the proxy process's batch): each judged as
-        first_token judges it, the window published once (publishing it was most of the
-        cost per sample at 600 requests/s)."""
+        """Users' samples (the proxy's, batched; the window published once).  Not those of
+        users let in before the gate: it judges its own probes, and their wait was the hold's."""
+        if self.users_let_in and self.sm.state != State.SERVING:
+            return
+        self._samples(ttfts)
+
+    def _samples(self, ttfts: Sequence[float]) -> None:
         with self._lock:
             try:
                 for ttft in ttfts:
@@ -264,6 +268,8 @@ class Readiness:
         if self.life is not None:
             self.life.user_answer(ttft)
         with self._user_lock:
+            if gate_opened_at(self.sm) is None:
+                return      # before any gate opened (users let in): not after a warm-up
             figures = self._first_user_now().add(UserAnswer(ttft, total, output_tokens))
             if figures is None:
                 return

@@ -21,7 +21,7 @@ from warmup_agent.gpu import sizing
 from warmup_agent.stages.context import StageContext
 from warmup_agent.stages.profile_warmup import ProfileWarmup
 from warmup_agent.states import State
-from warmup_agent.warmup import benefit, findings, memory_budget, traffic
+from warmup_agent.warmup import benefit, memory_budget, traffic
 from warmup_agent.warmup import shapes as shape_warmup
 from warmup_agent.warmup.traffic import Shape, grid
 
@@ -161,9 +161,6 @@ def warm_profile(ctx: StageContext, lengths: list[int], batches: list[int], deta
     No anchor path precedes them: discovery's request already paid the server's
     one-time cost, and the probe pairs measure what a fresh length pays."""
     w = ProfileWarmup(ctx, load_profile(ctx, lengths), lengths, batches)
-    if ctx.let_users_in is not None and findings.skips_second_pair(w.remembered()):
-        # nothing sent spares a user's new length, discovery paid the one-time cost: users first
-        w.before_send = ctx.let_users_in()
     # 1. the other paths, one call each, at once, then their controls
     w.other_paths(batches)
     # 2. decode coverage over the profile's lengths (always)

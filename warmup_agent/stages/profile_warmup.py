@@ -66,6 +66,7 @@ class WarmupContext(Protocol):
     first_probe_tokens: int | None
     replay_for: Callable[[int, int], Callable[[], None] | None] | None
     settle: Callable[[], None] | None
+    let_users_in: Callable[[], Callable[[], None]] | None
     first_pairs: list[dict]
     first_probe_alone: bool
     decoded_ranges: list[tuple[int, int]]
@@ -472,12 +473,10 @@ class ProfileWarmup:
         measure the finding again).  The exported figures are 1 + the remembered excess;
         ready opens the gate on this probe against the thresholds (None: measure again)."""
         ctx = self.ctx
-        if self.before_send is not None:
-            self.before_send()
         ttft, length = ctx.probe(max_tokens=tokens), ctx.probe_length
         assert length is not None, "choose_probe_length runs first"
         self.decoded.append((length, length + tokens))
-        fresh = benefit.fresh_lengths(self.lo, self.hi, self.decoded, 1, tokens)
+        fresh = [n for n in benefit.fresh_lengths(self.lo, self.hi, self.decoded, 1, tokens) if n <= self.hi]
         if not findings.still_holds(known, ttft) and fresh:
             then = (findings.excess_of(known) or {}).get(findings.FIRST_TTFT)
             log.info(f"the remembered per-length finding ({known.get('measured_at')}) no longer holds: the first probe "
@@ -488,6 +487,9 @@ class ProfileWarmup:
             self.stale_finding = True    # replaced by this start's outcome, whatever it is
             return None
         ctx.first_probe_alone = True
+        if ctx.let_users_in is not None:
+            # nothing sent spares a user's new length, discovery paid the one-time cost: users first
+            self.before_send = ctx.let_users_in()
         per_length: dict[str, Any] = {"tested": True, "pays": False, "ratios": [], "lengths": [ctx.probe_length],
                       "probe_pair": False, "prefill_pays": True, "prefill_pays_each_new_length": True,
                       "pairs": [], "ladder": [], "replayed_requests": 0}

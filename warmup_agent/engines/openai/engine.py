@@ -69,6 +69,8 @@ class OpenAIEngine(Engine):
         self._tokenizer: Any = None
         self.text: TextPrompts | None = None
         self._variant = 0
+        self._chars_per_token: float | None = None    # the server's, for prompts without a local tokenizer
+        self._tokenize_key = "prompt"      # what the server's /tokenize reads the text from
         self._lock = threading.Lock()
         self._signals: ServerSignals | None = None
 
@@ -226,8 +228,13 @@ class OpenAIEngine(Engine):
         if self._tokenizer is not None:
             enc = self._tokenizer.encode(text, add_special_tokens=False)
             return list(enc.ids) if hasattr(enc, "ids") else list(enc)
-        out = self.client.post_json("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
-        return list(out["tokens"])
+        # vLLM and SGLang read "prompt"; llama.cpp reads "content" and answers [] for "prompt".
+        for key in dict.fromkeys((self._tokenize_key, "prompt", "content")):
+            out = self.client.post_json("/tokenize", {"model": self.model, key: text, "add_special_tokens": False})
+            if out.get("tokens") or not text:
+                self._tokenize_key = key
+                return list(out.get("tokens") or [])
+        return []
 
     def load_lora_adapters(self) -> None:
         """Register each adapter of `lora.adapters` and warm it with one marked request."""
@@ -281,7 +288,8 @@ class OpenAIEngine(Engine):
         if r.endpoint == "chat":
             if self.text is None or not self.text.has_chat_template:
                 # No local template: the server's template adds tokens we cannot count.
-                text = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
+                text = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer \
+                    else self._plain_text(r.prompt_tokens, variant)
                 body["messages"] = [{"role": "user", "content": text}]
                 return body, r.prompt_tokens
             body["messages"], n = self.text.messages(r.prompt_tokens, variant)
@@ -292,8 +300,24 @@ class OpenAIEngine(Engine):
         if self.text is not None:
             body["prompt"], n = self.text.text(r.prompt_tokens, variant)
             return body, n
-        body["prompt"] = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer else _SEED_TEXT
+        body["prompt"] = self._tokenizer.decode(self._ids(r.prompt_tokens, variant)) if self._tokenizer \
+            else self._plain_text(r.prompt_tokens, variant)
         return body, r.prompt_tokens
+
+    def _plain_text(self, length: int, variant: int) -> str:
+        """About `length` tokens without a local tokenizer, sized by the server's, numbered
+        so that none is answered from its prompt cache (tests/test_prompts_without_tokenizer.py)."""
+        if self._chars_per_token is None:
+            try:
+                self._chars_per_token = len(_SEED_TEXT) / max(1, len(self.tokenize(_SEED_TEXT)))
+            except (EngineError, KeyError, TypeError, ValueError):
+                self._chars_per_token = 4.0
+        words = _SEED_TEXT.split()
+        out, i, chars = [f"{variant}."], variant, length * self._chars_per_token
+        while sum(map(len, out)) + len(out) < chars:
+            out.append(words[i % len(words)])
+            i += 1
+        return " ".join(out)
 
     def _ids(self, length: int, variant: int) -> list[int]:
         from warmup_agent.warmup.traffic import PromptFactory

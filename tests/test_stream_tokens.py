@@ -139,9 +139,6 @@ class _Gate:
     def user_request(self) -> None:
         pass
 
-    def first_token(self, ttft: float) -> None:
-        pass
-
     def first_tokens(self, ttfts: list[float]) -> None:
         pass
 

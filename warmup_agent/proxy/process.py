@@ -295,9 +295,6 @@ class _ChildGate:
     def user_done(self) -> None:
         self.report.d += 1
 
-    def first_token(self, ttft: float) -> None:
-        self.report.o.append(ttft)
-
     def first_tokens(self, ttfts: list[float]) -> None:
         self.report.o.extend(ttfts)
 

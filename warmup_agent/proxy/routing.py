@@ -85,11 +85,8 @@ class Gate(Protocol):
     def user_done(self) -> None:
         """A user request the proxy answered, refused or lost: no longer in flight."""
 
-    def first_token(self, ttft: float) -> None:
-        """A user request's time to first token on the main engine (the window, the breaker)."""
-
     def first_tokens(self, ttfts: list[float]) -> None:
-        """first_token for each of `ttfts`, in order (the proxy process's batches)."""
+        """User requests' times to first token on the main engine, in order (the window, the breaker)."""
 
     def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
         """A user request the main engine answered with 200: seconds to its first body

@@ -268,9 +268,10 @@ class Readiness:
         if self.life is not None:
             self.life.user_answer(ttft)
         with self._user_lock:
-            if gate_opened_at(self.sm) is None:
+            tracker = self._first_user_now()
+            if tracker is None:
                 return      # before any gate opened (users let in): not after a warm-up
-            figures = self._first_user_now().add(UserAnswer(ttft, total, output_tokens))
+            figures = tracker.add(UserAnswer(ttft, total, output_tokens))
             if figures is None:
                 return
             self._publish_first_user(figures)
@@ -283,12 +284,14 @@ class Readiness:
     def first_user_request(self) -> FirstUserRequest:
         """The current gate's users' first request (its figures once complete)."""
         with self._user_lock:
-            return self._first_user_now()
+            return self._first_user_now() or self._first_user
 
-    def _first_user_now(self) -> FirstUserRequest:
+    def _first_user_now(self) -> FirstUserRequest | None:
         # By the gate's opening time, not the listener: an answer can come in before it runs.
         opened = gate_opened_at(self.sm)
-        if opened is not None and self._first_user.opened_at != opened:
+        if opened is None:
+            return None
+        if self._first_user.opened_at != opened:
             self._first_user = FirstUserRequest(self._first_user.steady_requests, opened)
             self._publish_first_user(None)
         return self._first_user

@@ -313,9 +313,11 @@ class OpenAIEngine(Engine):
             except (EngineError, KeyError, TypeError, ValueError):
                 self._chars_per_token = 4.0
         words = _SEED_TEXT.split()
-        out, i, chars = [f"{variant}."], variant, length * self._chars_per_token
-        while sum(map(len, out)) + len(out) < chars:
+        out, i = [f"{variant}."], variant
+        size = len(out[0]) + 1      # characters plus one separator per word, as joined
+        while size < length * self._chars_per_token:
             out.append(words[i % len(words)])
+            size += len(out[-1]) + 1
             i += 1
         return " ".join(out)
 

@@ -316,7 +316,8 @@ class Agent:
 
     def _users_done(self) -> None:
         deadline = time.monotonic() + LET_IN_WAIT_SECONDS
-        while self.readiness.users_in_flight > 0 and time.monotonic() < deadline:
+        # once SERVING the users are ordinary traffic: the watch's own rule decides
+        while self.readiness.users_let_in and self.readiness.users_in_flight > 0 and time.monotonic() < deadline:
             self.context.checkpoint()
             time.sleep(LET_IN_POLL_SECONDS)
 

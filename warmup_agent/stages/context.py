@@ -111,6 +111,8 @@ class StageContext:
     settle: Callable[[], None] | None = None
     #: the first start's Agent.let_users_in (None on a re-warm)
     let_users_in: Callable[[], Callable[[], None]] | None = None
+    #: what let_users_in returned: every probe waits on it for the users let in
+    users_first: Callable[[], None] | None = None
     #: one request through the users' proxy path, sent by ready before SERVING.
     user_path_request: Callable[[], dict] | None = None
     #: prewarm: probe pairs already sent by the warmup's last test; ready goes on
@@ -151,6 +153,8 @@ class StageContext:
         prompt tokens (None: the probe length prewarm chose)."""
         rc = self.cfg.readiness
         tokens = (max_tokens or rc.probe_max_tokens) if decode else 1
+        if self.users_first is not None:
+            self.users_first()
         r = self.driver.send_probe(self.profile, length or self.probe_length or rc.probe_prompt_length, tokens)
         if still_wanted is not None and not still_wanted():
             return r.first_token_seconds    # answered after its watch timeout: already judged a failure

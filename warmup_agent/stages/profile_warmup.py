@@ -67,6 +67,7 @@ class WarmupContext(Protocol):
     replay_for: Callable[[int, int], Callable[[], None] | None] | None
     settle: Callable[[], None] | None
     let_users_in: Callable[[], Callable[[], None]] | None
+    users_first: Callable[[], None] | None
     first_pairs: list[dict]
     first_probe_alone: bool
     decoded_ranges: list[tuple[int, int]]
@@ -489,7 +490,7 @@ class ProfileWarmup:
         ctx.first_probe_alone = True
         if ctx.let_users_in is not None:
             # nothing sent spares a user's new length, discovery paid the one-time cost: users first
-            self.before_send = ctx.let_users_in()
+            self.before_send = ctx.users_first = ctx.let_users_in()
         per_length: dict[str, Any] = {"tested": True, "pays": False, "ratios": [], "lengths": [ctx.probe_length],
                       "probe_pair": False, "prefill_pays": True, "prefill_pays_each_new_length": True,
                       "pairs": [], "ladder": [], "replayed_requests": 0}

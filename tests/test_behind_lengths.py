@@ -31,7 +31,7 @@ def warmup(behind_users: bool, sent: list, quiet: list) -> ProfileWarmup:
     w.budget = benefit.Budget(1.0, "test")
     w.profile = SimpleNamespace(families={"sampled": {"temperature": 0.7}})
     w.ctx = SimpleNamespace(checkpoint=lambda: None, progress=SimpleNamespace(step=lambda *a: None),
-                            driver=SimpleNamespace(send=lambda reqs, kind: sent.append(
+                            driver=SimpleNamespace(send=lambda reqs, kind, give_way=None: sent.append(
                                 [(r.prompt_tokens, r.max_tokens, kind, len(quiet)) for r in reqs]) or [None] * len(reqs)))
     return w
 

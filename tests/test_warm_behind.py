@@ -137,3 +137,66 @@ def test_no_watch_probe_while_a_users_request_is_in_flight(embedded_model):
     assert agent._server_busy_with_others()
     agent.readiness.user_done()
     assert not agent._server_busy_with_others()
+
+
+def test_a_warm_up_stream_gives_way_to_a_users_request(tmp_path, llama_server, gguf):
+    """While a user's request is in flight (give_way true), a warm-up stream stops at its
+    next event and the real llama-server cancels it; a request that is not warm-up runs on."""
+    from warmup_agent.engines.openai.client import StreamingClient
+    from warmup_agent.engines.openai.server_traffic import ServerTraffic
+    from warmup_agent.errors import EngineError
+    port, log = free_port(), tmp_path / "server.log"
+    server = subprocess.Popen(ls.server_command(llama_server, gguf, port, ctx=8192), env=ls.server_env(str(tmp_path)),
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: http_get(url + "/health")[0] == 200, 120, what="llama-server")
+        client = StreamingClient(url, 60, ServerTraffic())
+        client.give_way = lambda: True
+        body = {"prompt": "Once upon a time", "max_tokens": 1000}
+        assert client.request(body, "completions", warmup=False).output_tokens == 1000
+        with pytest.raises(EngineError) as e:
+            client.request(body, "completions", warmup=True)
+        assert e.value.reason == "gave_way"
+        wait_until(lambda: log.read_text().count("stop processing") >= 2, 10, what="the warm-up's slot released")
+    finally:
+        server.terminate()
+        server.wait(30)
+    text = log.read_text()
+    assert "cancel task" in text, text[-2000:]
+    kept = [int(n) for n in re.findall(r"stop processing: n_tokens = (\d+)", text)]
+    assert kept[0] > 1000 and kept[1] < 200, kept      # the user's whole answer; the warm-up's stopped early
+
+
+def test_the_driver_gives_way_for_one_batch_only():
+    """EngineDriver.send(give_way=...) sets the engine's give-way for its batch and clears
+    it after, even when the batch stopped, so the next probe is not stopped."""
+    from exporter.metrics import AgentMetrics
+    from exporter.recorder import Recorder
+    from warmup_agent.driver import EngineDriver
+    from warmup_agent.engines.base import RequestResult
+    from warmup_agent.errors import EngineError
+
+    class StubEngine:                 # named fake: records what the driver sets, stops while it is set
+        lock = None
+
+        def __init__(self) -> None:
+            self.set_to: list[object] = []
+            self.current = None
+
+        def give_way(self, to_users):
+            self.set_to.append(to_users)
+            self.current = to_users
+
+        def generate(self, prompts, max_new_tokens=1, warmup=False):
+            if self.current is not None and self.current():
+                raise EngineError("gave_way", "stopped for a user's request")
+            return [RequestResult(first_token_seconds=0.01, total_seconds=0.02, prompt_tokens=4, output_tokens=1)]
+
+    engine = StubEngine()
+    driver = EngineDriver(engine, Recorder(AgentMetrics()), 8)   # type: ignore[arg-type]
+    with pytest.raises(EngineError):
+        driver.send([[1, 2, 3, 4]], "warmup", give_way=lambda: True)
+    assert engine.current is None and len(engine.set_to) == 2
+    assert driver.send([[1, 2, 3, 4]], "probe")[0].output_tokens == 1
+    assert len(engine.set_to) == 2        # a batch without give_way leaves the engine alone

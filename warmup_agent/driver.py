@@ -20,7 +20,7 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from exporter.recorder import BatchStats, Recorder
@@ -56,17 +56,23 @@ class EngineDriver:
         return self.prompts
 
     def send(self, batch: Sequence[list[int]] | Sequence[WarmRequest], kind: str,
-             max_new_tokens: int = 1) -> list[RequestResult]:
-        """Send one batch as agent traffic: token-id prompts (each answered with
-        `max_new_tokens` tokens) or traffic-profile requests (each carries its own
-        answer length; engines that speak the profile).  Returns the results."""
+             max_new_tokens: int = 1, give_way: Callable[[], bool] | None = None) -> list[RequestResult]:
+        """Send one batch as agent traffic: token-id prompts (each answered with `max_new_tokens`
+        tokens) or traffic-profile requests (each carries its own answer length; engines that
+        speak the profile).  `give_way`: Engine.give_way for this batch only, set under the lock."""
         with self.lock:
             t0 = time.perf_counter()
-            if batch and isinstance(batch[0], WarmRequest):
-                results = self.engine.generate_requests(list(batch), warmup=True)  # type: ignore[arg-type]
-            else:
-                results = self.engine.generate(list(batch), max_new_tokens=max_new_tokens,  # type: ignore[arg-type]
-                                               warmup=True)
+            if give_way is not None:
+                self.engine.give_way(give_way)
+            try:
+                if batch and isinstance(batch[0], WarmRequest):
+                    results = self.engine.generate_requests(list(batch), warmup=True)  # type: ignore[arg-type]
+                else:
+                    results = self.engine.generate(list(batch), max_new_tokens=max_new_tokens,  # type: ignore[arg-type]
+                                                   warmup=True)
+            finally:
+                if give_way is not None:
+                    self.engine.give_way(None)
             busy = time.perf_counter() - t0
         self.last_results = results
         ttft = max(r.first_token_seconds for r in results)

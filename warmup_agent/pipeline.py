@@ -290,7 +290,7 @@ class Agent:
                     golden.record()
                 if behind is None:
                     return
-                done = behind(self._users_quiet)
+                done = behind(self._users_quiet, lambda: self.readiness.users_in_flight > 0)
             except AgentFailure as e:      # draining, stopped, or no longer SERVING: nothing more to warm
                 log.info("warm-up behind the users stopped: %s", e.message or e.reason)
                 return
@@ -302,12 +302,14 @@ class Agent:
                 return
             finally:
                 self.recorder.behind_users(pending=False, seconds=time.perf_counter() - t0)
-            log.info("warmed behind the users in %.2f s after SERVING: %d path(s), %d prompt length(s)",
-                     done.get("seconds", 0.0), len(done.get("paths", ())), len(done.get("lengths", ())))
+            log.info("warmed behind the users in %.2f s after SERVING: %d path(s), %d prompt length(s), "
+                     "%d batch(es) stopped for a user's request and sent again", done.get("seconds", 0.0),
+                     len(done.get("paths", ())), len(done.get("lengths", ())), done.get("stopped_for_users", 0))
         threading.Thread(target=run, name="warm-behind", daemon=True).start()
 
     def let_users_in(self) -> Callable[[], None]:
-        """Users held at the first start go to the server now; returns the warm-up's wait for them."""
+        """Users held at the first start go to the server now; returns the warm-up's wait for them
+        (until SERVING: then the watch's own rule decides)."""
         log.info("%d user request(s) held: let in before SERVING (each new prompt length pays once on this "
                  "server, whatever the warm-up sends; discovery's request paid the start's one-time cost)",
                  self.readiness.users_in_flight)
@@ -316,7 +318,6 @@ class Agent:
 
     def _users_done(self) -> None:
         deadline = time.monotonic() + LET_IN_WAIT_SECONDS
-        # once SERVING the users are ordinary traffic: the watch's own rule decides
         while self.readiness.users_let_in and self.readiness.users_in_flight > 0 and time.monotonic() < deadline:
             self.context.checkpoint()
             time.sleep(LET_IN_POLL_SECONDS)

@@ -164,6 +164,11 @@ class Engine(abc.ABC):
         """Seconds since another client's last request, if at most `seconds` ago; else None."""
         return None
 
+    def give_way(self, to_users: Callable[[], bool] | None) -> None:
+        """While `to_users()`, a warm-up stream stops (EngineError "gave_way"); None: off.
+        In-process engines run one batch at a time: nothing to stop."""
+        return None
+
     def server_signals(self) -> ServerSignals | None:
         """Reads of the server's own restarts, sleep and wake (server/signals.py); None: no server."""
         return None

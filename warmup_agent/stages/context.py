@@ -75,7 +75,7 @@ class StageContext:
 
     # -- the stage outputs -----------------------------------------------------------
     #: prewarm: the warm-up left for after SERVING (ProfileWarmup.warm_behind), or None.
-    warm_behind: Callable[[Callable[[], None]], dict] | None = None
+    warm_behind: Callable[[Callable[[], None], Callable[[], bool]], dict] | None = None
     #: reserve: hardware.HostFacts.as_dict().
     host_facts: dict = field(default_factory=dict)
     #: prewarm: EngineFacts as a dict.

@@ -91,6 +91,7 @@ def _refused(e: EngineError) -> bool:
 #: SETTLE_OPENING_SHARE times the chat template's opening (settle_prompt_tokens).
 # After SERVING the paths left behind the users have at least this long (they wait for quiet).
 BEHIND_BUDGET_SECONDS = 60.0
+GIVE_WAY_TRIES = 20      # then the batch is sent whatever users do: the warm-up ends
 SETTLE_PROMPT_TOKENS = 64
 SETTLE_OPENING_SHARE = 12
 
@@ -221,6 +222,7 @@ class ProfileWarmup:
         #: Prompt lengths, one per block of the users' range, sent after SERVING where each new length pays.
         self.behind_lengths: list[int] = []
         self.before_send: Callable[[], None] | None = None
+        self.give_way: Callable[[], bool] | None = None
 
     def fitting_lengths(self, wanted: list[int], grid: list[int]) -> list[int]:
         """The prompt lengths of `wanted` that fit the server's context with the warmup's
@@ -279,7 +281,7 @@ class ProfileWarmup:
             self.before_send()
         self.ctx.checkpoint()
         reqs = self.fitted(reqs)
-        results = self.ctx.driver.send(reqs, "warmup")
+        results = self.send_giving_way(reqs)
         self.decoded += [(r.prompt_tokens, r.prompt_tokens + r.max_tokens) for r in reqs]
         self.last = list(reqs)
         self.sent += 1
@@ -590,16 +592,29 @@ class ProfileWarmup:
             paths = now
         self.warm_together(paths, {})
 
-    def warm_behind(self, quiet: Callable[[], None]) -> dict:
-        """After SERVING: the paths other_paths left for later, then one 1-token request per
-        block of the users' lengths, each only once `quiet()` returns.  What it sent, for the log."""
+    def send_giving_way(self, reqs: list[traffic.WarmRequest]) -> list:
+        """driver.send; behind the users, a batch that gave way to a user is sent again after them."""
+        for _ in range(GIVE_WAY_TRIES - 1):
+            try:
+                return self.ctx.driver.send(reqs, "warmup", give_way=self.give_way)
+            except EngineError as e:
+                if e.reason != "gave_way" or self.before_send is None:
+                    raise
+                self.stopped_for_users += 1
+                self.before_send()
+        return self.ctx.driver.send(reqs, "warmup")
+
+    def warm_behind(self, quiet: Callable[[], None], give_way: Callable[[], bool] | None = None) -> dict:
+        """After SERVING: the paths other_paths left for later, then one 1-token request per block of
+        the users' lengths, each sent once `quiet()`, stopped while `give_way()`.  What it sent."""
         if not (self.behind or self.behind_lengths):
             return {}
         from warmup_agent.warmup.benefit import Path
         t0 = time.perf_counter()
         first = len(self.outcomes)
         self.budget = benefit.Budget(max(self.budget.seconds, BEHIND_BUDGET_SECONDS), "behind the users")
-        self.before_send = quiet
+        self.before_send, self.give_way = quiet, give_way
+        self.stopped_for_users = 0
         sent: list[int] = []
         try:
             if self.behind:
@@ -610,11 +625,11 @@ class ProfileWarmup:
                 self.send_requests([self.request(Path(self.ep0, self.fam0, 1, n), 1)], f"behind: {n} tokens")
                 sent.append(n)
         finally:
-            self.before_send = None
+            self.before_send = self.give_way = None
             self.behind, self.behind_lengths = [], []
         outcomes = self.outcomes[first:]
         return {"seconds": round(time.perf_counter() - t0, 3), "paths": [o.as_dict() for o in outcomes],
-                "lengths": sent}
+                "lengths": sent, "stopped_for_users": self.stopped_for_users}
 
     def skip_lengths(self, per_length: dict) -> None:
         """The profile's prompt lengths, recorded as skipped with length_skip_reason."""

@@ -41,6 +41,7 @@ class StreamingClient:
         self.traffic = traffic
         self.model = model
         self.rejected_fields: set[str] = set()   # optional fields the server refused
+        self.give_way: Callable[[], bool] | None = None   # Engine.give_way: closed, the server drops the stream
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="openai-req")
 
     def headers(self, warmup: bool) -> dict[str, str]:
@@ -109,6 +110,8 @@ class StreamingClient:
                         usage = msg["usage"]
                     if isinstance(msg.get("timings"), dict):   # llama-server's own timings
                         timings = msg["timings"]
+                    if warmup and self.give_way is not None and self.give_way():
+                        raise EngineError("gave_way", f"POST {self.url}{path}: stopped for a user's request")
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")[:300]
             message = f"POST {self.url}{path}: HTTP {e.code}: {detail}"

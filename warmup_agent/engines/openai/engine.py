@@ -148,6 +148,9 @@ class OpenAIEngine(Engine):
     def others_served_within(self, seconds: float) -> float | None:
         return self.traffic.others_within(seconds)
 
+    def give_way(self, to_users: Callable[[], bool] | None) -> None:
+        self.client.give_way = to_users
+
     def server_signals(self) -> ServerSignals:
         """Signals for the server kind its command names, else the model's owner in /v1/models."""
         if self._signals is None:

@@ -93,7 +93,7 @@ class _Driver:
     def __init__(self) -> None:
         self.groups: list[list[traffic.WarmRequest]] = []
 
-    def send(self, reqs, kind):
+    def send(self, reqs, kind, give_way=None):
         self.groups.append(list(reqs))
         return [RequestResult(0.01, 0.02, r.prompt_tokens, r.max_tokens) for r in reqs]
 

@@ -50,6 +50,7 @@ REASONS: dict[str, str] = {
     "no_model_served": "the server lists no model",
     "model_not_served": "the server does not serve the configured model",
     "request_failed": "a warmup or probe request failed",
+    "gave_way": "a warm-up request behind the users stopped for a user's request (sent again after them)",
     "lora_load_failed": "a LoRA adapter could not be registered",
     "stopped": "stopped before the server became healthy",
     "no_openai_api": "the server answers neither /v1/chat/completions nor /v1/completions",

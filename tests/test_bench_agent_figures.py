@@ -217,6 +217,7 @@ def test_real_llama_server_oneshot_and_agent_every_new_figure(tmp_path, llama_se
     os.symlink(gguf, model)
     server = [llama_server, "-m", str(model), "-c", "2048", "--host", "127.0.0.1", "--port", "{port}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMUP_AGENT_")}
+    env["WARMUP_AGENT_DATA_DIR"] = str(tmp_path / "agent-data")    # no findings left in ~/.cache
     cmd = [sys.executable, "-m", "warmup_agent", "bench", "--no-progress", "--out", str(tmp_path / "out"),
            "--seed", "11", "--idle", "0.5", "--starts", "1", "--steady", "5", "--conditions", "oneshot,agent",
            "--agent-model", embedded_model, "--", *server]

@@ -79,6 +79,8 @@ ThreadingHTTPServer(("127.0.0.1", int(args["--port"])), H).serve_forever()
 
 def _bench(tmp_path, *args, server: list[str], timeout: float = 120, popen: bool = False, env: dict | None = None):
     env = {k: v for k, v in (env or os.environ).items() if not k.startswith("WARMUP_AGENT_")}
+    # the agent's findings and learned traffic stay with the test, not in ~/.cache for the next run
+    env["WARMUP_AGENT_DATA_DIR"] = str(tmp_path / "agent-data")
     cmd = [sys.executable, "-m", "warmup_agent", "bench", "--no-progress", "--out", str(tmp_path / "out"),
            "--seed", "11", "--idle", "0.5", *args, "--", *server]
     if popen:

@@ -127,14 +127,21 @@ def excess_of(entry: dict | None) -> dict | None:
         return None
     kept: dict[str, float] = {}
     for k in ("ttft", "total"):
-        v = excess.get(k)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+        v = _seconds(excess.get(k))
+        if v is None:
             return None
-        kept[k] = float(v)
-    first = excess.get(FIRST_TTFT)     # absent in findings written before it was kept
-    if isinstance(first, (int, float)) and not isinstance(first, bool) and 0 < first < float("inf"):
-        kept[FIRST_TTFT] = float(first)
+        kept[k] = v
+    first = _seconds(excess.get(FIRST_TTFT))     # absent in findings written before it was kept
+    if first:
+        kept[FIRST_TTFT] = first
     return kept
+
+
+def _seconds(v: object) -> float | None:
+    """A finite, non-negative number (not a bool) as a float, else None."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"):
+        return float(v)
+    return None
 
 
 def still_holds(remembered: dict, first_ttft_now: float) -> bool:

@@ -42,7 +42,8 @@ def gauge(url: str, name: str) -> float:
 def chat(proxy: str, model: str, i: int, max_tokens: int) -> tuple[float, float, int]:
     """(seconds to the first body chunk, to the end of the body, completion tokens)."""
     body = {"model": model, "messages": [{"role": "user", "content": f"Question {i}: where is my order?"}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     req = urllib.request.Request(proxy + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     t0 = time.perf_counter()
@@ -91,7 +92,9 @@ def test_the_users_first_request_through_the_proxy_is_exported_as_the_client_mea
         assert gauge(url, "warmup_first_user_request_tax_ratio") == 0
         # The first user request asks for a longer answer than the ones after it: the
         # whole-answer figure must compare it at its own length.
-        answers = [chat(proxy, model, 0, 24)] + [chat(proxy, model, i, 8) for i in range(1, STEADY + 1)]
+        # Answers long enough that a few ms of the client's scheduling at their end stay a
+        # few per cent once the time per token is carried over to the first one's length.
+        answers = [chat(proxy, model, 0, 96)] + [chat(proxy, model, i, 32) for i in range(1, STEADY + 1)]
         wait_until(lambda: gauge(url, "warmup_first_user_request_tax_ratio") > 0, 10, what="the real figure")
         ttft_tax = gauge(url, "warmup_first_user_request_tax_ratio")
         total_tax = gauge(url, "warmup_first_user_request_total_tax_ratio")

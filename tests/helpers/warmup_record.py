@@ -26,9 +26,10 @@ def requests_in_record(prewarm_detail: dict, ready_detail: dict | None = None) -
     replayed += (ready_detail or {}).get("settle_requests", 0)
     replayed += warmup.get("ladder_requests", 0)        # the length ladder, one request per rung
     assert warmup.get("ladder_requests", 0) == len(per_length.get("ladder", []))
-    # the per-length test's fresh length is the gate's first probe pair: probes, not warmup
-    tested = 0 if per_length.get("probe_pair") else 2 * len(per_length.get("lengths", []))
-    return sent + tested + len(warmup["decode_coverage"]["tiles"]) + replayed
+    # the per-length test sends probes, not warmup: the gate's first pair(s), or its first
+    # probe alone where a remembered finding spares the pair (probe_pair false)
+    assert per_length.get("probe_pair") or not per_length.get("pairs"), per_length
+    return sent + len(warmup["decode_coverage"]["tiles"]) + replayed
 
 
 def exported_pair(ready_detail: dict, prewarm_detail: dict | None = None) -> int:

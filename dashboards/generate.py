@@ -375,7 +375,7 @@ def cold_start_overview(th: Thresholds) -> dashboard_b.Dashboard:
         panels.append(timeseries(
             "Wake: time to warm and the users' first request",
             "Seconds from the latest wake's start to SERVING again (warmup_wake_duration_seconds) and the time to "
-            "first token of the users' first request after it, through the proxy "
+            "first token of the users' first request after it, through the proxy, its hold included "
             "(warmup_wake_first_user_request_seconds); 0 before the first wake.",
             "s", [
                 target(f"max by (namespace, pod) ({m('warmup_wake_duration_seconds')})", "wake {{pod}}"),

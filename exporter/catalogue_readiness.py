@@ -91,6 +91,6 @@ SPECS = (
                "Seconds from the start of the latest wake to SERVING again (the server awake and warmed); 0 before the first wake.",
                unit="s"),
     MetricSpec("warmup_wake_first_user_request_seconds", "gauge",
-               "Time to first token of the users' first request after the latest wake, through the proxy; 0 until measured.",
+               "Time to first token of the users' first request after the latest wake, through the proxy, as the user met it: the seconds the proxy held it included; 0 until measured.",
                unit="s"),
 )

@@ -479,7 +479,7 @@ def _tax_agrees(tmp_path, server: list[str], env: dict, *args: str) -> dict:
         tap = [t["t_first"] - t["t_request"] for t in seen[:7]]
         client = [rec["first"]["ttft_seconds"], *rec["steady_ttft_all_seconds"]]
         assert rec["first_ttft_tax"] == pytest.approx(client[0] / statistics.median(client[1:]))
-        gaps += [c - t for c, t in zip(client, tap)]
+        gaps += [c - t for c, t in zip(client, tap, strict=True)]
         pairs.append((rec["first_ttft_tax"], tap))
     relay = statistics.median(gaps)
     # seen from the client, no request is quicker than at the tap

@@ -52,7 +52,7 @@ def test_from_config_runs_an_http_main_engine_in_a_process_and_a_local_one_in_pr
 def test_users_answers_reach_the_agents_metrics_window_and_gate(embedded_model, standin):
     agent = make_agent(embedded_model, State.SERVING)
     answers: list = []
-    agent.readiness.user_answer = lambda ttft, total, output_tokens=None: answers.append((ttft, total, output_tokens))
+    agent.readiness.user_answer = lambda ttft, total, output_tokens=None, held=0.0: answers.append((ttft, total, output_tokens))
     proxy = ProxyProcess(agent, standin.url).start()
     try:
         assert proxy.proc is not None and proxy.proc.pid != os.getpid()

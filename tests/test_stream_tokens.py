@@ -142,7 +142,7 @@ class _Gate:
     def first_tokens(self, ttfts: list[float]) -> None:
         pass
 
-    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
+    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None, held: float = 0.0) -> None:
         self.answers.append((ttft, total, output_tokens))
 
 

@@ -108,6 +108,7 @@ class Agent:
         self._engine_crashed = False
         self.life: ServerLife | None = None   # watch() builds it for an engine with a server
         self.golden: GoldenAnswers | None = None   # ... and records the warmed model's answers
+        self._golden_checked = False
         self._stopped = False
         self._init_metrics()
         self.sm.before_change(self._on_serving)
@@ -307,14 +308,32 @@ class Agent:
                      len(done.get("paths", ())), len(done.get("lengths", ())), done.get("stopped_for_users", 0))
         threading.Thread(target=run, name="warm-behind", daemon=True).start()
 
-    def let_users_in(self) -> Callable[[], None]:
-        """Users held at the first start go to the server now; returns the warm-up's wait for them
+    def let_users_in(self, why: str = "each new prompt length pays once on this server, whatever the warm-up "
+                                       "sends; discovery's request paid the start's one-time cost") -> Callable[[], None]:
+        """Users held at a start or a wake go to the server now; returns the warm-up's wait for them
         (until SERVING: then the watch's own rule decides)."""
-        log.info("%d user request(s) held: let in before SERVING (each new prompt length pays once on this "
-                 "server, whatever the warm-up sends; discovery's request paid the start's one-time cost)",
-                 self.readiness.users_in_flight)
+        log.info("%d user request(s) held: let in before SERVING (%s)", self.readiness.users_in_flight, why)
         self.readiness.users_let_in = True
         return self._users_done
+
+    def _users_first_after_wake(self) -> None:
+        """A wake is a start: held users are let in as at the first start, after the golden answers.
+        Where a server reloads on a request (llama.cpp) and warming a prompt length spares nothing,
+        the golden answers' requests pay the reload, then users go in, before the warm-up."""
+        kind = self.life.signals.kind if self.life is not None else None
+        if not (self.cfg.proxy.listen and not self.cfg.proxy.fallback_url):
+            return
+
+        def after_golden(why: str = "each new prompt length pays once on this server, whatever the warm-up "
+                                    "sends; discovery's request paid the wake") -> Callable[[], None]:
+            self._check_golden()
+            self.context.let_users_in = None
+            return self.let_users_in(why)
+        self.context.let_users_in = after_golden
+        if (kind is not None and kind.wakes_on_request and not self.context.length_warmup_pays
+                and self.golden is not None and self.golden.answers is not None):
+            self.context.users_first = after_golden("warming a prompt length spares a user nothing on this server; "
+                                                    "the golden answers' requests paid the wake's reload")
 
     def _users_done(self) -> None:
         deadline = time.monotonic() + LET_IN_WAIT_SECONDS
@@ -344,9 +363,10 @@ class Agent:
         return (stats.requests_running or 0) + (stats.requests_waiting or 0) > 0
 
     def _check_golden(self) -> None:
-        """Before a re-warm: the server must answer as the model the pod warmed did."""
-        if self.golden is None:
+        """Before a re-warm: the server must answer as the model the pod warmed did (once)."""
+        if self.golden is None or self._golden_checked:
             return
+        self._golden_checked = True
         t0 = time.perf_counter()
         problem = self.golden.check()
         log.info("golden answers checked in %.0f ms: %s", (time.perf_counter() - t0) * 1000,
@@ -380,12 +400,14 @@ class Agent:
         if self.sm.state != State.PRELOAD:
             return self.sm.state
         self._boundary = self.clock()  # the re-warm's stages start now, not where the first run ended
-        self.context.let_users_in = None   # a restart or a wake: users wait for the gate (and the golden answers)
+        self.context.let_users_in = self.context.users_first = None   # a restart: users wait for the gate
         self.readiness.users_let_in = False
         self.sm.start_watchdog()       # PRELOAD and PRIME deadlines hold for a re-warm too
+        self._golden_checked = False
         try:
-            if self.life is not None:
+            if self.life is not None and self.life.wake is not None:
                 self.life.wake_server()    # a server woken ahead by its own wake call (vLLM)
+                self._users_first_after_wake()
             self.prewarm()
             self._check_golden()       # the server is up again here, whatever restarted it
             self.solidify()

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from warmup_agent.proxy.routing import DEFAULT_MAX_BODY_BYTES, Backend, RoutedAgent, RoutingProxy, _bind
 from warmup_agent.server import listener
@@ -124,6 +124,8 @@ class ProxyProcess:
         sm = getattr(self.gate, "sm", None)
         if sm is not None and hasattr(sm, "on_change"):
             sm.on_change(lambda _was, _now: self._changed.set())   # a new state reaches the child at once
+        if hasattr(self.gate, "on_let_in"):
+            self.gate.on_let_in(self._changed.set)                 # so do users let in before SERVING
         events = self._spawn()
         self._threads = [threading.Thread(target=self._publisher, name="proxy-gate", daemon=True),
                          threading.Thread(target=self._reader, args=(events,), name="proxy-events", daemon=True)]
@@ -230,9 +232,9 @@ class ProxyProcess:
             m.warmup_proxy_first_token_seconds.labels(route=route).observe(ttft)
         if ttfts := batch.get("o"):
             gate.first_tokens(ttfts)
-        for ttft, total, tokens in batch.get("a", ()):
+        for ttft, total, tokens, held in batch.get("a", ()):
             try:
-                gate.user_answer(ttft, total, output_tokens=tokens)
+                gate.user_answer(ttft, total, output_tokens=tokens, held=held)
             except Exception:  # noqa: BLE001 - as in process
                 log.exception("gate.user_answer failed")
         for *fields, params in batch.get("s", ()):
@@ -251,13 +253,14 @@ class _Report:
 
     def __init__(self) -> None:
         self.clear()
+        self.flush_now: Callable[[], None] | None = None
 
     def clear(self) -> None:
         self.u = self.d = 0
         self.c: dict[tuple[str, str], int] = {}
         self.f: list[tuple[str, float]] = []
         self.o: list[float] = []
-        self.a: list[tuple[float, float, int | None]] = []
+        self.a: list[tuple[float, float, int | None, float]] = []
         self.h: list[tuple[str, float]] = []
         self.s: list[list[Any]] = []
         self.logs: list[tuple[int, str, str]] = []
@@ -291,6 +294,8 @@ class _ChildGate:
 
     def user_request(self) -> None:
         self.report.u += 1
+        if self.report.flush_now is not None and self.state_name == "SLEEPING":
+            self.report.flush_now()      # now, not a FLUSH_SECONDS later: this request starts the wake
 
     def user_done(self) -> None:
         self.report.d += 1
@@ -298,8 +303,8 @@ class _ChildGate:
     def first_tokens(self, ttfts: list[float]) -> None:
         self.report.o.extend(ttfts)
 
-    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
-        self.report.a.append((ttft, total, output_tokens))
+    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None, held: float = 0.0) -> None:
+        self.report.a.append((ttft, total, output_tokens, held))
 
     def user_shape(self, shape: Shape, params: dict[str, Any]) -> None:
         # Its fields in order, as dataclasses.astuple gives them (all plain values), without its deep copy.
@@ -414,6 +419,10 @@ def child_main(args: dict) -> int:
             if (data := report.take()) is not None:
                 write(data)
 
+    def flush_now() -> None:
+        if (data := report.take()) is not None:
+            write(data)
+    report.flush_now = flush_now
     asyncio.run_coroutine_threadsafe(flusher(), loop)
     while os.read(args["lifeline"], 1):      # until the agent closes it (or dies)
         pass

@@ -88,9 +88,9 @@ class Gate(Protocol):
     def first_tokens(self, ttfts: list[float]) -> None:
         """User requests' times to first token on the main engine, in order (the window, the breaker)."""
 
-    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
-        """A user request the main engine answered with 200: seconds to its first body
-        chunk and to its end, and its output tokens where known."""
+    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None, held: float = 0.0) -> None:
+        """A user request the main engine answered with 200: seconds from its release to its first
+        body chunk and to its end, its output tokens where known, and the seconds it was held."""
 
     def user_shape(self, shape: Shape, params: dict[str, Any]) -> None:
         """The shape of a user request the main engine answered (never its text)."""
@@ -337,12 +337,12 @@ class RoutingProxy:
 
     async def _route(self, request: web.BaseRequest, method: str, body: bytes, warmup: bool,
                      t0: float) -> web.StreamResponse:
-        route = self.route(warmup)
+        route, held = self.route(warmup), 0.0
         if route == "rejected" and self.hold_seconds > 0 and self.gate.state_name in HOLD_STATES:
             route = await self._wait_for_gate()
             # Its time to first token counts from its release: the wait is the hold's own
             # figure, and must not reach the window or the breaker as a slow engine.
-            t0 = time.perf_counter()
+            held, t0 = time.perf_counter() - t0, time.perf_counter()
         # Count before the client has the answer, so a client that read it sees the count.
         if route == "rejected":
             retry = self.retry_after()
@@ -355,6 +355,7 @@ class RoutingProxy:
         task = asyncio.current_task()
         assert task is not None
         watch = _Watch(task)
+        watch.held = held
         self._watches.add(watch)
         try:
             return await self._answer(request, method, body, headers, route, backend, warmup, t0, watch)
@@ -433,7 +434,8 @@ class RoutingProxy:
                 self._count(route, answer.status, warmup)
                 await resp.prepare(request)
             elif answered:
-                self._user_answer(first - t0, end - t0, prev + last, tokens, request.path, request_body)
+                self._user_answer(first - t0, end - t0, prev + last, tokens, request.path, request_body,
+                                  held=watch.held)
             await resp.write_eof()
             return resp
         except _CANCELLED_OR_TIMEOUTS as e:
@@ -505,7 +507,7 @@ class RoutingProxy:
             await _pump(conn, request, watch)
             if first is not None and answered:
                 self._user_answer(first - t0, time.perf_counter() - t0, conn.tail_prev + conn.tail_last, conn.tokens,
-                                  request.path, body, request_json)
+                                  request.path, body, request_json, held=watch.held)
             conn.flush()                         # a sized answer's last bytes, once it is recorded
             await resp.write_eof()
             return resp
@@ -577,14 +579,14 @@ class RoutingProxy:
             self.gate.first_tokens([ttft])    # the window and the breaker; never the probe log
 
     def _user_answer(self, ttft: float, total: float, tail: bytes, streamed: StreamTokens | None,
-                     path: str, body: bytes, request_json: Any = None) -> None:
+                     path: str, body: bytes, request_json: Any = None, held: float = 0.0) -> None:
         """Report a 200 from the main engine, with its usage's completion_tokens or the
         stream's counted tokens, and the request's shape (warmup/learned.py: never its
         text; prompt tokens as the server's usage counted them, else estimated).
         `request_json`: the body already parsed, where it was (None: parse it here)."""
         tokens = streamed.tokens if streamed is not None else _last_int(_COMPLETION_TOKENS, tail)
         try:
-            self.gate.user_answer(ttft, total, output_tokens=tokens)
+            self.gate.user_answer(ttft, total, output_tokens=tokens, held=held)
         except Exception:  # noqa: BLE001 - the user's answer must not fail on our bookkeeping
             log.exception("gate.user_answer failed")
         try:
@@ -656,12 +658,12 @@ class _Hold:
 
 class _Watch:
     """One request in flight, as the sweep sees it."""
-    __slots__ = ("task", "waiting", "chunks", "seen", "since", "stalled")
+    __slots__ = ("task", "waiting", "chunks", "seen", "since", "stalled", "held")
 
     def __init__(self, task: asyncio.Task[Any]):
         self.task = task
         self.waiting = self.stalled = False
-        self.chunks, self.seen, self.since = 0, -1, 0.0
+        self.chunks, self.seen, self.since, self.held = 0, -1, 0.0, 0.0
 
 
 def _uncancel(watch: _Watch) -> None:

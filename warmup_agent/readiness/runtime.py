@@ -127,8 +127,8 @@ class Readiness:
         self.life: ServerLife | None = None
         self.traffic: TrafficMemory | None = None     # what users send, learned (the pipeline sets it)
         self._in_flight = 0                            # user requests the proxy holds or relays now
-        #: the first start's warm-up can spare users nothing more: they go to the server before SERVING
-        self.users_let_in = False
+        self._users_let_in = False
+        self._let_in_listeners: list[Callable[[], None]] = []
         sm.on_change(self._state_moved)
         recorder.declare_series(Known(
             trip_causes=TRIP_CAUSES,
@@ -139,6 +139,21 @@ class Readiness:
         self._publish_thresholds()
         self._publish_first_user(None)
         recorder.live(LiveGauges(water_level=self.water.read))
+
+    @property
+    def users_let_in(self) -> bool:
+        """The warm-up can spare users nothing more (a start, a wake): they go to the server before SERVING."""
+        return self._users_let_in
+
+    @users_let_in.setter
+    def users_let_in(self, value: bool) -> None:
+        changed, self._users_let_in = value != self._users_let_in, value
+        if changed:
+            for listener in self._let_in_listeners:
+                listener()
+
+    def on_let_in(self, listener: Callable[[], None]) -> None:
+        self._let_in_listeners.append(listener)
 
     def gate_min_probes(self, profile_probes: bool, alone: bool = False) -> int:
         """Probes the gate's window needs: readiness.min_probes, or, where probes speak the
@@ -261,12 +276,12 @@ class Readiness:
         if self.traffic is not None:
             self.traffic.observe(shape, params)
 
-    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None) -> None:
+    def user_answer(self, ttft: float, total: float, output_tokens: int | None = None, held: float = 0.0) -> None:
         """A user's 200 from the main engine (the proxy): `ttft` to the first body chunk, `total`
         to its end, `output_tokens` where known.  The first one after a gate opened is the
         users' real first request, exported once the answers after it are in (first_user.py)."""
         if self.life is not None:
-            self.life.user_answer(ttft)
+            self.life.user_answer(held + ttft)    # what the user met after the wake: its hold included
         with self._user_lock:
             tracker = self._first_user_now()
             if tracker is None:

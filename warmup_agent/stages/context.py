@@ -109,7 +109,9 @@ class StageContext:
     #: prewarm: sends one short request alone, so the first probe and the first user
     #: follow the same predecessor.
     settle: Callable[[], None] | None = None
-    #: the first start's Agent.let_users_in (None on a re-warm)
+    #: prewarm's per-length test: warming a length spares its first request something (pays)
+    length_warmup_pays: bool = True
+    #: Agent.let_users_in at a first start or a wake (None on a restart)
     let_users_in: Callable[[], Callable[[], None]] | None = None
     #: what let_users_in returned: every probe waits on it for the users let in
     users_first: Callable[[], None] | None = None

@@ -68,6 +68,7 @@ class WarmupContext(Protocol):
     settle: Callable[[], None] | None
     let_users_in: Callable[[], Callable[[], None]] | None
     users_first: Callable[[], None] | None
+    length_warmup_pays: bool
     first_pairs: list[dict]
     first_probe_alone: bool
     decoded_ranges: list[tuple[int, int]]
@@ -221,7 +222,7 @@ class ProfileWarmup:
         self.behind: list[benefit.Path] = []
         #: Prompt lengths, one per block of the users' range, sent after SERVING where each new length pays.
         self.behind_lengths: list[int] = []
-        self.before_send: Callable[[], None] | None = None
+        self.before_send: Callable[[], None] | None = ctx.users_first
         self.give_way: Callable[[], bool] | None = None
 
     def fitting_lengths(self, wanted: list[int], grid: list[int]) -> list[int]:
@@ -422,6 +423,7 @@ class ProfileWarmup:
             assert known is not None
             alone = self.first_probe_alone(known, tokens)
             if alone is not None:
+                ctx.length_warmup_pays = False
                 return alone
         lengths: list[int] = [ctx.probe_length]
         pair, d = ctx.probe_pair(send, tokens, replay=True)
@@ -461,6 +463,7 @@ class ProfileWarmup:
                                                 round(pair.control.server_prefill * 1e3, 3)]  # type: ignore[operator]
                                                for pair in pairs]
         self.keep_finding(per_length, pairs, None)
+        ctx.length_warmup_pays = pays
         remedy = remedy_for(ctx.engine.server_name) if pays else None
         ctx.recorder.warmup(WarmupStats(per_length_ratios=list(ratios), per_length_remedy=remedy))
         if remedy is not None:

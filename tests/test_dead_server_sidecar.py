@@ -112,9 +112,14 @@ def test_a_dead_or_hung_sidecar_server_takes_the_pod_out_and_back(tmp_path, embe
         # --- restarted on the same port: a new process, warmed again ------------------------
         primes = metric(url, "warmup_state_transitions_total", **{"from": "PRELOAD", "to": "PRIME"})
         server = start_server()
-        up = time.monotonic()
+        up, up_wall = time.monotonic(), time.time()
         poll(lambda: readyz(url) == 200, 120)
         print(f"restarted: /readyz 200 {time.monotonic() - up:.2f} s after the server's /health, after a re-warm")
+        # seen at once, not at the next watch tick: the down server's /health is polled between ticks
+        line = [x for x in agent_log.read_text().splitlines() if "re-warm (the server is cold)" in x][-1]
+        seen = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000 - up_wall
+        print(f"restarted: the re-warm began {seen:.2f} s after the server's /health")
+        assert seen <= 0.3, line
         assert metric(url, "warmup_state_transitions_total", **{"from": "PRELOAD", "to": "PRIME"}) == primes + 1, \
             "SERVING again without a re-warm"
         restarts = sum(metric(url, "warmup_server_restarts_total", detected_by=d) for d in ("start_time", "came_back"))

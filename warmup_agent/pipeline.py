@@ -29,7 +29,7 @@ from warmup_agent.host.memory import MemorySampler
 from warmup_agent.periodic import Periodic
 from warmup_agent.readiness.breaker import BreakerState
 from warmup_agent.readiness.golden import GoldenAnswers
-from warmup_agent.readiness.life import ServerLife
+from warmup_agent.readiness.life import Action, ServerLife
 from warmup_agent.readiness.probes import ProbeLog
 from warmup_agent.readiness.runtime import Readiness, failure_cause
 from warmup_agent.run import tracing
@@ -53,6 +53,7 @@ QUIET_POLL_SECONDS = 0.05
 # Users let in before SERVING: the warm-up's next request waits for them, at most this long.
 LET_IN_WAIT_SECONDS = 2.0
 LET_IN_POLL_SECONDS = 0.005
+COMEBACK_POLL_SECONDS = 0.05   # /health of a server that is down, between two watch ticks
 
 STAGES = ("reserve", "prewarm", "solidify", "ready")
 
@@ -450,6 +451,8 @@ class Agent:
         rd = self.readiness
         if self.life is not None:
             action = self.life.watch()    # reads that give the server no task
+            if action == "wait" and self.life.unhealthy:
+                action = self._await_comeback()
             if action == "rewarm":
                 self._rewarm_cold("the server is cold")
             if action != "probe":
@@ -464,6 +467,17 @@ class Agent:
         for _ in range(rd.breaker.half_open_probes if rd.breaker.state == BreakerState.HALF_OPEN else 1):
             if not self._one_watch_probe() or rd.breaker.state != BreakerState.HALF_OPEN:
                 return
+
+    def _await_comeback(self) -> Action:
+        """Until the next watch tick, poll the down server's /health: a server back (a sidecar
+        restarted) is warmed again now, not a watch interval later.  The watch's action then."""
+        assert self.life is not None
+        deadline = time.monotonic() + self._watch_interval - COMEBACK_POLL_SECONDS
+        while time.monotonic() < deadline and not self._stopped and not self.sm.state.terminal:
+            time.sleep(COMEBACK_POLL_SECONDS)
+            if self.life.signals.health() is None:
+                return self.life.watch()
+        return "wait"
 
     def _one_watch_probe(self) -> bool:
         """One probe after SERVING; a failure other than a timeout is confirmed at once

@@ -78,6 +78,7 @@ class ServerLife:
         self._awaiting_user = False            # the users' first request after the latest wake
         self.last_wake_seconds: float | None = None
         self._asleep_at: float | None = None
+        self.unhealthy = False                 # the last watch found /health failing
         self._lock = threading.Lock()
         #: Set by the agent: start a re-warm now, not at the next tick.
         self.start_rewarm: Callable[[str], None] = lambda why: None
@@ -113,6 +114,7 @@ class ServerLife:
             return "wait"
         self._count_asleep()
         cause = self.signals.health()
+        self.unhealthy = cause is not None
         if cause is not None:
             self.readiness.probe_failure(cause, f"GET {self.signals.url}{self.signals.health_path}: {_WORDS[cause]}")
             return "wait"

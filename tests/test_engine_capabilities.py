@@ -118,13 +118,28 @@ def test_compile_artifacts_are_what_the_server_wrote_in_this_start(tmp_path, mon
     os.utime(old, (1_000_000_000, 1_000_000_000))           # 2001: long before this process
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchinductor_root"))
     cfg = config.load(env={"WARMUP_AGENT_ENGINE": "openai", "WARMUP_AGENT_DATA_DIR": str(tmp_path / "data")})
-    e = openai_engine(cfg, server_command=["llama-server", "-m", "x.gguf", "--port", "1"])
+    e = openai_engine(cfg, server_command=["my-server", "--model", "x", "--port", "1"])
     try:
         assert e.has_compile_artifacts() is False
         (inherited / "new.h").write_text("y")                  # written now: this start's
         assert e.has_compile_artifacts() is True
     finally:
         e.close()
+    # llama.cpp compiles nothing into those folders, supervised or beside the agent
+    e = openai_engine(cfg, server_command=["llama-server", "-m", "x.gguf", "--port", "1"])
+    try:
+        assert e.has_compile_artifacts() is False
+    finally:
+        e.close()
+    beside = config.load(env={"WARMUP_AGENT_ENGINE": "openai", "WARMUP_AGENT_OPENAI_URL": "http://127.0.0.1:1/",
+                              "WARMUP_AGENT_DATA_DIR": str(tmp_path / "data")})
+    for owner, compiles in (("llamacpp", False), ("vllm", True)):
+        e = openai_engine(beside)
+        try:
+            e.discovery.models_info = {"owned_by": owner}       # what /v1/models said
+            assert e.has_compile_artifacts() is compiles, owner
+        finally:
+            e.close()
 
 def test_the_torch_engine_declares_what_it_can():
     e = TorchEngine("/some/model")

@@ -48,6 +48,7 @@ class ServerKind:
     the server does not say (0: ask it).  `startup_log` patterns capture seconds spent.  The
     pod's-life signals are read without sending a task: `start_time_metric` (a new value is
     a new, cold process), `sleep_path`/`sleep_key`, and `wake_path` (None: a request wakes it).
+    `compiles`: it may write compiled kernels into the kernel cache's folders (not llama.cpp).
 
     Starting it: `default_port` without --port; `run_as_module`: `python -m` it, the model as
     --model; `kv_budget_flag` carries the agent's KV budget unless a `memory_flags` option
@@ -96,6 +97,7 @@ class ServerKind:
     kv_info_metric: str | None = None
     finished_metric: str | None = None
     first_token_metric: str | None = None
+    compiles: bool = True
 
     @property
     def can_sleep(self) -> bool:
@@ -142,7 +144,8 @@ KINDS: tuple[ServerKind, ...] = (
                              model_example="MODEL.gguf"),
                sleep_path="/props", sleep_option="--sleep-idle-seconds",
                # Only with --metrics; "deferred": waiting for a slot.
-               running_metric="llamacpp:requests_processing", waiting_metric="llamacpp:requests_deferred"),
+               running_metric="llamacpp:requests_processing", waiting_metric="llamacpp:requests_deferred",
+               compiles=False),
     ServerKind("sglang", "SGLang", ("sglang",), owned_by="sglang", concurrency=4, default_port=30000,
                context_flags=("--context-length",),
                preset=Preset(("python3", "-m", "sglang.launch_server"), model_flag="--model-path",

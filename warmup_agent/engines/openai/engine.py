@@ -164,6 +164,9 @@ class OpenAIEngine(Engine):
         return sleeps_when_idle(self.server_signals().kind, self.command)
 
     def has_compile_artifacts(self) -> bool:
+        kind = self.server_signals().kind
+        if kind is not None and not kind.compiles:
+            return False        # a sidecar llama-server too: no torch import on the way to SERVING
         return self.server.has_compile_artifacts()
 
     def set_server_callbacks(self, on_exit: Callable[[int], None] | None,

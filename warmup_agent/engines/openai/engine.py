@@ -166,7 +166,7 @@ class OpenAIEngine(Engine):
     def has_compile_artifacts(self) -> bool:
         kind = self.server_signals().kind
         if kind is not None and not kind.compiles:
-            return False        # a sidecar llama-server too: no torch import on the way to SERVING
+            return False
         return self.server.has_compile_artifacts()
 
     def set_server_callbacks(self, on_exit: Callable[[int], None] | None,

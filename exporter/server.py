@@ -169,7 +169,8 @@ class ExporterServer:
         server_cls = type("Server", (_HTTPServer,), {"address_family": family, "ssl_context": ctx})
         self.httpd = server_cls((host, port), handler)
         self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="exporter-http", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="exporter-http", daemon=True)
 
     def start(self) -> ExporterServer:
         self._thread.start()

@@ -234,8 +234,9 @@ def test_real_llama_server_oneshot_and_agent_every_new_figure(tmp_path, llama_se
     # the figure of record: the users' first request as the agent measured it at its proxy,
     # the same requests the bench timed: its first and the 5 after it (readiness.first_user_steady_requests)
     assert agent["agent_exported_ttft_tax"] > 0 and agent["agent_exported_total_tax"] > 0
+    assert agent["first_ttft_tax_users_window"] == pytest.approx(agent["first_ttft_tax"])   # --steady 5
     assert agent["exported_over_measured_ttft_tax"] == pytest.approx(
-        agent["agent_exported_ttft_tax"] / agent["first_ttft_tax"])
+        agent["agent_exported_ttft_tax"] / agent["first_ttft_tax_users_window"])
     assert 0.5 < agent["exported_over_measured_ttft_tax"] < 2.0, agent
     assert agent["agent_predicted_ttft_tax"] > 0
     assert agent["predicted_over_measured_ttft_tax"] == pytest.approx(
@@ -275,3 +276,17 @@ def test_real_llama_server_oneshot_and_agent_every_new_figure(tmp_path, llama_se
         if value is not None:
             assert f"{name}: {value:.2f}" in r.stdout, name
     assert "users' tax as exported" in r.stderr
+
+
+def test_the_exported_tax_is_compared_over_the_agents_own_window():
+    """The agent's users' tax divides the first request by the median of the 5 answers after it
+    (readiness.first_user_steady_requests): the client's figure it is compared with does too,
+    whatever --steady is."""
+    from warmup_agent.bench.start import USERS_WINDOW, users_window_tax
+    assert USERS_WINDOW == 5
+    rec = {"first": {"ttft_seconds": 0.010}, "steady_ttft_all_seconds": [0.02, 0.02, 0.005, 0.02, 0.02, 0.005, 0.005, 0.005]}
+    users_window_tax(rec)
+    assert rec["first_ttft_tax_users_window"] == pytest.approx(0.5)      # not 0.010 / 0.0125 over all 8
+    short = {"first": {"ttft_seconds": 0.010}, "steady_ttft_all_seconds": [0.01] * 4}
+    users_window_tax(short)
+    assert "first_ttft_tax_users_window" not in short

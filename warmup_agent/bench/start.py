@@ -14,6 +14,7 @@ from /metrics before the stop.  Then SIGTERM, timed, and the orphans counted.
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from typing import Any
 from warmup_agent.bench import client, measure, process, spawn
 from warmup_agent.bench.measure import Steady
 from warmup_agent.bench.traffic import Traffic
+from warmup_agent.config import BY_PATH
 
 __all__ = ["Setup", "StartFailed", "StartInterrupted", "Steady", "run_start"]
 
@@ -35,6 +37,7 @@ EXPORTED_TAXES = (("ttft", "warmup_first_user_request_tax_ratio"),
                   ("total", "warmup_first_user_request_total_tax_ratio"))
 #: The agent's probes' prediction of it.
 PREDICTED_TAXES = (("ttft", "warmup_first_request_tax_ratio"), ("total", "warmup_first_request_total_tax_ratio"))
+USERS_WINDOW = BY_PATH["readiness.first_user_steady_requests"].default
 BEHIND_PENDING = "warmup_behind_users_pending"      # 1 while the warm-up behind the users has requests left
 BEHIND_SECONDS = "warmup_behind_users_seconds"      # how long the last one took (0 until one finished)
 PHASE_SECONDS = "model_loading_phase_duration_seconds"   # by phase: the prewarm stage's seconds
@@ -239,10 +242,12 @@ def _agent_said(agent: str, rec: dict[str, Any], wait: float = USERS_TAX_WAIT) -
         if users["ttft"] is not None or time.monotonic() > deadline:
             break
         time.sleep(0.1)
+    users_window_tax(rec)
     for what, name in PREDICTED_TAXES:
         measured = rec.get(f"first_{what}_tax")
         rec[f"agent_exported_{what}_tax"] = users[what]
-        rec[f"exported_over_measured_{what}_tax"] = _over(users[what], measured)
+        rec[f"exported_over_measured_{what}_tax"] = _over(users[what], rec.get(f"first_{what}_tax_users_window",
+                                                                              measured))
         rec[f"agent_predicted_{what}_tax"] = predicted = client.gauge(text, name)
         rec[f"predicted_over_measured_{what}_tax"] = _over(predicted, measured)
     # The budget covers the warm-up alone; the prewarm stage also waits for the server's start-up.
@@ -250,6 +255,13 @@ def _agent_said(agent: str, rec: dict[str, Any], wait: float = USERS_TAX_WAIT) -
     phase = client.gauge(text, PHASE_SECONDS, {"phase": "prewarm"})
     rec.update(warmup_budget_seconds=budget, warmup_budget_spent_seconds=spent, prewarm_phase_seconds=phase,
                warmup_budget_overspend_ratio=_over(spent, budget), prewarm_phase_over_budget=_over(phase, budget))
+
+
+def users_window_tax(rec: dict[str, Any], n: int = USERS_WINDOW) -> None:
+    """The client's first-TTFT tax over the answers the agent's exported one uses (the n after it)."""
+    after, first = rec.get("steady_ttft_all_seconds") or [], (rec.get("first") or {}).get("ttft_seconds")
+    if first and len(after) >= n:
+        rec["first_ttft_tax_users_window"] = first / statistics.median(after[:n])
 
 
 def _exit_code(s: process.Started, wait: float = 1.0) -> int | None:

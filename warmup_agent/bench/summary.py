@@ -42,7 +42,8 @@ FIGURES: tuple[tuple[str, str], ...] = (
 AGENT_FIGURES: tuple[tuple[str, str], ...] = (
     ("agent_exported_ttft_tax", "the users' real first request through the proxy, as the agent exported it "
                                 "(warmup_first_user_request_tax_ratio): the figure of record"),
-    ("exported_over_measured_ttft_tax", "that exported first-TTFT tax / the bench's first_ttft_tax"),
+    ("exported_over_measured_ttft_tax", "that exported first-TTFT tax / the client's, over the same answers after it "
+                                        "(first_ttft_tax_users_window: the agent's default window)"),
     ("exported_over_measured_total_tax", "the exported whole-answer tax (warmup_first_user_request_total_tax_ratio) "
                                          "/ the bench's first_total_tax"),
     ("agent_predicted_ttft_tax", "the agent's probes' prediction of the first-TTFT tax "

@@ -286,7 +286,7 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 
 def test_an_engine_in_this_process_serves_through_the_proxy_and_users_answers_reach_the_gate(agent):
     answers: list = []
-    agent.readiness.user_answer = lambda ttft, total, output_tokens=None: answers.append((ttft, total, output_tokens))
+    agent.readiness.user_answer = lambda ttft, total, output_tokens=None, held=0.0: answers.append((ttft, total, output_tokens))
     backend = LocalBackend(gap=0.05)
     env = {"WARMUP_AGENT_PROXY_LISTEN": "127.0.0.1:0"}
     with pytest.raises(config.ConfigError):            # no URL and no engine in process: nothing to serve

@@ -105,7 +105,7 @@ def _warmup(fit: ServerContext | None, lengths: list[int]) -> tuple[ProfileWarmu
                                                                    "greedy": {"temperature": 0.0}},
                                      prompt_lengths=lengths, max_tokens=16, source="requests.jsonl")
     ctx = SimpleNamespace(cfg=cfg, driver=driver, recorder=SimpleNamespace(warmup=lambda stats: None),
-                          progress=SimpleNamespace(step=lambda *a: None), checkpoint=lambda: None,
+                          progress=SimpleNamespace(step=lambda *a: None), checkpoint=lambda: None, users_first=None,
                           engine=SimpleNamespace(server_start_seconds=1.0, concurrency=4, text=None,
                                                  server_context=fit))
     return ProfileWarmup(ctx, profile, [16], [1, 2, 4]), driver

@@ -1,5 +1,5 @@
-"""Which wakes let held users in before their warm-up (pipeline.Agent._users_first_after_wake,
-issue 71).  The real wake is in tests/test_server_sleep.py (CPU llama-server); here each
+"""Which wakes let held users in before their warm-up (pipeline.Agent._users_first_on_rewarm,
+issue 71); a restart lets them in by the first start's rule.  The real wake is in tests/test_server_sleep.py (CPU llama-server); here each
 condition alone, with the agent's own objects and the golden check and let-in recorded."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _agent(kind: str, proxy: bool = True) -> tuple[Agent, list[str]]:
 def test_a_llamacpp_wake_lets_users_in_after_the_golden_answers_where_a_length_spares_nothing():
     a, calls = _agent("llamacpp")
     a.context.length_warmup_pays = False
-    a._users_first_after_wake()
+    a._users_first_on_rewarm(wake=True)
     assert calls == ["golden", "let in"] and a.context.users_first is not None
     assert a.context.let_users_in is None            # once: not again at the first probe
 
@@ -40,10 +40,19 @@ def test_otherwise_users_wait_for_the_first_probe_or_the_gate(why):
     a.context.length_warmup_pays = why == "a warmed length pays"
     if why == "no golden answers yet":
         a.golden = None
-    a._users_first_after_wake()
+    a._users_first_on_rewarm(wake=True)
     assert calls == [] and a.context.users_first is None
     if why == "no proxy holds users":
         assert a.context.let_users_in is None
     else:       # the first start's rule at the first probe, the golden answers checked first
         a.context.let_users_in()
         assert calls == ["golden", "let in"]
+
+
+def test_a_restart_lets_users_in_by_the_first_starts_rule_after_the_golden_answers():
+    a, calls = _agent("llamacpp")
+    a.context.length_warmup_pays = False
+    a._users_first_on_rewarm(wake=False)
+    assert calls == [] and a.context.users_first is None      # not before its warm-up: a new process is cold
+    a.context.let_users_in()                                  # the lone first probe agreed with the finding
+    assert calls == ["golden", "let in"] and a.context.let_users_in is None

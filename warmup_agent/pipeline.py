@@ -317,21 +317,23 @@ class Agent:
         self.readiness.users_let_in = True
         return self._users_done
 
-    def _users_first_after_wake(self) -> None:
-        """A wake is a start: held users are let in as at the first start, after the golden answers.
-        Where a server reloads on a request (llama.cpp) and warming a prompt length spares nothing,
-        the golden answers' requests pay the reload, then users go in, before the warm-up."""
+    def _users_first_on_rewarm(self, wake: bool) -> None:
+        """A restart or a wake is a start: held users are let in as at the first start, after the
+        golden answers.  Where a server reloads on a request (llama.cpp) and warming a prompt length
+        spares nothing, the golden answers' requests pay a wake's reload, then users go in, before
+        the warm-up."""
         kind = self.life.signals.kind if self.life is not None else None
         if not (self.cfg.proxy.listen and not self.cfg.proxy.fallback_url):
             return
+        paid = "the wake" if wake else "the restart's one-time cost"
 
         def after_golden(why: str = "each new prompt length pays once on this server, whatever the warm-up "
-                                    "sends; discovery's request paid the wake") -> Callable[[], None]:
+                                    f"sends; discovery's request paid {paid}") -> Callable[[], None]:
             self._check_golden()
             self.context.let_users_in = None
             return self.let_users_in(why)
         self.context.let_users_in = after_golden
-        if (kind is not None and kind.wakes_on_request and not self.context.length_warmup_pays
+        if (wake and kind is not None and kind.wakes_on_request and not self.context.length_warmup_pays
                 and self.golden is not None and self.golden.answers is not None):
             self.context.users_first = after_golden("warming a prompt length spares a user nothing on this server; "
                                                     "the golden answers' requests paid the wake's reload")
@@ -401,14 +403,15 @@ class Agent:
         if self.sm.state != State.PRELOAD:
             return self.sm.state
         self._boundary = self.clock()  # the re-warm's stages start now, not where the first run ended
-        self.context.let_users_in = self.context.users_first = None   # a restart: users wait for the gate
+        self.context.let_users_in = self.context.users_first = None
         self.readiness.users_let_in = False
         self.sm.start_watchdog()       # PRELOAD and PRIME deadlines hold for a re-warm too
         self._golden_checked = False
         try:
-            if self.life is not None and self.life.wake is not None:
+            wake = self.life is not None and self.life.wake is not None
+            if self.life is not None and wake:
                 self.life.wake_server()    # a server woken ahead by its own wake call (vLLM)
-                self._users_first_after_wake()
+            self._users_first_on_rewarm(wake)
             self.prewarm()
             self._check_golden()       # the server is up again here, whatever restarted it
             self.solidify()

@@ -53,6 +53,7 @@ QUIET_POLL_SECONDS = 0.05
 # Users let in before SERVING: the warm-up's next request waits for them, at most this long.
 LET_IN_WAIT_SECONDS = 2.0
 LET_IN_POLL_SECONDS = 0.005
+EACH_LENGTH_PAYS = "each new prompt length pays once on this server, whatever the warm-up sends"
 COMEBACK_POLL_SECONDS = 0.05   # /health of a server that is down, between two watch ticks
 
 STAGES = ("reserve", "prewarm", "solidify", "ready")
@@ -309,8 +310,8 @@ class Agent:
                      len(done.get("paths", ())), len(done.get("lengths", ())), done.get("stopped_for_users", 0))
         threading.Thread(target=run, name="warm-behind", daemon=True).start()
 
-    def let_users_in(self, why: str = "each new prompt length pays once on this server, whatever the warm-up "
-                                       "sends; discovery's request paid the start's one-time cost") -> Callable[[], None]:
+    def let_users_in(self, why: str = f"{EACH_LENGTH_PAYS}; discovery's request paid the start's one-time cost"
+                     ) -> Callable[[], None]:
         """Users held at a start or a wake go to the server now; returns the warm-up's wait for them
         (until SERVING: then the watch's own rule decides)."""
         log.info("%d user request(s) held: let in before SERVING (%s)", self.readiness.users_in_flight, why)
@@ -322,17 +323,16 @@ class Agent:
         golden answers.  Where a server reloads on a request (llama.cpp) and warming a prompt length
         spares nothing, the golden answers' requests pay a wake's reload, then users go in, before
         the warm-up."""
-        kind = self.life.signals.kind if self.life is not None else None
         if not (self.cfg.proxy.listen and not self.cfg.proxy.fallback_url):
             return
         paid = "the wake" if wake else "the restart's one-time cost"
 
-        def after_golden(why: str = "each new prompt length pays once on this server, whatever the warm-up "
-                                    f"sends; discovery's request paid {paid}") -> Callable[[], None]:
+        def after_golden(why: str = f"{EACH_LENGTH_PAYS}; discovery's request paid {paid}") -> Callable[[], None]:
             self._check_golden()
             self.context.let_users_in = None
             return self.let_users_in(why)
         self.context.let_users_in = after_golden
+        kind = self.life.signals.kind if self.life is not None else None
         if (wake and kind is not None and kind.wakes_on_request and not self.context.length_warmup_pays
                 and self.golden is not None and self.golden.answers is not None):
             self.context.users_first = after_golden("warming a prompt length spares a user nothing on this server; "

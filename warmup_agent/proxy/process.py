@@ -412,23 +412,22 @@ def child_main(args: dict) -> int:
         while view:
             view = view[os.write(events, view):]
 
+    def flush_now() -> None:
+        if (data := report.take()) is not None:
+            write(data)
+
     async def flusher() -> None:
         write(b'{"ready": true}\n')
         while True:
             await asyncio.sleep(FLUSH_SECONDS)
-            if (data := report.take()) is not None:
-                write(data)
+            flush_now()
 
-    def flush_now() -> None:
-        if (data := report.take()) is not None:
-            write(data)
     report.flush_now = flush_now
     asyncio.run_coroutine_threadsafe(flusher(), loop)
     while os.read(args["lifeline"], 1):      # until the agent closes it (or dies)
         pass
     proxy.stop()                              # in-flight requests answered or cancelled, their reports taken
-    if (data := report.take()) is not None:
-        write(data)
+    flush_now()
     return 0
 
 

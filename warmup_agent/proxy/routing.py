@@ -354,8 +354,7 @@ class RoutingProxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         task = asyncio.current_task()
         assert task is not None
-        watch = _Watch(task)
-        watch.held = held
+        watch = _Watch(task, held)
         self._watches.add(watch)
         try:
             return await self._answer(request, method, body, headers, route, backend, warmup, t0, watch)
@@ -660,10 +659,10 @@ class _Watch:
     """One request in flight, as the sweep sees it."""
     __slots__ = ("task", "waiting", "chunks", "seen", "since", "stalled", "held")
 
-    def __init__(self, task: asyncio.Task[Any]):
-        self.task = task
+    def __init__(self, task: asyncio.Task[Any], held: float = 0.0):
+        self.task, self.held = task, held
         self.waiting = self.stalled = False
-        self.chunks, self.seen, self.since, self.held = 0, -1, 0.0, 0.0
+        self.chunks, self.seen, self.since = 0, -1, 0.0
 
 
 def _uncancel(watch: _Watch) -> None:
